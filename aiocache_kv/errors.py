@@ -1,0 +1,81 @@
+"""The one exception hierarchy of aiocache_kv.
+
+Every error raised on purpose by the library derives from :class:`KVCacheError`.  Errors about
+the caller's input also derive from :class:`ValueError` / :class:`TypeError` so that generic
+handlers keep working.  Messages carry the offending values.  An operation that raises one of
+the *input* errors below has changed nothing.
+"""
+
+from __future__ import annotations
+
+
+class KVCacheError(Exception):
+    """Root of every error raised by aiocache_kv."""
+
+
+# -- caller input ---------------------------------------------------------------------------
+
+
+class InvalidInputError(KVCacheError, ValueError):
+    """An argument has the wrong value, shape, dtype, device or range.  Nothing was changed."""
+
+
+class InvalidTypeError(KVCacheError, TypeError):
+    """An argument has the wrong type (e.g. non-int tokens).  Nothing was changed."""
+
+
+class ConfigError(InvalidInputError):
+    """A :class:`~aiocache_kv.CacheConfig` (or component/storage option) is inconsistent."""
+
+
+class HandleError(InvalidInputError):
+    """A match/insert handle was released twice or belongs to another cache."""
+
+
+# -- lifecycle ------------------------------------------------------------------------------
+
+
+class CacheClosedError(KVCacheError, RuntimeError):
+    """The cache is not started or was closed; the call did nothing."""
+
+
+class OwnershipError(KVCacheError, RuntimeError):
+    """Loop-owned state was touched from a thread that is not the owning event loop's."""
+
+
+# -- capacity -------------------------------------------------------------------------------
+
+
+class CapacityError(KVCacheError, RuntimeError):
+    """A pool has too few free pages, even after evicting every evictable page."""
+
+
+class HostMemoryError(CapacityError):
+    """Host memory admission failed at start-up (requested vs available minus reserve)."""
+
+
+# -- data movement --------------------------------------------------------------------------
+
+
+class TransferError(KVCacheError, RuntimeError):
+    """A device<->host copy failed.  The affected pages were rolled back, not half-committed."""
+
+
+class StorageError(KVCacheError, RuntimeError):
+    """A storage-tier (L3) operation failed."""
+
+
+class StorageUnavailableError(StorageError):
+    """The storage backend is unreachable (e.g. the Mooncake master is down)."""
+
+
+class StorageTimeoutError(StorageError, TimeoutError):
+    """A storage-tier operation did not finish before its deadline."""
+
+
+class StorageKeyError(InvalidInputError):
+    """A storage key is malformed (wrong type, empty, or too long)."""
+
+
+class BlockingCallError(KVCacheError, RuntimeError):
+    """A blocking call was made on the event-loop thread (raised by the test-time detector)."""
