@@ -1,0 +1,67 @@
+"""aiocache_kv: an asyncio-native hierarchical KV-cache runtime for LLM serving.
+
+The public contract (see ARCHITECTURE.md): :class:`CacheConfig`, :class:`HiCache`, the handles
+it returns, the KV events and the error hierarchy in :mod:`aiocache_kv.errors`.
+"""
+
+from aiocache_kv.cache import HiCache
+from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
+from aiocache_kv.errors import (
+    BlockingCallError,
+    CacheClosedError,
+    CapacityError,
+    ConfigError,
+    HandleError,
+    HostMemoryError,
+    InvalidInputError,
+    InvalidTypeError,
+    KVCacheError,
+    OwnershipError,
+    StorageError,
+    StorageKeyError,
+    StorageTimeoutError,
+    StorageUnavailableError,
+    TransferError,
+)
+from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from aiocache_kv.handles import InsertResult, MatchResult, WriteAck
+from aiocache_kv.namespace import Namespace
+from aiocache_kv.stats import CacheStatistics, TierStatistics
+from aiocache_kv.tree import Tier, TierState
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "BlockingCallError",
+    "CacheClosedError",
+    "CacheConfig",
+    "CacheStatistics",
+    "CapacityError",
+    "ConfigError",
+    "HandleError",
+    "HiCache",
+    "HostMemoryError",
+    "InsertResult",
+    "InvalidInputError",
+    "InvalidTypeError",
+    "KVCacheError",
+    "KVEvent",
+    "MatchResult",
+    "Namespace",
+    "OwnershipError",
+    "PrefetchPolicy",
+    "StorageError",
+    "StorageKeyError",
+    "StorageTimeoutError",
+    "StorageUnavailableError",
+    "Tier",
+    "TierState",
+    "TierStatistics",
+    "TransferError",
+    "WriteAck",
+    "WritePolicy",
+    "__version__",
+]

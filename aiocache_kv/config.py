@@ -1,0 +1,111 @@
+"""Cache configuration: one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aiocache_kv.errors import ConfigError
+
+
+class WritePolicy(str, enum.Enum):
+    """When device pages are backed up to host."""
+
+    WRITE_THROUGH = "write_through"  #: on insert
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  #: on the N-th hit (default 2nd)
+    WRITE_BACK = "write_back"  #: when evicted from device
+
+
+class PrefetchPolicy(str, enum.Enum):
+    """How long ``prefetch`` waits for storage."""
+
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape of the KV, sizes of the tiers and policies.
+
+    Raises:
+        ConfigError: on any inconsistent value (the message names it).
+    """
+
+    page_size: int = 16
+    num_layers: int = 1
+    num_kv_heads: int = 1
+    head_dim: int = 64
+    dtype: torch.dtype = torch.float16
+    device: str | torch.device = "cpu"
+    device_pages: int = 1024
+    host_pages: int = 4096
+    write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
+    write_through_threshold: int = 2
+    prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.TIMEOUT
+    storage: Any = None
+    namespace: str = "default"
+    enable_kv_events: bool = True
+    host_memory_reserve_bytes: int = 10 * GiB
+    components: tuple[Any, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_layers", "num_kv_heads", "head_dim", "device_pages"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if type(self.host_pages) is not int or self.host_pages < 0:
+            raise ConfigError(f"host_pages must be an int >= 0, got {self.host_pages!r}")
+        if type(self.write_through_threshold) is not int or self.write_through_threshold < 1:
+            raise ConfigError(
+                f"write_through_threshold must be an int >= 1, got {self.write_through_threshold!r}"
+            )
+        if type(self.host_memory_reserve_bytes) is not int or self.host_memory_reserve_bytes < 0:
+            raise ConfigError(
+                f"host_memory_reserve_bytes must be an int >= 0, "
+                f"got {self.host_memory_reserve_bytes!r}"
+            )
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ConfigError(f"dtype must be a floating torch.dtype, got {self.dtype!r}")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"bad device {self.device!r}: {exc}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be cpu or cuda, got {device}")
+        object.__setattr__(self, "device", device)
+        try:
+            object.__setattr__(self, "write_policy", WritePolicy(self.write_policy))
+        except ValueError:
+            raise ConfigError(
+                f"write_policy must be one of {[p.value for p in WritePolicy]}, "
+                f"got {self.write_policy!r}"
+            ) from None
+        try:
+            object.__setattr__(self, "prefetch_policy", PrefetchPolicy(self.prefetch_policy))
+        except ValueError:
+            raise ConfigError(
+                f"prefetch_policy must be one of {[p.value for p in PrefetchPolicy]}, "
+                f"got {self.prefetch_policy!r}"
+            ) from None
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ConfigError(f"namespace must be a non-empty str, got {self.namespace!r}")
+        if self.write_policy is not WritePolicy.WRITE_THROUGH and self.host_pages == 0:
+            raise ConfigError(f"{self.write_policy.value} needs host_pages > 0")
+
+    @property
+    def page_elems(self) -> int:
+        """Elements of one page of one layer's K (or V)."""
+        return self.page_size * self.num_kv_heads * self.head_dim
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across all layers, K and V."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.page_elems * itemsize

@@ -1,0 +1,6 @@
+"""KV events (vLLM schema) and the log that buffers them."""
+
+from aiocache_kv.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from aiocache_kv.events.log import EventLog
+
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventLog", "KVEvent"]

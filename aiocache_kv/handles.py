@@ -1,0 +1,142 @@
+"""Handles returned by ``match_prefix`` and ``insert``: each owns one pin on its path.
+
+A handle's numbers are derived from the tree when read (never stored), so they stay right
+when a pinned node is split by another insert or loaded back by another request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node
+
+if TYPE_CHECKING:
+    from aiocache_kv.cache import HiCache
+
+
+class HandleState(enum.IntEnum):
+    """Lifecycle of a handle's pin."""
+
+    PINNED = 1
+    RELEASED = 2
+
+
+class _Handle:
+    __slots__ = ("_cache", "_node", "state")
+
+    def __init__(self, cache: HiCache, node: Node) -> None:
+        self._cache = cache
+        self._node = node
+        self.state = HandleState.PINNED
+
+    @property
+    def node(self) -> Node:
+        """The last node of the handle's path (a root when nothing matched)."""
+        return self._node
+
+    def _path(self) -> list[Node]:
+        return self._cache._tree.path(self._node)
+
+
+class MatchResult(_Handle):
+    """The cached prefix of a prompt.  Release it with ``cache.release(m)``."""
+
+    __slots__ = ()
+
+    def _split(self) -> tuple[list[Node], list[Node]]:
+        path = self._path()
+        i = 0
+        while i < len(path) and path[i].device is RESIDENT:
+            i += 1
+        j = i
+        while j < len(path) and path[j].host is RESIDENT and path[j].device is not RESIDENT:
+            j += 1
+        return path[:i], path[i:j]
+
+    @property
+    def matched_len(self) -> int:
+        """Tokens matched in any tier."""
+        return sum(len(n.key) for n in self._path())
+
+    @property
+    def device_len(self) -> int:
+        """Tokens of the leading device-resident part."""
+        return sum(len(n.key) for n in self._split()[0])
+
+    @property
+    def host_len(self) -> int:
+        """Tokens after the device part that are host-resident (``load_back`` moves them)."""
+        return sum(len(n.key) for n in self._split()[1])
+
+    @property
+    def device_pages(self) -> torch.Tensor:
+        """Device page ids of the device-resident part."""
+        nodes = self._split()[0]
+        if not nodes:
+            return torch.empty(0, dtype=torch.int64)
+        pages = [n.device_pages for n in nodes]
+        return torch.cat(pages) if len(pages) > 1 else pages[0]  # type: ignore[arg-type,return-value]
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        """Device token slots of the device-resident part (rows of ``device_kv`` views)."""
+        p = self._cache.config.page_size
+        pages = self.device_pages
+        if p == 1:
+            return pages
+        return (pages[:, None] * p + torch.arange(p)).flatten()
+
+    def __repr__(self) -> str:
+        return (
+            f"<MatchResult device_len={self.device_len} host_len={self.host_len} "
+            f"{self.state.name}>"
+        )
+
+
+class WriteAck:
+    """Awaitable completion of a write-through.  Awaiting it never cancels the copy."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: asyncio.Future[None]) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        """Whether the ack has been applied."""
+        return self._future.done()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return asyncio.shield(self._future).__await__()
+
+
+class InsertResult(_Handle):
+    """What ``insert`` did.  Holds a pin on the inserted path until released."""
+
+    __slots__ = ("inserted_len", "prefix_len", "write_through")
+
+    def __init__(
+        self,
+        cache: HiCache,
+        node: Node,
+        prefix_len: int,
+        inserted_len: int,
+        write_through: WriteAck | None,
+    ) -> None:
+        super().__init__(cache, node)
+        self.prefix_len = prefix_len  #: tokens that were already cached (any tier)
+        self.inserted_len = inserted_len  #: page-aligned tokens now cached
+        self.write_through = write_through  #: awaitable host backup, or None
+
+    def __repr__(self) -> str:
+        return (
+            f"<InsertResult prefix_len={self.prefix_len} inserted_len={self.inserted_len} "
+            f"{self.state.name}>"
+        )
+
+
+__all__ = ["ABSENT", "FILLING", "HandleState", "InsertResult", "MatchResult", "WriteAck"]

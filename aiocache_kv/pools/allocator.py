@@ -1,0 +1,107 @@
+"""Page allocator: a free list of page ids plus an ownership state per page.
+
+Every page is FREE, HELD (handed to the caller by ``cache.alloc`` and not yet inserted) or
+OWNED (belongs to the tree or to a transfer in flight).  The states let the cache reject a
+double free or an insert of pages it never handed out, with one vectorized check per call.
+Allocation hands out ascending ids from a sorted free list so that neighbouring pages tend to
+be contiguous, which lets copies coalesce into few large ``copy_`` calls.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from aiocache_kv.errors import CapacityError, InvalidInputError
+
+
+class PageState(enum.IntEnum):
+    """Ownership of one page."""
+
+    FREE = 0
+    HELD = 1  #: handed to the caller by ``alloc``; the caller inserts or frees it
+    OWNED = 2  #: referenced by the tree or by a transfer in flight
+
+
+class PageAllocator:
+    """Free list of ``num_pages`` page ids of one pool."""
+
+    def __init__(self, num_pages: int, name: str) -> None:
+        if num_pages < 1:
+            raise InvalidInputError(f"{name} pool needs at least one page, got {num_pages}")
+        self.name = name
+        self.num_pages = num_pages
+        self._state = torch.zeros(num_pages, dtype=torch.uint8)
+        self._free = torch.arange(num_pages, dtype=torch.int64)
+        self._cursor = 0
+        self._returned: list[torch.Tensor] = []
+        self._returned_count = 0
+
+    @property
+    def num_free(self) -> int:
+        """Pages currently free."""
+        return self._free.numel() - self._cursor + self._returned_count
+
+    def _consolidate(self) -> None:
+        parts = [self._free[self._cursor :], *self._returned]
+        self._free = torch.sort(torch.cat(parts)).values
+        self._cursor = 0
+        self._returned = []
+        self._returned_count = 0
+
+    def alloc(self, n: int, state: PageState = PageState.OWNED) -> torch.Tensor:
+        """Take ``n`` free pages and mark them ``state``.
+
+        Raises:
+            CapacityError: fewer than ``n`` pages are free (nothing is taken).
+        """
+        if n > self.num_free:
+            raise CapacityError(f"{self.name} pool: need {n} pages, {self.num_free} free")
+        if self._free.numel() - self._cursor < n:
+            self._consolidate()
+        pages = self._free[self._cursor : self._cursor + n].clone()
+        self._cursor += n
+        self._state[pages] = state
+        return pages
+
+    def free(self, pages: list[torch.Tensor]) -> None:
+        """Return pages (OWNED or HELD) to the free list."""
+        parts = [p for p in pages if p.numel()]
+        if not parts:
+            return
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        assert bool((self._state[flat] != PageState.FREE).all()), f"{self.name}: double free"
+        self._state[flat] = PageState.FREE
+        self._returned.append(flat)
+        self._returned_count += flat.numel()
+
+    def set_state(self, pages: torch.Tensor, state: PageState) -> None:
+        """Change the ownership state of allocated pages (HELD -> OWNED on insert)."""
+        self._state[pages] = state
+
+    def mask(self, pages: torch.Tensor, state: PageState) -> torch.Tensor:
+        """Boolean mask: which of ``pages`` are in ``state``."""
+        return self._state[pages] == state
+
+    def check(self, pages: torch.Tensor, state: PageState) -> bool:
+        """Whether every page in ``pages`` is in ``state``."""
+        return bool((self._state[pages] == state).all())
+
+    def count(self, state: PageState) -> int:
+        """Pages in ``state``."""
+        return int((self._state == state).sum())
+
+    def check_invariants(self, owned: list[torch.Tensor]) -> None:
+        """``owned`` (every page the tree and transfers hold) must be exactly the OWNED pages."""
+        free = torch.cat([self._free[self._cursor :], *self._returned])
+        assert free.numel() == self.num_free, f"{self.name}: free count drifted"
+        assert free.unique().numel() == free.numel(), f"{self.name}: page on free list twice"
+        assert bool((self._state[free] == PageState.FREE).all()), f"{self.name}: free page in use"
+        assert self.count(PageState.FREE) == free.numel(), f"{self.name}: FREE pages off list"
+        flat = torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64)
+        assert flat.unique().numel() == flat.numel(), f"{self.name}: page owned twice"
+        assert bool((self._state[flat] == PageState.OWNED).all()), f"{self.name}: owned not OWNED"
+        assert self.count(PageState.OWNED) == flat.numel(), (
+            f"{self.name}: {self.count(PageState.OWNED)} OWNED pages but {flat.numel()} referenced"
+        )

@@ -1,0 +1,81 @@
+"""Paged KV buffers of the device (L1) and host (L2) tiers.
+
+Device layout ``[num_layers, 2, num_pages, page_size * heads * head_dim]``: per layer, K and V
+are contiguous so the model reads and writes ``device_kv(layer)`` views of shape
+``[num_pages * page_size, heads, head_dim]``.  Host layout is page-first: page ``i`` is one
+contiguous byte slot ``[payload | extra]`` of all layers' K and V, so a page moves to storage
+in one zero-copy call; ``extra`` bytes are reserved for the storage tier's framing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ALIGN = 64
+
+
+class DeviceKVPool:
+    """The L1 buffer: per-layer K/V pages on the compute device."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        num_layers: int,
+        page_size: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.page_size = page_size
+        self.heads = heads
+        self.head_dim = head_dim
+        self.page_elems = page_size * heads * head_dim
+        self.buffer = torch.zeros(
+            (num_layers, 2, num_pages, self.page_elems), dtype=dtype, device=device
+        )
+        self.num_pages = num_pages
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole buffer."""
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views of ``layer``: ``[num_pages * page_size, heads, head_dim]``."""
+        shape = (self.num_pages * self.page_size, self.heads, self.head_dim)
+        return self.buffer[layer, 0].view(shape), self.buffer[layer, 1].view(shape)
+
+
+def host_slot_bytes(page_bytes: int, extra: int) -> int:
+    """Bytes per host page slot: payload plus ``extra``, rounded up to 64."""
+    return -(-(page_bytes + extra) // _ALIGN) * _ALIGN
+
+
+class HostKVPool:
+    """The L2 buffer: page-first slots in (pinned, where CUDA exists) host memory."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        num_layers: int,
+        page_elems: int,
+        dtype: torch.dtype,
+        *,
+        extra_bytes: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.page_bytes = num_layers * 2 * page_elems * itemsize
+        self.slot_bytes = host_slot_bytes(self.page_bytes, extra_bytes)
+        self.num_pages = num_pages
+        self.raw = torch.empty((num_pages, self.slot_bytes), dtype=torch.uint8, pin_memory=pin_memory)
+        #: typed payload view ``[num_pages, num_layers, 2, page_elems]``
+        self.pages = (
+            self.raw[:, : self.page_bytes].view(dtype).view(num_pages, num_layers, 2, page_elems)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole buffer."""
+        return self.raw.numel()

@@ -1,0 +1,175 @@
+"""Copy engines: run device<->host page copies off the event loop and report back on it.
+
+An engine owns the *how* of a copy; the cache owns every piece of state.  ``submit`` is called
+on the loop thread; the engine runs the copy elsewhere and calls ``done(error)`` back on the
+loop thread with ``loop.call_soon_threadsafe``.  It never touches a future or the tree.
+
+* :class:`ThreadCopyEngine` - CPU: one worker thread runs the copies in submission order.
+* :class:`CudaCopyEngine` - CUDA: copies are enqueued on a dedicated copy stream (after it
+  waits for the compute stream), one CUDA event is recorded per job, and a waiter thread
+  synchronizes on that event before reporting, so a consumer never sees unsynced KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+import torch
+
+from aiocache_kv.transfer.copy import device_to_host, host_to_device
+
+log = structlog.get_logger(__name__)
+
+Done = Callable[[BaseException | None], None]
+
+
+class Direction(enum.Enum):
+    """Which way a copy goes."""
+
+    D2H = "device_to_host"
+    H2D = "host_to_device"
+
+
+@dataclass(frozen=True, slots=True)
+class CopyJob:
+    """One batched copy: ``src`` pages of one pool into ``dst`` pages of the other."""
+
+    direction: Direction
+    device: torch.Tensor  #: ``[layers, 2, pages, elems]``
+    host: torch.Tensor  #: ``[pages, layers, 2, elems]``
+    src: torch.Tensor
+    dst: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this job moves."""
+        return self.src.numel() * self.host[0].numel() * self.host.element_size()
+
+    def run(self, *, non_blocking: bool = False) -> None:
+        """Do the copy on the calling thread (or enqueue it on the current CUDA stream)."""
+        if self.direction is Direction.D2H:
+            device_to_host(self.device, self.host, self.src, self.dst, non_blocking=non_blocking)
+        else:
+            host_to_device(self.host, self.device, self.src, self.dst, non_blocking=non_blocking)
+
+
+class CopyEngine(Protocol):
+    """Where copies run.  ``submit`` and ``aclose`` are called on the loop thread."""
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind to ``loop`` (completions are delivered there)."""
+
+    def submit(self, job: CopyJob, done: Done) -> None:
+        """Start ``job``; ``done(None | error)`` runs later on the loop thread."""
+
+    async def aclose(self) -> None:
+        """Finish queued jobs and stop workers."""
+
+
+_STOP = object()
+
+
+class ThreadCopyEngine:
+    """CPU engine: a worker thread does the copies, in order."""
+
+    def __init__(self, name: str = "aiocache-kv-copy") -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the worker thread; completions go to ``loop``."""
+        self._loop = loop
+        self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: CopyJob, done: Done) -> None:
+        """Queue ``job`` for the worker."""
+        assert self._thread is not None, "engine not started"
+        self._queue.put((job, done))
+
+    def _work(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            job, done = item  # type: ignore[misc]
+            err: BaseException | None = None
+            try:
+                job.run()
+            except BaseException as exc:  # delivered to the loop, never swallowed
+                err = exc
+            try:
+                loop.call_soon_threadsafe(done, err)
+            except RuntimeError:  # loop closed: nobody is waiting any more
+                log.warning("copy completion dropped: event loop closed")
+
+    async def aclose(self) -> None:
+        """Let queued jobs finish, then join the worker (off the loop)."""
+        if self._thread is None:
+            return
+        self._queue.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+
+class CudaCopyEngine:
+    """CUDA engine: one copy stream, one event per job, a waiter thread per engine."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._stream: torch.cuda.Stream | None = None
+        self._waiter = ThreadCopyEngine("aiocache-kv-cuda-wait")
+        self._pending: queue.SimpleQueue[object] = self._waiter._queue
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Create the copy stream and start the waiter thread."""
+        self._stream = torch.cuda.Stream(device=self._device)
+        self._waiter.start(loop)
+
+    def submit(self, job: CopyJob, done: Done) -> None:
+        """Enqueue ``job`` on the copy stream and hand its event to the waiter thread."""
+        stream = self._stream
+        assert stream is not None, "engine not started"
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        event = torch.cuda.Event()
+        try:
+            with torch.cuda.stream(stream):
+                job.run(non_blocking=True)
+                event.record(stream)
+        except BaseException as exc:
+            done(exc)
+            return
+        self._waiter.submit(_EventWait(event, job), done)  # type: ignore[arg-type]
+
+    async def aclose(self) -> None:
+        """Wait for every recorded event, then stop the waiter."""
+        await self._waiter.aclose()
+
+
+@dataclass(frozen=True, slots=True)
+class _EventWait:
+    """A waiter-thread job: block until the copy's CUDA event has completed."""
+
+    event: torch.cuda.Event
+    job: CopyJob
+
+    def run(self, *, non_blocking: bool = False) -> None:
+        self.event.synchronize()
+
+
+def default_engine(device: torch.device) -> CopyEngine:
+    """The engine for ``device``: CUDA streams on GPUs, a worker thread otherwise."""
+    if device.type == "cuda":
+        return CudaCopyEngine(device)
+    return ThreadCopyEngine()

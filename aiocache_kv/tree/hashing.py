@@ -1,0 +1,33 @@
+"""Chained page hashes.
+
+``h_i = H(h_{i-1} || tokens of page i)`` with ``h_{-1}`` the namespace seed.  ``H`` is BLAKE2b
+with an 8-byte digest, so hashes are stable across processes and Python versions (Python's
+``hash()`` is salted per process and must never be used for keys: FAILURES.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+_DIGEST = 8
+
+
+def namespace_seed(tag: str) -> int:
+    """The 64-bit seed of a namespace tag (the hash chain's ``h_{-1}``)."""
+    return int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=_DIGEST).digest(), "little")
+
+
+def chain_hashes(prev: int, tokens: Sequence[int], page_size: int) -> list[int]:
+    """Hashes of the pages of ``tokens`` (a whole number of pages), chained from ``prev``."""
+    out: list[int] = []
+    raw = array("q", tokens).tobytes()
+    step = page_size * 8
+    blake = hashlib.blake2b
+    for off in range(0, len(raw), step):
+        h = blake(prev.to_bytes(_DIGEST, "little"), digest_size=_DIGEST)
+        h.update(raw[off : off + step])
+        prev = int.from_bytes(h.digest(), "little")
+        out.append(prev)
+    return out

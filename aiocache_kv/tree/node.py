@@ -1,0 +1,92 @@
+"""Tree nodes and their per-tier state.
+
+A node owns a run of whole pages of one namespace.  Its presence in each tier is an explicit
+:class:`TierState`; the legal combinations are listed in :func:`check_node` and changed only
+by :class:`~aiocache_kv.tree.radix.RadixTree` methods.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TierState(enum.IntEnum):
+    """Presence of a node's pages in one tier."""
+
+    ABSENT = 0  #: no pages in this tier
+    FILLING = 1  #: pages reserved, a copy into this tier is in flight
+    RESIDENT = 2  #: pages hold valid data
+
+
+class Tier(enum.IntEnum):
+    """Tiers of the hierarchy (the KV-event ``medium`` names them)."""
+
+    DEVICE = 1
+    HOST = 2
+    STORAGE = 3
+
+    @property
+    def medium(self) -> str:
+        """The vLLM event medium of this tier."""
+        return _MEDIUM[self]
+
+
+_MEDIUM = {Tier.DEVICE: "GPU", Tier.HOST: "CPU", Tier.STORAGE: "STORAGE"}
+
+ABSENT = TierState.ABSENT
+FILLING = TierState.FILLING
+RESIDENT = TierState.RESIDENT
+
+
+class Node:
+    """A radix-tree node: ``key`` tokens (whole pages) and the pages that hold their KV."""
+
+    __slots__ = (
+        "alive",
+        "children",
+        "device",
+        "device_pages",
+        "hashes",
+        "hit_count",
+        "host",
+        "host_pages",
+        "key",
+        "last_access",
+        "n_dev_children",
+        "ns",
+        "op",
+        "parent",
+        "pins",
+    )
+
+    def __init__(self, key: list[int], parent: Node | None, ns: Any) -> None:
+        self.key = key
+        self.parent = parent
+        self.ns = ns
+        self.children: dict[Any, Node] = {}
+        self.device = ABSENT
+        self.host = ABSENT
+        self.device_pages: torch.Tensor | None = None
+        self.host_pages: torch.Tensor | None = None
+        self.pins = 0
+        self.last_access = 0
+        self.hit_count = 0
+        self.n_dev_children = 0
+        self.hashes: list[int] | None = None
+        self.op: Any = None  # the in-flight transfer touching this node, if any
+        self.alive = True
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this is a namespace root (holds no pages)."""
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        return (
+            f"<Node tokens={len(self.key)} device={self.device.name} host={self.host.name} "
+            f"pins={self.pins} children={len(self.children)}>"
+        )

@@ -1,0 +1,670 @@
+"""The radix tree of token pages: structure, per-tier state, pins, accounting, LRU victims.
+
+Design
+------
+The tree is synchronous and owned by one thread (the event loop's).  It never does I/O and
+never allocates pages: callers hand it page tensors and it hands back the pages it stops
+using.  Every method that mutates it checks the owner thread first, so a mutation from a worker
+thread raises :class:`~aiocache_kv.errors.OwnershipError` instead of corrupting state.
+
+Each namespace has its own root, so namespaces never share nodes.  A node holds whole pages;
+``match`` and ``insert`` split nodes at page boundaries.  A split keeps the *suffix* in the
+original node object and creates a new parent for the prefix, so anything that refers to the
+original node (a handle's pin, a pending transfer) keeps pointing at the same tokens' tail, and
+the split itself registers the new prefix node with the pending transfer (``on_split``).
+
+Per node and tier the state is a :class:`TierState`.  Invariants (see ``check_invariants``):
+
+* every non-root node is present (FILLING or RESIDENT) in the device or the host tier;
+* presence is prefix-closed per tier: a node present in a tier has its parent present there;
+* ``host FILLING`` implies ``device RESIDENT`` (write-through/back reads the device copy) and
+  ``device FILLING`` implies ``host RESIDENT`` (load-back reads the host copy);
+* a node with a FILLING tier has ``op`` set, and only then;
+* pins: a handle pins every node from its node to the root; pinned nodes are never evicted;
+* page accounting per tier splits into *evictable* (unpinned, nothing in flight) and
+  *protected*, and equals a recomputation from the tree.
+
+Victims are chosen per tier from a :class:`~aiocache_kv.tree.lru.VictimHeap`: device
+candidates are unpinned device-resident nodes with no device-present child and no transfer in
+flight; host candidates are unpinned host-only leaves.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aiocache_kv.errors import OwnershipError
+from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
+from aiocache_kv.tree.lru import VictimHeap
+from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, Tier, TierState
+
+_CHUNK = 64  # tokens compared per slice while searching a mismatch
+
+
+@dataclass(slots=True)
+class InsertOutcome:
+    """What :meth:`RadixTree.insert` did."""
+
+    node: Node  #: last node of the inserted path (pinned if ``pin=True``)
+    prefix_tokens: int  #: tokens that were already in the tree (any tier)
+    created: list[Node] = field(default_factory=list)  #: new nodes, root-most first
+    adopted: list[Node] = field(default_factory=list)  #: host-only nodes given the new pages
+
+
+@dataclass(slots=True)
+class Eviction:
+    """What an eviction freed: page tensors and the nodes whose tier copy went away."""
+
+    pages: list[torch.Tensor] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    num_pages: int = 0
+
+
+class RadixTree:
+    """Page-granular radix tree over a device and a host tier.  Not thread-safe by design."""
+
+    def __init__(self, page_size: int, *, on_split: Callable[[Node, Node], None] | None = None):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self._roots: dict[Hashable, Node] = {}
+        self._seeds: dict[Hashable, int] = {}
+        self._on_split = on_split
+        self._owner = threading.get_ident()
+        self._clock = 0
+        self.num_nodes = 0
+        # page accounting, per tier
+        self.dev_evictable = 0
+        self.dev_protected = 0
+        self.host_evictable = 0
+        self.host_protected = 0
+        self._dev_heap: VictimHeap[Node] = VictimHeap(_is_device_candidate)
+        self._host_heap: VictimHeap[Node] = VictimHeap(_is_host_candidate)
+
+    # ---------------------------------------------------------------- ownership
+
+    def bind_owner(self, ident: int | None = None) -> None:
+        """Make the calling thread (or ``ident``) the only one allowed to mutate the tree."""
+        self._owner = threading.get_ident() if ident is None else ident
+
+    def _check_owner(self) -> None:
+        if threading.get_ident() != self._owner:
+            raise OwnershipError(
+                f"radix tree mutated from thread {threading.current_thread().name!r}; "
+                "only the owning event-loop thread may change cache state"
+            )
+
+    # ---------------------------------------------------------------- roots
+
+    def root(self, ns: Hashable, tag: str | None = None) -> Node:
+        """The root of namespace ``ns`` (created on first use; ``tag`` seeds its hashes)."""
+        root = self._roots.get(ns)
+        if root is None:
+            self._check_owner()
+            root = Node([], None, ns)
+            root.device = RESIDENT  # roots are present everywhere and never evicted
+            root.host = RESIDENT
+            root.pins = 1
+            self._roots[ns] = root
+            self._seeds[ns] = namespace_seed(tag if tag is not None else repr(ns))
+        return root
+
+    def roots(self) -> Iterator[Node]:
+        """All namespace roots."""
+        return iter(self._roots.values())
+
+    # ---------------------------------------------------------------- keys
+
+    def _child_key(self, tokens: list[int], pos: int) -> Any:
+        p = self.page_size
+        return tokens[pos] if p == 1 else tuple(tokens[pos : pos + p])
+
+    def _common(self, key: list[int], tokens: list[int], pos: int, limit: int) -> int:
+        """Page-aligned length of the common prefix of ``key`` and ``tokens[pos:]``."""
+        i = 0
+        while i + _CHUNK <= limit and key[i : i + _CHUNK] == tokens[pos + i : pos + i + _CHUNK]:
+            i += _CHUNK
+        end = min(limit, i + _CHUNK)
+        while i < end and key[i] == tokens[pos + i]:
+            i += 1
+        return i - i % self.page_size
+
+    # ---------------------------------------------------------------- match / insert
+
+    def match(self, ns: Hashable, tokens: list[int], n: int) -> tuple[Node, int]:
+        """Longest cached prefix of ``tokens[:n]`` (``n`` page-aligned) in namespace ``ns``.
+
+        Splits the last node so that the match ends on a node boundary, stamps the path as
+        recently used and returns ``(last_node, matched_tokens)``.  The root means no match.
+        """
+        self._check_owner()
+        node = self._roots.get(ns)
+        if node is None:
+            return self.root(ns), 0
+        pos = 0
+        children_key = self._child_key
+        while pos < n:
+            child = node.children.get(children_key(tokens, pos))
+            if child is None:
+                break
+            key = child.key
+            klen = len(key)
+            if pos + klen <= n and tokens[pos : pos + klen] == key:
+                node = child
+                pos += klen
+                continue
+            common = self._common(key, tokens, pos, min(klen, n - pos))
+            if common:
+                node = self._split(child, common)
+                pos += common
+            break
+        self._touch(node)
+        return node, pos
+
+    def insert(
+        self, ns: Hashable, tokens: list[int], n: int, pages: torch.Tensor, *, pin: bool = True
+    ) -> InsertOutcome:
+        """Insert ``tokens[:n]`` (page-aligned) whose device pages are ``pages``.
+
+        Ranges the tree already holds on device keep the tree's pages (the caller compares
+        them with ``pages`` to find duplicates); host-only ranges adopt the given pages.
+        """
+        self._check_owner()
+        p = self.page_size
+        node = self.root(ns)
+        out = InsertOutcome(node, 0)
+        pos = 0
+        children_key = self._child_key
+        while pos < n:
+            ck = children_key(tokens, pos)
+            child = node.children.get(ck)
+            if child is None:
+                new = Node(tokens[pos:n], node, ns)
+                new.device_pages = pages[pos // p : n // p]
+                node.children[ck] = new
+                self.num_nodes += 1
+                self._set_device(new, RESIDENT)
+                out.created.append(new)
+                node = new
+                pos = n
+                break
+            key = child.key
+            klen = len(key)
+            if not (pos + klen <= n and tokens[pos : pos + klen] == key):
+                child = self._split(child, self._common(key, tokens, pos, min(klen, n - pos)))
+                klen = len(child.key)
+            if child.device is ABSENT:
+                self._acct(child, -1)
+                child.device_pages = pages[pos // p : (pos + klen) // p]
+                self._set_device(child, RESIDENT, accounted=True)
+                out.adopted.append(child)
+            node = child
+            pos += klen
+            out.prefix_tokens = pos
+        out.node = node
+        self._touch(node)
+        if pin:
+            self.pin(node)
+        return out
+
+    def _split(self, child: Node, at: int) -> Node:
+        """Split ``child`` after ``at`` tokens; return the new prefix node (child's parent)."""
+        assert 0 < at < len(child.key), f"split at {at} outside (0, {len(child.key)})"
+        assert at % self.page_size == 0, f"split at {at} not page aligned ({self.page_size})"
+        parent = child.parent
+        assert parent is not None, "cannot split a root"
+        pg = at // self.page_size
+        head = Node(child.key[:at], parent, child.ns)
+        head.device = child.device
+        head.host = child.host
+        head.pins = child.pins
+        head.last_access = child.last_access
+        head.hit_count = child.hit_count
+        if child.device_pages is not None:
+            head.device_pages = child.device_pages[:pg]
+            child.device_pages = child.device_pages[pg:]
+        if child.host_pages is not None:
+            head.host_pages = child.host_pages[:pg]
+            child.host_pages = child.host_pages[pg:]
+        if child.hashes is not None:
+            head.hashes = child.hashes[:pg]
+            child.hashes = child.hashes[pg:]
+        child.key = child.key[at:]
+        parent.children[self._child_key(head.key, 0)] = head
+        head.children[self._child_key(child.key, 0)] = child
+        head.n_dev_children = 1 if child.device is not ABSENT else 0
+        child.parent = head
+        self.num_nodes += 1
+        if child.op is not None:
+            head.op = child.op
+            if self._on_split is not None:
+                self._on_split(head, child)
+        # page totals and classes are unchanged: head has child's state, pages were divided
+        return head
+
+    # ---------------------------------------------------------------- access, pins
+
+    def _touch(self, node: Node) -> None:
+        self._clock += 1
+        clock = self._clock
+        dev_offer = self._dev_heap.offer
+        host_offer = self._host_heap.offer
+        while node.parent is not None:
+            node.last_access = clock
+            if node.pins == 0:  # only unpinned leaves of a tier can be candidates
+                if node.n_dev_children == 0 and node.device is RESIDENT:
+                    dev_offer(node)
+                elif node.device is ABSENT and not node.children:
+                    host_offer(node)
+            node = node.parent
+
+    def record_hit(self, node: Node) -> None:
+        """Count a hit on every node of the path to ``node`` (for selective write-through)."""
+        while node.parent is not None:
+            node.hit_count += 1
+            node = node.parent
+
+    def pin(self, node: Node) -> None:
+        """Pin ``node`` and its ancestors: none of them can be evicted until ``unpin``."""
+        self._check_owner()
+        while node.parent is not None:
+            if node.pins == 0:
+                self._acct(node, -1)
+                node.pins = 1
+                self._acct(node, 1)
+            else:
+                node.pins += 1
+            node = node.parent
+
+    def unpin(self, node: Node) -> None:
+        """Drop one pin from ``node`` and its ancestors."""
+        self._check_owner()
+        while node.parent is not None:
+            assert node.pins > 0, f"unpin of unpinned {node!r}"
+            if node.pins == 1:
+                self._acct(node, -1)
+                node.pins = 0
+                self._acct(node, 1)
+                self._offer(node)
+            else:
+                node.pins -= 1
+            node = node.parent
+
+    # ---------------------------------------------------------------- tier transitions
+
+    def _npages(self, node: Node) -> int:
+        return len(node.key) // self.page_size
+
+    def _acct(self, node: Node, sign: int) -> None:
+        n = sign * (len(node.key) // self.page_size)
+        busy = node.pins > 0 or node.device is FILLING or node.host is FILLING
+        if node.device is not ABSENT:
+            if busy:
+                self.dev_protected += n
+            else:
+                self.dev_evictable += n
+        if node.host is not ABSENT:
+            if busy:
+                self.host_protected += n
+            else:
+                self.host_evictable += n
+
+    def _offer(self, node: Node) -> None:
+        self._dev_heap.offer(node)
+        self._host_heap.offer(node)
+
+    def _set_device(self, node: Node, state: TierState, *, accounted: bool = False) -> None:
+        """The one transition function of the device tier (accounting and heaps follow)."""
+        old = node.device
+        assert _DEVICE_OK[old, state], f"device {old.name}->{state.name} on {node!r}"
+        if not accounted:
+            self._acct(node, -1)
+        node.device = state
+        parent = node.parent
+        assert parent is not None
+        if old is ABSENT and state is not ABSENT:
+            assert parent.device is not ABSENT, f"device presence not prefix-closed at {node!r}"
+            parent.n_dev_children += 1
+        elif state is ABSENT and old is not ABSENT:
+            assert node.n_dev_children == 0, f"device-absent node with device children {node!r}"
+            parent.n_dev_children -= 1
+            node.device_pages = None
+            self._offer(parent)
+        self._acct(node, 1)
+        self._offer(node)
+
+    def _set_host(self, node: Node, state: TierState) -> None:
+        """The one transition function of the host tier."""
+        old = node.host
+        assert _HOST_OK[old, state], f"host {old.name}->{state.name} on {node!r}"
+        assert state is ABSENT or node.parent is None or node.parent.host is not ABSENT, (
+            f"host presence not prefix-closed at {node!r}"
+        )
+        self._acct(node, -1)
+        node.host = state
+        if state is ABSENT:
+            node.host_pages = None
+        self._acct(node, 1)
+        self._offer(node)
+
+    def begin_host_fill(self, node: Node, host_pages: torch.Tensor, op: Any) -> None:
+        """Device-resident ``node`` starts copying to ``host_pages`` (write-through/back)."""
+        self._check_owner()
+        assert node.device is RESIDENT and node.host is ABSENT, f"cannot back up {node!r}"
+        assert node.op is None, f"{node!r} already has a transfer in flight"
+        assert host_pages.numel() == self._npages(node), "host page count mismatch"
+        node.host_pages = host_pages
+        node.op = op
+        self._set_host(node, FILLING)
+
+    def end_host_fill(self, node: Node, ok: bool) -> torch.Tensor | None:
+        """Apply a write ack; on failure return the host pages to free."""
+        self._check_owner()
+        assert node.host is FILLING, f"host ack on {node!r}"
+        node.op = None
+        if ok:
+            self._set_host(node, RESIDENT)
+            return None
+        pages = node.host_pages
+        self._set_host(node, ABSENT)
+        return pages
+
+    def begin_device_fill(self, node: Node, device_pages: torch.Tensor, op: Any) -> None:
+        """Host-only ``node`` starts loading into ``device_pages`` (load-back)."""
+        self._check_owner()
+        assert node.host is RESIDENT and node.device is ABSENT, f"cannot load back {node!r}"
+        assert node.op is None, f"{node!r} already has a transfer in flight"
+        assert device_pages.numel() == self._npages(node), "device page count mismatch"
+        node.device_pages = device_pages
+        node.op = op
+        self._set_device(node, FILLING)
+
+    def end_device_fill(self, node: Node, ok: bool) -> torch.Tensor | None:
+        """Apply a load ack; on failure return the device pages to free."""
+        self._check_owner()
+        assert node.device is FILLING, f"device ack on {node!r}"
+        node.op = None
+        if ok:
+            self._set_device(node, RESIDENT)
+            return None
+        pages = node.device_pages
+        self._set_device(node, ABSENT)
+        return pages
+
+    def demote(self, node: Node) -> torch.Tensor | None:
+        """Drop the device copy of an idle device leaf that has a host copy.
+
+        Returns the freed device pages, or ``None`` when the node is pinned, busy, has
+        device children or no host copy (then nothing changes).
+        """
+        self._check_owner()
+        if not (node.alive and _is_device_candidate(node) and node.host is RESIDENT):
+            return None
+        pages = node.device_pages
+        self._set_device(node, ABSENT)
+        return pages
+
+    def attach_host_only(
+        self, ns: Hashable, tokens: list[int], n: int, start: int, host_pages: torch.Tensor
+    ) -> list[Node]:
+        """Attach host-resident pages for ``tokens[start:n]`` below an existing prefix.
+
+        Used when pages arrive from storage.  Ranges the tree already holds are skipped;
+        returns the new nodes (their pages are slices of ``host_pages``).
+        """
+        self._check_owner()
+        node, matched = self.match(ns, tokens, n)
+        assert matched >= start, f"attach at {start} but tree only has {matched} tokens"
+        if matched >= n:
+            return []
+        p = self.page_size
+        new = Node(tokens[matched:n], node, ns)
+        new.host_pages = host_pages[(matched - start) // p : (n - start) // p]
+        node.children[self._child_key(tokens, matched)] = new
+        self.num_nodes += 1
+        new.last_access = node.last_access
+        self._set_host(new, RESIDENT)
+        return [new]
+
+    # ---------------------------------------------------------------- eviction
+
+    def evict_device(
+        self, num_pages: int, stage: Callable[[Node], bool] | None = None
+    ) -> Eviction:
+        """Free at least ``num_pages`` device pages, least recently used first, if possible.
+
+        A victim with a host copy is demoted (stays matchable from host); one without is
+        deleted, unless ``stage(node)`` takes it (write-back: it starts a copy to host and the
+        device pages are freed when that lands).
+        """
+        self._check_owner()
+        out = Eviction()
+        heap = self._dev_heap
+        while out.num_pages < num_pages:
+            node = heap.pop()
+            if node is None:
+                break
+            if node.host is ABSENT and stage is not None and stage(node):
+                continue
+            out.num_pages += self._npages(node)
+            assert node.device_pages is not None
+            out.pages.append(node.device_pages)
+            out.nodes.append(node)
+            if node.host is RESIDENT:
+                self._set_device(node, ABSENT)
+            else:
+                assert not node.children, f"device-only victim {node!r} has children"
+                self._remove(node)
+        heap.compact(self.num_nodes)
+        return out
+
+    def evict_host(self, num_pages: int) -> Eviction:
+        """Free at least ``num_pages`` host pages by deleting host-only leaves (LRU first)."""
+        self._check_owner()
+        out = Eviction()
+        heap = self._host_heap
+        while out.num_pages < num_pages:
+            node = heap.pop()
+            if node is None:
+                break
+            out.num_pages += self._npages(node)
+            assert node.host_pages is not None
+            out.pages.append(node.host_pages)
+            out.nodes.append(node)
+            self._remove(node)
+        heap.compact(self.num_nodes)
+        return out
+
+    def _remove(self, node: Node) -> None:
+        """Unlink a childless node and drop its pages from the accounting."""
+        assert not node.children, f"removing {node!r} with children"
+        assert node.op is None and node.pins == 0, f"removing busy {node!r}"
+        parent = node.parent
+        assert parent is not None
+        self._acct(node, -1)
+        del parent.children[self._child_key(node.key, 0)]
+        if node.device is not ABSENT:
+            parent.n_dev_children -= 1
+        node.alive = False
+        self.num_nodes -= 1
+        self._dev_heap.forget(node)
+        self._host_heap.forget(node)
+        self._offer(parent)
+
+    def clear(self) -> tuple[Eviction, Eviction]:
+        """Evict every unpinned, idle page from device, then host; return both evictions."""
+        self._check_owner()
+        dev = self.evict_device(1 << 62)
+        host = self.evict_host(1 << 62)
+        return dev, host
+
+    # ---------------------------------------------------------------- hashes
+
+    def block_hashes(self, node: Node) -> list[int]:
+        """Chained page hashes of ``node`` (computed on first use, then kept)."""
+        if node.hashes is None:
+            parent = node.parent
+            assert parent is not None, "roots have no block hashes"
+            prev = self._seeds[node.ns] if parent.parent is None else self.block_hashes(parent)[-1]
+            node.hashes = chain_hashes(prev, node.key, self.page_size)
+        return node.hashes
+
+    def parent_hash(self, node: Node) -> int | None:
+        """Hash of the page before ``node`` (``None`` when its parent is a root)."""
+        parent = node.parent
+        assert parent is not None, "roots have no parent hash"
+        return None if parent.parent is None else self.block_hashes(parent)[-1]
+
+    # ---------------------------------------------------------------- introspection
+
+    def walk(self) -> Iterator[Node]:
+        """Every non-root node, parents before children."""
+        stack = [c for r in self._roots.values() for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def path(self, node: Node) -> list[Node]:
+        """Nodes from the root's child down to ``node`` (empty for a root)."""
+        out: list[Node] = []
+        while node.parent is not None:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def check_invariants(self, handle_pins: dict[int, int] | None = None) -> None:
+        """Recompute every counter and check every structural invariant; raise on breach.
+
+        ``handle_pins`` maps ``id(node)`` to the number of live handles ending at that node;
+        when given, every node's pin count must equal the handles in its subtree.
+        """
+        p = self.page_size
+        counts = {"de": 0, "dp": 0, "he": 0, "hp": 0}
+        nodes = 0
+        pins_below: dict[int, int] = {}
+        order = list(self.walk())
+        for node in order:
+            nodes += 1
+            parent = node.parent
+            assert parent is not None and node.alive, f"dead or rootless node in tree {node!r}"
+            assert parent.children.get(self._child_key(node.key, 0)) is node, f"bad link {node!r}"
+            assert node.key and len(node.key) % p == 0, f"unaligned key on {node!r}"
+            assert node.device is not ABSENT or node.host is not ABSENT, f"empty {node!r}"
+            if node.device is not ABSENT:
+                assert parent.device is not ABSENT, f"device not prefix-closed {node!r}"
+                assert node.device_pages is not None and node.device_pages.numel() == len(
+                    node.key
+                ) // p, f"device pages mismatch {node!r}"
+            else:
+                assert node.device_pages is None, f"stale device pages {node!r}"
+            if node.host is not ABSENT:
+                assert parent.host is not ABSENT, f"host not prefix-closed {node!r}"
+                assert node.host_pages is not None and node.host_pages.numel() == len(
+                    node.key
+                ) // p, f"host pages mismatch {node!r}"
+            else:
+                assert node.host_pages is None, f"stale host pages {node!r}"
+            if node.host is FILLING:
+                assert node.device is RESIDENT, f"host filling without device copy {node!r}"
+            if node.device is FILLING:
+                assert node.host is RESIDENT, f"device filling without host copy {node!r}"
+            filling = node.host is FILLING or node.device is FILLING
+            assert (node.op is not None) == filling, f"op/state mismatch {node!r}"
+            ndc = sum(1 for c in node.children.values() if c.device is not ABSENT)
+            assert node.n_dev_children == ndc, f"n_dev_children {node.n_dev_children}!={ndc}"
+            busy = node.pins > 0 or filling
+            n = len(node.key) // p
+            if node.device is not ABSENT:
+                counts["dp" if busy else "de"] += n
+            if node.host is not ABSENT:
+                counts["hp" if busy else "he"] += n
+        assert nodes == self.num_nodes, f"num_nodes {self.num_nodes} != {nodes}"
+        got = {
+            "de": self.dev_evictable,
+            "dp": self.dev_protected,
+            "he": self.host_evictable,
+            "hp": self.host_protected,
+        }
+        assert got == counts, f"page accounting {got} != recomputed {counts}"
+        for root in self._roots.values():
+            assert root.pins == 1 and root.device is RESIDENT, f"root state changed {root!r}"
+            ndc = sum(1 for c in root.children.values() if c.device is not ABSENT)
+            assert root.n_dev_children == ndc, f"root n_dev_children {root.n_dev_children}!={ndc}"
+        if handle_pins is not None:
+            for node in reversed(order):
+                below = handle_pins.get(id(node), 0) + sum(
+                    pins_below.get(id(c), 0) for c in node.children.values()
+                )
+                pins_below[id(node)] = below
+                assert node.pins == below, f"pins {node.pins} != live handles {below} {node!r}"
+
+    def device_pages_in_tree(self) -> list[torch.Tensor]:
+        """Every device page tensor held by the tree (for allocator cross-checks)."""
+        return [n.device_pages for n in self.walk() if n.device_pages is not None]
+
+    def host_pages_in_tree(self) -> list[torch.Tensor]:
+        """Every host page tensor held by the tree (for allocator cross-checks)."""
+        return [n.host_pages for n in self.walk() if n.host_pages is not None]
+
+
+def _is_device_candidate(node: Node) -> bool:
+    return (
+        node.alive
+        and node.device is RESIDENT
+        and node.host is not FILLING
+        and node.pins == 0
+        and node.n_dev_children == 0
+        and node.parent is not None
+    )
+
+
+def _is_host_candidate(node: Node) -> bool:
+    return (
+        node.alive
+        and node.host is RESIDENT
+        and node.device is ABSENT
+        and node.pins == 0
+        and not node.children
+        and node.parent is not None
+    )
+
+
+_DEVICE_OK = {
+    (a, b): ok
+    for a in TierState
+    for b in TierState
+    for ok in [
+        (a, b)
+        in {
+            (ABSENT, RESIDENT),  # insert / adopt
+            (ABSENT, FILLING),  # load-back starts
+            (FILLING, RESIDENT),  # load-back ack
+            (FILLING, ABSENT),  # load-back failed
+            (RESIDENT, ABSENT),  # eviction / demotion
+        }
+    ]
+}
+_HOST_OK = {
+    (a, b): ok
+    for a in TierState
+    for b in TierState
+    for ok in [
+        (a, b)
+        in {
+            (ABSENT, FILLING),  # write-through / write-back starts
+            (FILLING, RESIDENT),  # ack
+            (FILLING, ABSENT),  # copy failed
+            (ABSENT, RESIDENT),  # attached from storage
+            (RESIDENT, ABSENT),  # host eviction
+        }
+    ]
+}
+
+__all__ = ["Eviction", "InsertOutcome", "RadixTree", "Tier", "TierState"]
