@@ -40,6 +40,7 @@ from aiocache_kv.pools import (
     PageState,
     admit_host_bytes,
     available_host_bytes,
+    has_duplicates,
 )
 from aiocache_kv.stats import CacheStatistics, TierStatistics
 from aiocache_kv.transfer import CopyEngine, CopyJob, Direction, default_engine
@@ -161,7 +162,9 @@ class HiCache:
                 self._device,
             )
             host = (
-                HostKVPool(cfg.host_pages, cfg.num_layers, cfg.page_elems, cfg.dtype, pin_memory=pin)
+                HostKVPool(
+                    cfg.host_pages, cfg.num_layers, cfg.page_elems, cfg.dtype, pin_memory=pin
+                )
                 if cfg.host_pages
                 else None
             )
@@ -181,7 +184,7 @@ class HiCache:
             device_pages=cfg.device_pages,
             host_pages=cfg.host_pages,
             page_size=cfg.page_size,
-            write_policy=cfg.write_policy.value,  # type: ignore[union-attr]
+            write_policy=WritePolicy(cfg.write_policy).value,
             host_bytes=host_bytes,
         )
 
@@ -265,12 +268,12 @@ class HiCache:
         slots = slots[:n].to(torch.int64)
         limit = cfg.device_pages * cfg.page_size
         if n and (int(slots.min()) < 0 or int(slots.max()) >= limit):
-            raise InvalidInputError(
-                f"kv_indices out of range [0, {limit}): min {int(slots.min())} max {int(slots.max())}"
-            )
+            lo, hi = int(slots.min()), int(slots.max())
+            raise InvalidInputError(f"kv_indices out of range [0, {limit}): min {lo} max {hi}")
         p = cfg.page_size
         if p == 1:
-            return slots
+            out: torch.Tensor = slots
+            return out
         grid = slots.view(-1, p)
         first = grid[:, 0]
         if bool((first % p != 0).any()) or not torch.equal(grid, first[:, None] + torch.arange(p)):
@@ -278,12 +281,17 @@ class HiCache:
                 f"kv_indices must cover whole pages (page_size {p}): each run of {p} slots must "
                 "be page*page_size + 0..page_size-1, as returned by alloc()"
             )
-        return first // p
+        pages: torch.Tensor = first // p
+        return pages
 
     # ------------------------------------------------------------------ match / load back
 
     def match_prefix(
-        self, tokens: Sequence[int] | torch.Tensor, *, tenant: str | None = None, lora: str | None = None
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        *,
+        tenant: str | None = None,
+        lora: str | None = None,
     ) -> MatchResult:
         """Find the longest cached prefix of ``tokens`` and pin it.
 
@@ -361,7 +369,9 @@ class HiCache:
             self._tree.begin_device_fill(node, dst[off : off + k], op)
             off += k
         self._counters["load_back_started"] += 1
-        self._submit(op, CopyJob(Direction.H2D, self.device_pool.buffer, self.host_pool.pages, src, dst))
+        self._submit(
+            op, CopyJob(Direction.H2D, self.device_pool.buffer, self.host_pool.pages, src, dst)
+        )
         return op
 
     # ------------------------------------------------------------------ alloc / insert
@@ -384,6 +394,22 @@ class HiCache:
             return pages
         return (pages[:, None] * p + torch.arange(p)).flatten()
 
+    async def alloc_wait(self, n: int) -> torch.Tensor:
+        """Like :meth:`alloc`, but when pages are only held back by copies in flight
+        (write-through acks, write-back staging), wait for those copies and retry.
+
+        Raises:
+            InvalidInputError: ``n`` is not a positive int.
+            CapacityError: too few pages even with no copy in flight (pinned by handles).
+        """
+        while True:
+            try:
+                return self.alloc(n)
+            except CapacityError:
+                if not self._inflight:
+                    raise
+            await asyncio.wait([op.future for op in self._inflight.values()])
+
     def free(self, kv_indices: torch.Tensor) -> None:
         """Return slots from :meth:`alloc` that were not inserted (whole pages).
 
@@ -396,9 +422,7 @@ class HiCache:
             raise InvalidInputError(f"free needs whole pages, got {n} slots")
         pages = self._slots_to_pages(kv_indices, n)
         assert self._dev_alloc is not None
-        if pages.unique().numel() != pages.numel() or not self._dev_alloc.check(
-            pages, PageState.HELD
-        ):
+        if has_duplicates(pages) or not self._dev_alloc.check(pages, PageState.HELD):
             raise InvalidInputError("free: slots not held by the caller (double free?)")
         self._dev_alloc.free([pages])
 
@@ -432,7 +456,9 @@ class HiCache:
         """
         self._check()
         if type(layer) is not int or not 0 <= layer < self.config.num_layers:
-            raise InvalidInputError(f"layer must be in [0, {self.config.num_layers}), got {layer!r}")
+            raise InvalidInputError(
+                f"layer must be in [0, {self.config.num_layers}), got {layer!r}"
+            )
         assert self.device_pool is not None
         return self.device_pool.kv(layer)
 
@@ -459,11 +485,14 @@ class HiCache:
         """
         self._check()
         toks = self._tokens(tokens)
-        if isinstance(kv_indices, torch.Tensor) and kv_indices.dim() == 1:
-            if kv_indices.numel() != len(toks):
-                raise InvalidInputError(
-                    f"kv_indices has {kv_indices.numel()} slots for {len(toks)} tokens"
-                )
+        if (
+            isinstance(kv_indices, torch.Tensor)
+            and kv_indices.dim() == 1
+            and kv_indices.numel() != len(toks)
+        ):
+            raise InvalidInputError(
+                f"kv_indices has {kv_indices.numel()} slots for {len(toks)} tokens"
+            )
         p = self.config.page_size
         n = len(toks) // p * p
         pages = self._slots_to_pages(kv_indices, n)
@@ -475,7 +504,7 @@ class HiCache:
         # validate ownership before changing anything
         existing = self._device_prefix(ns, toks, n)
         d = existing.numel()
-        if pages.unique().numel() != pages.numel():
+        if has_duplicates(pages):
             raise InvalidInputError("kv_indices repeat a page")
         same = pages[:d] == existing
         held = alloc.mask(pages, PageState.HELD)
@@ -569,7 +598,9 @@ class HiCache:
             self._tree.begin_host_fill(node, dst[off : off + k], op)
             off += k
         self._counters["write_through_started"] += 1
-        self._submit(op, CopyJob(Direction.D2H, self.device_pool.buffer, self.host_pool.pages, src, dst))
+        self._submit(
+            op, CopyJob(Direction.D2H, self.device_pool.buffer, self.host_pool.pages, src, dst)
+        )
         return op
 
     def _new_future(self) -> asyncio.Future[None]:
@@ -641,7 +672,7 @@ class HiCache:
         assert self._dev_alloc is not None
         self._dev_alloc.free([pages])
         if self._events.enabled:
-            self._events.append(BlockRemoved(list(tree.block_hashes(node)), "GPU"))
+            self._emit_removed([node], Tier.DEVICE)
 
     async def _wait_inflight(self) -> None:
         while self._inflight:
@@ -673,7 +704,11 @@ class HiCache:
         self._check()
         if type(num_pages) is not int or num_pages < 0:
             raise InvalidInputError(f"num_pages must be an int >= 0, got {num_pages!r}")
-        t = {"device": Tier.DEVICE, "host": Tier.HOST}.get(tier, tier) if isinstance(tier, str) else tier
+        t = (
+            {"device": Tier.DEVICE, "host": Tier.HOST}.get(tier, tier)
+            if isinstance(tier, str)
+            else tier
+        )
         if t is Tier.DEVICE:
             return self._evict_device(num_pages)
         if t is Tier.HOST:
@@ -685,10 +720,18 @@ class HiCache:
         ev = self._tree.evict_device(num_pages, stage)
         assert self._dev_alloc is not None
         self._dev_alloc.free(ev.pages)
+        if ev.host_pages:
+            assert self._host_alloc is not None
+            self._host_alloc.free(ev.host_pages)
         if self._events.enabled:
-            for node in ev.nodes:
-                self._events.append(BlockRemoved(list(self._tree.block_hashes(node)), "GPU"))
+            self._emit_removed(ev.nodes, Tier.DEVICE)
+            self._emit_removed(ev.host_nodes, Tier.HOST)
         return ev.num_pages
+
+    def _emit_removed(self, nodes: list[Node], tier: Tier) -> None:
+        if nodes:
+            hashes = [h for node in nodes for h in self._tree.block_hashes(node)]
+            self._events.append(BlockRemoved(hashes, tier.medium))
 
     def _stage(self, node: Node) -> bool:
         """Write-back: start copying an eviction victim (and its host-less ancestors) to host."""
@@ -704,8 +747,7 @@ class HiCache:
         ev = self._tree.evict_host(num_pages)
         self._host_alloc.free(ev.pages)
         if self._events.enabled:
-            for node in ev.nodes:
-                self._events.append(BlockRemoved(list(self._tree.block_hashes(node)), "CPU"))
+            self._emit_removed(ev.nodes, Tier.HOST)
         return ev.num_pages
 
     # ------------------------------------------------------------------ events

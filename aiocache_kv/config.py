@@ -96,8 +96,9 @@ class CacheConfig:
             ) from None
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"namespace must be a non-empty str, got {self.namespace!r}")
-        if self.write_policy is not WritePolicy.WRITE_THROUGH and self.host_pages == 0:
-            raise ConfigError(f"{self.write_policy.value} needs host_pages > 0")
+        policy = WritePolicy(self.write_policy)
+        if policy is not WritePolicy.WRITE_THROUGH and self.host_pages == 0:
+            raise ConfigError(f"{policy.value} needs host_pages > 0")
 
     @property
     def page_elems(self) -> int:

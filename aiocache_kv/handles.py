@@ -93,8 +93,7 @@ class MatchResult(_Handle):
 
     def __repr__(self) -> str:
         return (
-            f"<MatchResult device_len={self.device_len} host_len={self.host_len} "
-            f"{self.state.name}>"
+            f"<MatchResult device_len={self.device_len} host_len={self.host_len} {self.state.name}>"
         )
 
 

@@ -16,6 +16,14 @@ import torch
 from aiocache_kv.errors import CapacityError, InvalidInputError
 
 
+def has_duplicates(pages: torch.Tensor) -> bool:
+    """Whether any page id occurs twice."""
+    if pages.numel() < 2:
+        return False
+    s = torch.sort(pages).values
+    return bool((s[1:] == s[:-1]).any())
+
+
 class PageState(enum.IntEnum):
     """Ownership of one page."""
 
@@ -96,11 +104,11 @@ class PageAllocator:
         """``owned`` (every page the tree and transfers hold) must be exactly the OWNED pages."""
         free = torch.cat([self._free[self._cursor :], *self._returned])
         assert free.numel() == self.num_free, f"{self.name}: free count drifted"
-        assert free.unique().numel() == free.numel(), f"{self.name}: page on free list twice"
+        assert not has_duplicates(free), f"{self.name}: page on free list twice"
         assert bool((self._state[free] == PageState.FREE).all()), f"{self.name}: free page in use"
         assert self.count(PageState.FREE) == free.numel(), f"{self.name}: FREE pages off list"
         flat = torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64)
-        assert flat.unique().numel() == flat.numel(), f"{self.name}: page owned twice"
+        assert not has_duplicates(flat), f"{self.name}: page owned twice"
         assert bool((self._state[flat] == PageState.OWNED).all()), f"{self.name}: owned not OWNED"
         assert self.count(PageState.OWNED) == flat.numel(), (
             f"{self.name}: {self.count(PageState.OWNED)} OWNED pages but {flat.numel()} referenced"

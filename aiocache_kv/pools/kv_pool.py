@@ -69,7 +69,9 @@ class HostKVPool:
         self.page_bytes = num_layers * 2 * page_elems * itemsize
         self.slot_bytes = host_slot_bytes(self.page_bytes, extra_bytes)
         self.num_pages = num_pages
-        self.raw = torch.empty((num_pages, self.slot_bytes), dtype=torch.uint8, pin_memory=pin_memory)
+        self.raw = torch.empty(
+            (num_pages, self.slot_bytes), dtype=torch.uint8, pin_memory=pin_memory
+        )
         #: typed payload view ``[num_pages, num_layers, 2, page_elems]``
         self.pages = (
             self.raw[:, : self.page_bytes].view(dtype).view(num_pages, num_layers, 2, page_elems)

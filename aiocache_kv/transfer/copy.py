@@ -9,6 +9,8 @@ no scatter, no staging buffer.  The allocators hand out ascending ids, so runs a
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -23,7 +25,7 @@ def page_runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]
     cuts = [0, *(torch.nonzero(brk).flatten() + 1).tolist(), n]
     s = src.tolist()
     d = dst.tolist()
-    return [(s[a], d[a], b - a) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    return [(s[a], d[a], b - a) for a, b in itertools.pairwise(cuts)]
 
 
 def device_to_host(
@@ -39,7 +41,9 @@ def device_to_host(
     ``device`` is ``[layers, 2, pages, elems]``, ``host`` is ``[pages, layers, 2, elems]``.
     """
     for s, d, r in page_runs(src, dst):
-        host[d : d + r].copy_(device[:, :, s : s + r].permute(2, 0, 1, 3), non_blocking=non_blocking)
+        host[d : d + r].copy_(
+            device[:, :, s : s + r].permute(2, 0, 1, 3), non_blocking=non_blocking
+        )
     return src.numel() * host[0].numel() * host.element_size()
 
 
@@ -53,5 +57,7 @@ def host_to_device(
 ) -> int:
     """Copy host pages ``src`` into device pages ``dst``; return bytes copied."""
     for s, d, r in page_runs(src, dst):
-        device[:, :, d : d + r].copy_(host[s : s + r].permute(1, 2, 0, 3), non_blocking=non_blocking)
+        device[:, :, d : d + r].copy_(
+            host[s : s + r].permute(1, 2, 0, 3), non_blocking=non_blocking
+        )
     return src.numel() * host[0].numel() * host.element_size()

@@ -73,7 +73,8 @@ class CopyEngine(Protocol):
         """Finish queued jobs and stop workers."""
 
 
-_STOP = object()
+class _Job(Protocol):
+    def run(self, *, non_blocking: bool = False) -> None: ...
 
 
 class ThreadCopyEngine:
@@ -81,7 +82,7 @@ class ThreadCopyEngine:
 
     def __init__(self, name: str = "aiocache-kv-copy") -> None:
         self._name = name
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[_Job, Done] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -91,7 +92,7 @@ class ThreadCopyEngine:
         self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: CopyJob, done: Done) -> None:
+    def submit(self, job: _Job, done: Done) -> None:
         """Queue ``job`` for the worker."""
         assert self._thread is not None, "engine not started"
         self._queue.put((job, done))
@@ -101,9 +102,9 @@ class ThreadCopyEngine:
         assert loop is not None
         while True:
             item = self._queue.get()
-            if item is _STOP:
+            if item is None:
                 return
-            job, done = item  # type: ignore[misc]
+            job, done = item
             err: BaseException | None = None
             try:
                 job.run()
@@ -118,7 +119,7 @@ class ThreadCopyEngine:
         """Let queued jobs finish, then join the worker (off the loop)."""
         if self._thread is None:
             return
-        self._queue.put(_STOP)
+        self._queue.put(None)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
 
@@ -130,11 +131,10 @@ class CudaCopyEngine:
         self._device = device
         self._stream: torch.cuda.Stream | None = None
         self._waiter = ThreadCopyEngine("aiocache-kv-cuda-wait")
-        self._pending: queue.SimpleQueue[object] = self._waiter._queue
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Create the copy stream and start the waiter thread."""
-        self._stream = torch.cuda.Stream(device=self._device)
+        self._stream = torch.cuda.Stream(device=self._device)  # type: ignore[no-untyped-call]
         self._waiter.start(loop)
 
     def submit(self, job: CopyJob, done: Done) -> None:
@@ -142,7 +142,7 @@ class CudaCopyEngine:
         stream = self._stream
         assert stream is not None, "engine not started"
         stream.wait_stream(torch.cuda.current_stream(self._device))
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         try:
             with torch.cuda.stream(stream):
                 job.run(non_blocking=True)
@@ -150,7 +150,7 @@ class CudaCopyEngine:
         except BaseException as exc:
             done(exc)
             return
-        self._waiter.submit(_EventWait(event, job), done)  # type: ignore[arg-type]
+        self._waiter.submit(_EventWait(event, job), done)
 
     async def aclose(self) -> None:
         """Wait for every recorded event, then stop the waiter."""

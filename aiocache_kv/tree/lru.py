@@ -3,8 +3,8 @@
 A :class:`VictimHeap` is a binary heap of ``(last_access, seq, node)`` entries with lazy
 deletion: an entry is *live* only while ``node`` is still a candidate for its tier and the
 entry's timestamp is the one the node last pushed.  Each victim costs O(log n) amortized;
-stale entries are dropped when popped and the heap is compacted when it grows past a multiple
-of the node count, so memory stays linear.
+stale entries are dropped when popped and the heap is rebuilt when more than half of it is
+stale, so memory stays linear in the number of candidates.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ class VictimHeap(Generic[N]):
             return
         self._pushed[key] = ts
         heapq.heappush(self._entries, (ts, next(self._seq), node))
+        if len(self._entries) > 2 * len(self._pushed) + 64:
+            self._compact()
 
     def forget(self, node: N) -> None:
         """Drop bookkeeping of a node that left the tree (its entries become stale)."""
@@ -66,15 +68,15 @@ class VictimHeap(Generic[N]):
                 return node
         return None
 
-    def compact(self, live_nodes: int) -> None:
-        """Rebuild without stale entries once the heap outgrows ``4 * live_nodes``."""
-        if len(self._entries) <= 4 * live_nodes + 64:
-            return
+    def _compact(self) -> None:
+        """Rebuild without stale entries (amortized O(1) per push: runs when half are stale)."""
         pushed = self._pushed
         keep = [
             e
             for e in self._entries
-            if pushed.get(id(e[2])) == e[0] and e[2].last_access == e[0] and self._is_candidate(e[2])
+            if pushed.get(id(e[2])) == e[0]
+            and e[2].last_access == e[0]
+            and self._is_candidate(e[2])
         ]
         self._pushed = {id(e[2]): e[0] for e in keep}
         heapq.heapify(keep)

@@ -16,7 +16,10 @@ the split itself registers the new prefix node with the pending transfer (``on_s
 Per node and tier the state is a :class:`TierState`.  Invariants (see ``check_invariants``):
 
 * every non-root node is present (FILLING or RESIDENT) in the device or the host tier;
-* presence is prefix-closed per tier: a node present in a tier has its parent present there;
+* device presence is prefix-closed: a device-present node has a device-present parent, so a
+  match is a device run followed by a run that needs ``load_back``.  Host presence is not
+  (a failed write-through leaves a host-less parent above host-resident children), so a
+  device victim without a host copy is deleted together with its host-only subtree;
 * ``host FILLING`` implies ``device RESIDENT`` (write-through/back reads the device copy) and
   ``device FILLING`` implies ``host RESIDENT`` (load-back reads the host copy);
 * a node with a FILLING tier has ``op`` set, and only then;
@@ -63,6 +66,9 @@ class Eviction:
     pages: list[torch.Tensor] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
     num_pages: int = 0
+    #: host copies dropped with a deleted device victim's host-only subtree
+    host_pages: list[torch.Tensor] = field(default_factory=list)
+    host_nodes: list[Node] = field(default_factory=list)
 
 
 class RadixTree:
@@ -342,9 +348,6 @@ class RadixTree:
         """The one transition function of the host tier."""
         old = node.host
         assert _HOST_OK[old, state], f"host {old.name}->{state.name} on {node!r}"
-        assert state is ABSENT or node.parent is None or node.parent.host is not ABSENT, (
-            f"host presence not prefix-closed at {node!r}"
-        )
         self._acct(node, -1)
         node.host = state
         if state is ABSENT:
@@ -433,9 +436,7 @@ class RadixTree:
 
     # ---------------------------------------------------------------- eviction
 
-    def evict_device(
-        self, num_pages: int, stage: Callable[[Node], bool] | None = None
-    ) -> Eviction:
+    def evict_device(self, num_pages: int, stage: Callable[[Node], bool] | None = None) -> Eviction:
         """Free at least ``num_pages`` device pages, least recently used first, if possible.
 
         A victim with a host copy is demoted (stays matchable from host); one without is
@@ -458,9 +459,8 @@ class RadixTree:
             if node.host is RESIDENT:
                 self._set_device(node, ABSENT)
             else:
-                assert not node.children, f"device-only victim {node!r} has children"
+                self._drop_subtree(node, out)
                 self._remove(node)
-        heap.compact(self.num_nodes)
         return out
 
     def evict_host(self, num_pages: int) -> Eviction:
@@ -477,8 +477,22 @@ class RadixTree:
             out.pages.append(node.host_pages)
             out.nodes.append(node)
             self._remove(node)
-        heap.compact(self.num_nodes)
         return out
+
+    def _drop_subtree(self, node: Node, out: Eviction) -> None:
+        """Remove the host-only descendants of a device victim that has no host copy."""
+        stack = list(node.children.values())
+        doomed: list[Node] = []
+        while stack:
+            child = stack.pop()
+            assert child.device is ABSENT and child.host is RESIDENT, f"busy below victim {child!r}"
+            doomed.append(child)
+            stack.extend(child.children.values())
+        for child in reversed(doomed):  # children before parents
+            assert child.host_pages is not None
+            out.host_pages.append(child.host_pages)
+            out.host_nodes.append(child)
+            self._remove(child)
 
     def _remove(self, node: Node) -> None:
         """Unlink a childless node and drop its pages from the accounting."""
@@ -559,16 +573,16 @@ class RadixTree:
             assert node.device is not ABSENT or node.host is not ABSENT, f"empty {node!r}"
             if node.device is not ABSENT:
                 assert parent.device is not ABSENT, f"device not prefix-closed {node!r}"
-                assert node.device_pages is not None and node.device_pages.numel() == len(
-                    node.key
-                ) // p, f"device pages mismatch {node!r}"
+                assert (
+                    node.device_pages is not None
+                    and node.device_pages.numel() == len(node.key) // p
+                ), f"device pages mismatch {node!r}"
             else:
                 assert node.device_pages is None, f"stale device pages {node!r}"
             if node.host is not ABSENT:
-                assert parent.host is not ABSENT, f"host not prefix-closed {node!r}"
-                assert node.host_pages is not None and node.host_pages.numel() == len(
-                    node.key
-                ) // p, f"host pages mismatch {node!r}"
+                assert (
+                    node.host_pages is not None and node.host_pages.numel() == len(node.key) // p
+                ), f"host pages mismatch {node!r}"
             else:
                 assert node.host_pages is None, f"stale host pages {node!r}"
             if node.host is FILLING:

@@ -1,0 +1,61 @@
+"""Copy kernels between the device layout and the page-first host layout."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aiocache_kv.transfer import CopyJob, Direction, ThreadCopyEngine, page_runs
+from aiocache_kv.transfer.copy import device_to_host, host_to_device
+
+
+def test_page_runs_coalesce_consecutive_pairs() -> None:
+    src = torch.tensor([4, 5, 6, 9, 10, 2])
+    dst = torch.tensor([0, 1, 2, 3, 7, 8])
+    assert page_runs(src, dst) == [(4, 0, 3), (9, 3, 1), (10, 7, 1), (2, 8, 1)]
+    assert page_runs(torch.tensor([3]), torch.tensor([1])) == [(3, 1, 1)]
+    assert page_runs(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64)) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_round_trip_is_bit_identical(data: st.DataObject) -> None:
+    layers, pages, elems = 2, 12, 6
+    dev = torch.randn(layers, 2, pages, elems)
+    host = torch.zeros(pages, layers, 2, elems)
+    n = data.draw(st.integers(1, pages))
+    src = torch.tensor(data.draw(st.permutations(range(pages)))[:n])
+    dst = torch.tensor(data.draw(st.permutations(range(pages)))[:n])
+    device_to_host(dev, host, src, dst)
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        assert torch.equal(host[d], dev[:, :, s])
+    back = torch.zeros_like(dev)
+    host_to_device(host, back, dst, src)
+    assert torch.equal(back[:, :, src], dev[:, :, src])
+
+
+async def test_thread_engine_delivers_on_the_loop() -> None:
+    dev = torch.randn(1, 2, 8, 4)
+    host = torch.zeros(8, 1, 2, 4)
+    engine = ThreadCopyEngine()
+    loop = asyncio.get_running_loop()
+    engine.start(loop)
+    fut: asyncio.Future[tuple[BaseException | None, bool]] = loop.create_future()
+    owner = threading.get_ident()
+
+    def done(err: BaseException | None) -> None:
+        fut.set_result((err, threading.get_ident() == owner))
+
+    engine.submit(CopyJob(Direction.D2H, dev, host, torch.arange(8), torch.arange(8)), done)
+    err, on_loop = await asyncio.wait_for(fut, 10)
+    assert err is None and on_loop
+    assert torch.equal(host.permute(1, 2, 0, 3), dev)
+    bad = CopyJob(Direction.D2H, dev, host, torch.tensor([99]), torch.tensor([0]))
+    fut2: asyncio.Future[BaseException | None] = loop.create_future()
+    engine.submit(bad, fut2.set_result)
+    assert isinstance(await asyncio.wait_for(fut2, 10), IndexError | RuntimeError)
+    await engine.aclose()

