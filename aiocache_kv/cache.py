@@ -307,8 +307,7 @@ class HiCache:
         p = self.config.page_size
         tree = self._tree
         tree.root(ns, ns.tag)
-        node, _ = tree.match(ns, toks, len(toks) // p * p)
-        tree.pin(node)
+        node, _ = tree.match(ns, toks, len(toks) // p * p, pin=True)
         m = MatchResult(self, node)
         self._handles[id(m)] = m
         c = self._counters

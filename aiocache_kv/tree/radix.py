@@ -142,20 +142,23 @@ class RadixTree:
 
     # ---------------------------------------------------------------- match / insert
 
-    def match(self, ns: Hashable, tokens: list[int], n: int) -> tuple[Node, int]:
+    def match(
+        self, ns: Hashable, tokens: list[int], n: int, *, pin: bool = False
+    ) -> tuple[Node, int]:
         """Longest cached prefix of ``tokens[:n]`` (``n`` page-aligned) in namespace ``ns``.
 
         Splits the last node so that the match ends on a node boundary, stamps the path as
-        recently used and returns ``(last_node, matched_tokens)``.  The root means no match.
+        recently used (and pins it if ``pin``) and returns ``(last_node, matched_tokens)``.
+        The root means no match.
         """
         self._check_owner()
         node = self._roots.get(ns)
         if node is None:
             return self.root(ns), 0
         pos = 0
-        children_key = self._child_key
+        p = self.page_size
         while pos < n:
-            child = node.children.get(children_key(tokens, pos))
+            child = node.children.get(tokens[pos] if p == 1 else tuple(tokens[pos : pos + p]))
             if child is None:
                 break
             key = child.key
@@ -169,7 +172,10 @@ class RadixTree:
                 node = self._split(child, common)
                 pos += common
             break
-        self._touch(node)
+        self._clock += 1
+        if pin:
+            self.pin(node)
+        self._stamp(node, self._clock)
         return node, pos
 
     def insert(
@@ -185,16 +191,23 @@ class RadixTree:
         node = self.root(ns)
         out = InsertOutcome(node, 0)
         pos = 0
-        children_key = self._child_key
+        self._clock += 1
+        clock = self._clock
         while pos < n:
-            ck = children_key(tokens, pos)
+            ck = tokens[pos] if p == 1 else tuple(tokens[pos : pos + p])
             child = node.children.get(ck)
             if child is None:
+                # fresh device-only leaf: the device transition ABSENT->RESIDENT, inlined
                 new = Node(tokens[pos:n], node, ns)
+                new.last_access = clock
                 new.device_pages = pages[pos // p : n // p]
+                new.device = RESIDENT
                 node.children[ck] = new
+                node.n_dev_children += 1
                 self.num_nodes += 1
-                self._set_device(new, RESIDENT)
+                self.dev_evictable += (n - pos) // p
+                if not pin:
+                    self._dev_heap.offer(new)
                 out.created.append(new)
                 node = new
                 pos = n
@@ -213,9 +226,9 @@ class RadixTree:
             pos += klen
             out.prefix_tokens = pos
         out.node = node
-        self._touch(node)
         if pin:
             self.pin(node)
+        self._stamp(node, clock)
         return out
 
     def _split(self, child: Node, at: int) -> Node:
@@ -255,9 +268,8 @@ class RadixTree:
 
     # ---------------------------------------------------------------- access, pins
 
-    def _touch(self, node: Node) -> None:
-        self._clock += 1
-        clock = self._clock
+    def _stamp(self, node: Node, clock: int) -> None:
+        """Mark the path to ``node`` used at ``clock``; re-offer the unpinned candidates."""
         dev_offer = self._dev_heap.offer
         host_offer = self._host_heap.offer
         while node.parent is not None:
