@@ -1,0 +1,213 @@
+"""The storage-tier (L3) contract: :class:`StorageBackend`, :class:`PageBuffer`, statistics.
+
+Backends are *blocking* and *batched*.  They never run on the event loop: the cache calls them
+through :class:`aiocache_kv.storage.executor.StorageIO`, which runs each call on a bounded worker
+pool.  A backend may therefore be called from several worker threads at once and must be
+thread-safe.
+
+Slot layout
+-----------
+The host pool hands the backend one :class:`PageBuffer` per key.  A buffer is a *slot*:
+``[payload | trailer]`` where the trailer is :data:`~aiocache_kv.storage.integrity.FRAME_OVERHEAD`
+bytes.  ``put`` writes the trailer into the slot's last bytes and then stores the whole slot in
+one zero-copy call; ``get_into`` reads the whole slot and verifies the trailer.  The payload size
+is always ``buffer.nbytes - FRAME_OVERHEAD``: a stored page whose length differs from the slot's
+is a miss (counted as corrupt), never a partial read.
+
+Results are per key and never truncated: a failure in the middle of a batch is reported for that
+key only and every other key still gets its own result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from aiocache_kv.errors import InvalidInputError, InvalidTypeError
+
+__all__ = [
+    "PageBuffer",
+    "StatsCounter",
+    "StorageBackend",
+    "StorageStats",
+    "leading_run",
+]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PageBuffer:
+    """One contiguous host byte range (a page slot), seen both as a pointer and a memoryview.
+
+    ``ptr``/``nbytes`` serve zero-copy backends (Mooncake); ``view`` (a writable 1-D ``uint8``
+    memoryview over the same bytes) serves file I/O; ``tensor`` keeps the memory alive and
+    serves the checksum.  Build it with :meth:`from_tensor`.
+    """
+
+    tensor: torch.Tensor
+    ptr: int
+    nbytes: int
+    view: memoryview
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> PageBuffer:
+        """Wrap a contiguous CPU ``torch.uint8`` tensor (e.g. a slice of the host pool).
+
+        Raises:
+            InvalidTypeError: ``tensor`` is not a ``torch.Tensor``.
+            InvalidInputError: wrong dtype, device, not contiguous, not 1-D, or empty.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidTypeError(f"PageBuffer needs a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != torch.uint8:
+            raise InvalidInputError(f"PageBuffer needs dtype torch.uint8, got {tensor.dtype}")
+        if tensor.device.type != "cpu":
+            raise InvalidInputError(f"PageBuffer needs a host (cpu) tensor, got {tensor.device}")
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            raise InvalidInputError(
+                f"PageBuffer needs a contiguous 1-D tensor, got shape {tuple(tensor.shape)} "
+                f"contiguous={tensor.is_contiguous()}"
+            )
+        if tensor.numel() == 0:
+            raise InvalidInputError("PageBuffer needs a non-empty tensor")
+        view = tensor.numpy().data.cast("B")
+        return cls(tensor=tensor, ptr=int(tensor.data_ptr()), nbytes=int(tensor.numel()), view=view)
+
+    @classmethod
+    def allocate(cls, nbytes: int) -> PageBuffer:
+        """A fresh zeroed buffer of ``nbytes`` (tests, one-off reads).
+
+        Raises:
+            InvalidInputError: ``nbytes`` is not positive.
+        """
+        if nbytes <= 0:
+            raise InvalidInputError(f"PageBuffer.allocate needs nbytes > 0, got {nbytes}")
+        return cls.from_tensor(torch.zeros(nbytes, dtype=torch.uint8))
+
+    def __repr__(self) -> str:
+        return f"PageBuffer(ptr=0x{self.ptr:x}, nbytes={self.nbytes})"
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageStats:
+    """Frozen snapshot of a backend's counters (per key unless the name says bytes/calls)."""
+
+    puts: int = 0  # keys offered to put
+    put_ok: int = 0  # keys stored by this call
+    put_skipped: int = 0  # keys already present, not re-sent (count as success)
+    put_failed: int = 0  # keys that failed (after the retry, if any)
+    put_retries: int = 0  # keys retried once after "no space"
+    gets: int = 0  # keys asked for by get_into
+    hits: int = 0  # keys read and verified
+    misses: int = 0  # keys absent (not counting corrupt)
+    corrupt: int = 0  # keys present but failing the integrity check (reported as misses)
+    get_failed: int = 0  # keys whose read failed for another reason (unavailable, I/O error)
+    bytes_written: int = 0  # slot bytes actually sent to the store
+    bytes_read: int = 0  # slot bytes read and verified
+    removed: int = 0  # keys removed (explicit remove or eviction)
+    evictions: int = 0  # keys evicted by the backend's own capacity policy
+    unavailable: int = 0  # keys that failed because the store was unreachable / timed out
+    unregistered_buffers: int = 0  # buffers used outside registered memory (zero-copy backends)
+
+
+class StatsCounter:
+    """Thread-safe mutable counterpart of :class:`StorageStats` (backends own one)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, int] = {f.name: 0 for f in dataclasses.fields(StorageStats)}
+
+    def add(self, **deltas: int) -> None:
+        """Add ``deltas`` to the named counters (unknown names raise ``KeyError``)."""
+        with self._lock:
+            for name, delta in deltas.items():
+                if name not in self._values:
+                    raise KeyError(f"unknown storage counter {name!r}")
+                self._values[name] += delta
+
+    def snapshot(self) -> StorageStats:
+        """A frozen copy of the counters."""
+        with self._lock:
+            return StorageStats(**self._values)
+
+
+def leading_run(flags: Sequence[bool]) -> int:
+    """Length of the leading run of ``True`` in ``flags``."""
+    n = 0
+    for flag in flags:
+        if not flag:
+            break
+        n += 1
+    return n
+
+
+@runtime_checkable
+class StorageBackend(Protocol):
+    """A blocking, batched, thread-safe L3 store.  Run it via ``StorageIO``, never on the loop.
+
+    Every batched method returns exactly one result per key, in order.
+    """
+
+    def open(self) -> None:
+        """Connect / prepare (idempotent).  Other methods open lazily if needed.
+
+        Raises:
+            StorageUnavailableError: the store cannot be reached or the directory is unusable.
+            ConfigError: the backend's options are inconsistent.
+        """
+        ...
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Per key: is it present?  Does not count as an access for eviction.
+
+        Raises:
+            StorageKeyError: a key is not a non-empty ``str``.
+            StorageUnavailableError: the store could not answer for any key.
+        """
+        ...
+
+    def leading_hits(self, keys: Sequence[str]) -> int:
+        """Number of leading keys present (the usable prefix of a chained-hash run)."""
+        ...
+
+    def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+        """Store each slot under its key; write the integrity trailer into the slot first.
+
+        A key already present is not re-sent and reports ``True``.
+
+        Raises:
+            StorageKeyError: a key is malformed.
+            InvalidInputError: lengths differ or a buffer is smaller than the frame overhead.
+            StorageUnavailableError: the store was unreachable for every key of the batch.
+        """
+        ...
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+        """Read each key into its slot; ``True`` only for a present page that passes integrity.
+
+        On ``False`` the slot's content is unspecified.
+
+        Raises:
+            StorageKeyError, InvalidInputError: as for :meth:`put`.
+            StorageUnavailableError: the store was unreachable for every key of the batch.
+        """
+        ...
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Remove keys; per key ``True`` if it was present and is gone."""
+        ...
+
+    def register_buffer(self, tensor: torch.Tensor) -> None:
+        """Register host memory once for zero-copy transfers (no-op where not needed)."""
+        ...
+
+    def statistics(self) -> StorageStats:
+        """Frozen snapshot of the counters."""
+        ...
+
+    def close(self) -> None:
+        """Release the connection / resources (idempotent)."""
+        ...

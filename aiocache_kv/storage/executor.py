@@ -1,0 +1,384 @@
+"""``StorageIO``: the async facade over a blocking :class:`StorageBackend`.
+
+Design
+------
+The event loop owns every piece of state here (the in-flight table, the slot counter, the
+waiter queue).  Backend calls run on a private ``ThreadPoolExecutor`` of ``workers`` threads.
+A worker only runs the blocking call and posts ``(result, exception)`` back with
+``loop.call_soon_threadsafe``; the loop-side callback (:meth:`StorageIO._finish`) releases the
+slot, marks the call finished, and completes the caller's future *only if it is not done yet*.
+A result that arrives after the caller timed out or was cancelled is discarded (counted in
+``late_results``).
+
+Bounded work.  At most ``max_pending`` calls are submitted and unfinished at any time, and
+that includes calls whose callers already gave up: a slot is released by the *worker*
+finishing, never by the caller leaving.  So a stalled store cannot build an unbounded backlog;
+callers beyond the limit wait for a slot within their own deadline and then get
+:class:`~aiocache_kv.errors.StorageTimeoutError`.  Threads stuck in a C++ call come back on
+their own because every blocking call is bounded below us: Mooncake calls to a hung master
+return -901 after ``MC_RPC_TIMEOUT_MS`` (set it; the default is 30 s; measured: 1x almost
+always, once 5x when the client retried on a new connection), calls to a dead master return
+-900 after ~4.5 s, file I/O is bounded by the kernel.  The deadline of a call covers the
+wait for a slot and the call itself.
+
+Buffers and cancellation.  When a caller times out or is cancelled, the worker may still be
+writing into (``get_into``) or reading/sealing (``put``) the caller's page slots.  Those slots
+must not be reused or freed until the worker is done: ``await io.wait_released(buffers)``
+returns once no unfinished call holds any of them, ``io.holds(buffers)`` tells it without
+waiting, and ``await io.drain()`` waits for every call.  The cache should free the host pages of
+an abandoned prefetch from a task that awaits ``wait_released`` first.
+
+Timers (not ``asyncio.wait_for``) implement the deadline and the slot wait, so a grant that
+races with a cancellation is handed back (``except BaseException: ... raise``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import structlog
+import torch
+
+from aiocache_kv.errors import (
+    ConfigError,
+    KVCacheError,
+    OwnershipError,
+    StorageError,
+    StorageTimeoutError,
+    StorageUnavailableError,
+)
+from aiocache_kv.storage.base import PageBuffer, StorageBackend, StorageStats
+
+__all__ = ["StorageIO", "StorageIOStats"]
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageIOStats:
+    """Frozen snapshot of the executor's counters."""
+
+    workers: int
+    max_pending: int
+    submitted: int  # calls handed to a worker
+    completed: int  # calls whose worker finished (including late ones)
+    in_flight: int  # handed to a worker, not finished
+    waiting: int  # callers waiting for a slot
+    timeouts: int  # callers that got StorageTimeoutError
+    cancelled: int  # callers cancelled while waiting
+    late_results: int  # results discarded because the caller was gone
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    id: int
+    what: str
+    result: asyncio.Future[Any]  # the caller's; completed only if not done
+    finished: asyncio.Future[None]  # set when the worker is done (buffers released)
+    ranges: tuple[tuple[int, int], ...]
+
+
+class StorageIO:
+    """Run a blocking backend's batched calls off the loop, with deadlines and bounded work.
+
+    All methods must be called from one event loop (the first one that uses it).
+    """
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        *,
+        workers: int = 2,
+        max_pending: int | None = None,
+        default_timeout: float = 5.0,
+        name: str = "aiocache-kv-storage",
+    ) -> None:
+        """Raises:
+        ConfigError: ``workers`` < 1, ``max_pending`` < ``workers``, ``default_timeout`` <= 0.
+        """
+        if workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {workers}")
+        if max_pending is None:
+            max_pending = 4 * workers
+        if max_pending < workers:
+            raise ConfigError(f"max_pending ({max_pending}) must be >= workers ({workers})")
+        if not default_timeout > 0:
+            raise ConfigError(f"default_timeout must be > 0, got {default_timeout}")
+        self.backend = backend
+        self.workers = workers
+        self.max_pending = max_pending
+        self.default_timeout = default_timeout
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count()
+        self._inflight: dict[int, _Call] = {}
+        self._pending = 0  # slots taken (== len(_inflight) except between grant and submit)
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._closed = False
+        self._submitted = 0
+        self._completed = 0
+        self._timeouts = 0
+        self._cancelled = 0
+        self._late = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"StorageIO(backend={type(self.backend).__name__}, workers={self.workers}, "
+            f"in_flight={len(self._inflight)}, waiting={len(self._waiters)}, "
+            f"max_pending={self.max_pending}, closed={self._closed})"
+        )
+
+    # -- public async API --------------------------------------------------------------------
+
+    async def open(self, *, timeout: float | None = None) -> None:
+        """Open the backend on a worker.  Raises what ``backend.open`` raises, or
+        ``StorageTimeoutError``."""
+        await self.call("open", self.backend.open, timeout=timeout)
+
+    async def exists(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bool]:
+        """``backend.exists`` off the loop.  Raises its errors, ``StorageTimeoutError``,
+        ``StorageUnavailableError`` (closed)."""
+        return await self.call("exists", self.backend.exists, list(keys), timeout=timeout)
+
+    async def leading_hits(self, keys: Sequence[str], *, timeout: float | None = None) -> int:
+        """``backend.leading_hits`` off the loop (raises as :meth:`exists`)."""
+        return await self.call(
+            "leading_hits", self.backend.leading_hits, list(keys), timeout=timeout
+        )
+
+    async def put(
+        self, keys: Sequence[str], buffers: Sequence[PageBuffer], *, timeout: float | None = None
+    ) -> list[bool]:
+        """``backend.put`` off the loop.  On timeout/cancel the slots stay in use until
+        :meth:`wait_released`.  Raises the backend's errors or ``StorageTimeoutError``."""
+        bufs = list(buffers)
+        return await self.call(
+            "put", self.backend.put, list(keys), bufs, timeout=timeout, buffers=bufs
+        )
+
+    async def get_into(
+        self, keys: Sequence[str], buffers: Sequence[PageBuffer], *, timeout: float | None = None
+    ) -> list[bool]:
+        """``backend.get_into`` off the loop.  On timeout/cancel the slots stay in use until
+        :meth:`wait_released`.  Raises the backend's errors or ``StorageTimeoutError``."""
+        bufs = list(buffers)
+        return await self.call(
+            "get_into", self.backend.get_into, list(keys), bufs, timeout=timeout, buffers=bufs
+        )
+
+    async def remove(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bool]:
+        """``backend.remove`` off the loop."""
+        return await self.call("remove", self.backend.remove, list(keys), timeout=timeout)
+
+    async def register_buffer(self, tensor: torch.Tensor, *, timeout: float | None = None) -> None:
+        """``backend.register_buffer`` off the loop."""
+        await self.call("register_buffer", self.backend.register_buffer, tensor, timeout=timeout)
+
+    def statistics(self) -> StorageStats:
+        """The backend's counters (a thread-safe snapshot; no I/O)."""
+        return self.backend.statistics()
+
+    def io_statistics(self) -> StorageIOStats:
+        """Frozen snapshot of the executor's own counters."""
+        return StorageIOStats(
+            workers=self.workers,
+            max_pending=self.max_pending,
+            submitted=self._submitted,
+            completed=self._completed,
+            in_flight=len(self._inflight),
+            waiting=sum(1 for w in self._waiters if not w.done()),
+            timeouts=self._timeouts,
+            cancelled=self._cancelled,
+            late_results=self._late,
+        )
+
+    def holds(self, buffers: Sequence[PageBuffer]) -> bool:
+        """``True`` while an unfinished worker call holds any byte of ``buffers``."""
+        return bool(self._holders(buffers))
+
+    async def wait_released(self, buffers: Sequence[PageBuffer]) -> None:
+        """Wait until no unfinished worker call holds any byte of ``buffers``.
+
+        Cancelling this wait does not affect the calls.
+        """
+        while holders := self._holders(buffers):
+            await asyncio.wait([asyncio.shield(c.finished) for c in holders])
+
+    async def drain(self) -> None:
+        """Wait until every call handed to a worker has finished (late ones included)."""
+        while self._inflight:
+            await asyncio.wait([asyncio.shield(c.finished) for c in self._inflight.values()])
+
+    async def aclose(self, *, timeout: float | None = None) -> None:
+        """Refuse new calls, drain (up to ``timeout``), close the backend, stop the workers.
+
+        If the drain times out, the backend is closed anyway and the stuck threads are left to
+        finish on their own (they hold no loop state).  Raises what ``backend.close`` raises.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._waiters:
+            if not w.done():
+                w.set_exception(StorageUnavailableError("StorageIO closed"))
+        try:
+            await asyncio.wait_for(self.drain(), timeout if timeout is not None else None)
+        except asyncio.TimeoutError:
+            log.warning("storage.io.close_drain_timeout", in_flight=len(self._inflight))
+        try:
+            # Its own thread: a stuck worker must not queue the close behind it.
+            await asyncio.to_thread(self.backend.close)
+        finally:
+            self._pool.shutdown(wait=False)
+
+    # -- the mechanism -----------------------------------------------------------------------
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise OwnershipError("StorageIO is bound to another event loop")
+        return loop
+
+    def _holders(self, buffers: Sequence[PageBuffer]) -> list[_Call]:
+        want = [(b.ptr, b.ptr + b.nbytes) for b in buffers]
+        return [
+            c
+            for c in self._inflight.values()
+            if any(s < e2 and s2 < e for s, e in c.ranges for s2, e2 in want)
+        ]
+
+    async def call(
+        self,
+        what: str,
+        fn: Callable[..., T],
+        *args: Any,
+        timeout: float | None = None,
+        buffers: Sequence[PageBuffer] = (),
+    ) -> T:
+        """Run ``fn(*args)`` on a worker; return its result on the loop.
+
+        ``buffers`` are the memory the call uses (tracked for :meth:`wait_released`).
+
+        Raises:
+            StorageTimeoutError: no result within ``timeout`` (default ``default_timeout``)
+                seconds, counting the wait for a slot.
+            StorageUnavailableError: the executor is closed.
+            StorageError: ``fn`` raised an exception outside the ``KVCacheError`` hierarchy
+                (chained); ``KVCacheError``s propagate unchanged.
+        """
+        loop = self._bind_loop()
+        if self._closed:
+            raise StorageUnavailableError(f"StorageIO is closed ({what})")
+        if timeout is None:
+            timeout = self.default_timeout
+        deadline = loop.time() + timeout
+        await self._acquire(loop, deadline, what, timeout)
+        call = _Call(
+            id=next(self._ids),
+            what=what,
+            result=loop.create_future(),
+            finished=loop.create_future(),
+            ranges=tuple((b.ptr, b.ptr + b.nbytes) for b in buffers),
+        )
+        self._inflight[call.id] = call
+        try:
+            self._pool.submit(self._work, loop, call, fn, args)
+        except BaseException:
+            del self._inflight[call.id]
+            self._release()
+            raise
+        self._submitted += 1
+        timer = loop.call_at(deadline, self._expire, call.result, what, timeout)
+        try:
+            return await call.result  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            self._cancelled += 1
+            raise
+        finally:
+            timer.cancel()
+
+    async def _acquire(
+        self, loop: asyncio.AbstractEventLoop, deadline: float, what: str, timeout: float
+    ) -> None:
+        if self._pending < self.max_pending and not any(not w.done() for w in self._waiters):
+            self._pending += 1
+            return
+        grant: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(grant)
+        timer = loop.call_at(deadline, self._expire, grant, f"{what} (waiting for a slot)", timeout)
+        try:
+            await grant
+        except BaseException as exc:
+            if grant.done() and not grant.cancelled() and grant.exception() is None:
+                self._release()  # granted, then cancelled before we resumed: hand it back
+            if isinstance(exc, asyncio.CancelledError):
+                self._cancelled += 1
+            raise
+        finally:
+            timer.cancel()
+
+    def _release(self) -> None:
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_result(None)  # the slot passes to the waiter; _pending unchanged
+                return
+        self._pending -= 1
+        assert self._pending >= 0, f"slot count went negative: {self._pending}"
+
+    def _expire(self, fut: asyncio.Future[Any], what: str, timeout: float) -> None:
+        if not fut.done():
+            self._timeouts += 1
+            fut.set_exception(StorageTimeoutError(f"storage {what} did not finish in {timeout} s"))
+
+    def _work(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        call: _Call,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+    ) -> None:
+        # Worker thread: run the blocking call, touch nothing but call_soon_threadsafe.
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            error = exc
+        # RuntimeError: the loop is closed and nobody is left to receive the result.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._finish, call, result, error)
+
+    def _finish(self, call: _Call, result: Any, error: BaseException | None) -> None:
+        # Loop thread.
+        self._inflight.pop(call.id, None)
+        self._completed += 1
+        self._release()
+        if not call.finished.done():
+            call.finished.set_result(None)
+        if call.result.done():
+            self._late += 1
+            log.debug(
+                "storage.io.late_result",
+                call=call.what,
+                error=None if error is None else type(error).__name__,
+            )
+            return
+        if error is None:
+            call.result.set_result(result)
+        elif isinstance(error, KVCacheError) or not isinstance(error, Exception):
+            call.result.set_exception(error)
+        else:
+            wrapped = StorageError(f"storage {call.what} failed: {type(error).__name__}: {error}")
+            wrapped.__cause__ = error
+            call.result.set_exception(wrapped)

@@ -1,0 +1,502 @@
+"""``MooncakeStorage``: the distributed L3 backend over ``mooncake.store.MooncakeDistributedStore``.
+
+Configuration.  Every constructor argument left as ``None`` comes from the environment, using
+the names SGLang's Mooncake backend reads (so one deployment config serves both):
+
+* ``master``: ``MOONCAKE_MASTER``, default ``127.0.0.1:50051``
+* ``metadata_server``: ``MOONCAKE_TE_META_DATA_SERVER``, then the legacy
+  ``MOONCAKE_METADATA_SERVER``, default ``http://127.0.0.1:8080/metadata``
+* ``local_hostname``: ``MOONCAKE_LOCAL_HOSTNAME``, default ``127.0.0.1``
+* ``protocol``: ``MOONCAKE_PROTOCOL``, default ``tcp``
+* ``device_name``: ``MOONCAKE_DEVICE``, default ``""``
+* ``global_segment_size``: ``MOONCAKE_GLOBAL_SEGMENT_SIZE``, default 1 GiB
+* ``local_buffer_size``: ``MOONCAKE_LOCAL_BUFFER_SIZE``, default 16 MiB
+
+Sizes accept an int or a string with a unit (``"4gb"``, ``"512MB"``, ``"64k"``; binary units).
+The client's own ``MC_*`` variables are read by the C++ client at :meth:`open`:
+``MC_RPC_TIMEOUT_MS`` bounds every call to a hung master (default 30 s; set it, or pass
+``rpc_timeout_ms``, which writes it into ``os.environ`` before ``setup``), and
+``MC_TCP_BIND_ADDRESS`` is the address the client publishes (when unset and ``local_hostname``
+is an IP literal, :meth:`open` sets it to that address so a loopback deployment stays on
+loopback).  ``MC_STORE_CLIENT_SETUP_RETRIES`` bounds ``setup`` when no master answers.
+
+Semantics.  ``put`` first asks ``batch_is_exist`` and does not re-send present keys (a Mooncake
+``put`` on an existing key returns 0 and keeps the old value anyway); the rest are sealed
+(trailer written into each slot) and sent with one zero-copy ``batch_put_from``.  Return codes:
+``-704`` = missing (a miss); ``-900``/``-901``/``-800`` = unavailable (master dead, master hung,
+data holder dead); ``-200`` = no space: the failed keys are retried once after
+``no_space_retry_delay`` seconds (the master evicts in the meantime), then reported as
+failures per key.  When *every* key of a batch fails as unavailable the call raises
+:class:`~aiocache_kv.errors.StorageUnavailableError` (the all-``False`` result would carry no
+more information); otherwise each key gets its own result.  A page that fails the integrity
+check (or whose object is larger/smaller than the slot, ``-600`` / short read) is a miss,
+counted as corrupt, and removed from the store so a later put can replace it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+import torch
+
+from aiocache_kv.errors import ConfigError, StorageError, StorageUnavailableError
+from aiocache_kv.storage import integrity
+from aiocache_kv.storage.base import PageBuffer, StatsCounter, StorageStats, leading_run
+from aiocache_kv.storage.keys import check_keys
+
+__all__ = [
+    "CODE_MISSING",
+    "CODE_NO_SPACE",
+    "UNAVAILABLE_CODES",
+    "MooncakeNotInstalledError",
+    "MooncakeStorage",
+    "parse_size",
+]
+
+log = structlog.get_logger(__name__)
+
+CODE_NO_SPACE = -200
+CODE_BUFFER_SIZE = -600
+CODE_MISSING = -704
+UNAVAILABLE_CODES = frozenset({-900, -901, -800})
+
+_DEFAULT_MASTER = "127.0.0.1:50051"
+_DEFAULT_METADATA = "http://127.0.0.1:8080/metadata"
+_DEFAULT_HOSTNAME = "127.0.0.1"
+_DEFAULT_GLOBAL_SEGMENT = 1 << 30
+_DEFAULT_LOCAL_BUFFER = 16 << 20
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class MooncakeNotInstalledError(StorageUnavailableError, ImportError):
+    """``mooncake.store`` cannot be imported (install ``aiocache_kv[mooncake]``)."""
+
+
+def parse_size(value: int | str, name: str = "size") -> int:
+    """Parse ``4096``, ``"4096"``, ``"16mb"``, ``"4GiB"`` into bytes (binary units).
+
+    Raises:
+        ConfigError: not a non-negative int or a recognised size string.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{name} must be >= 0, got {value}")
+        return value
+    match = _SIZE_RE.match(str(value))
+    if match is None:
+        raise ConfigError(f"{name} must be bytes or a size like '4gb', got {value!r}")
+    return int(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def _env(*names: str) -> str | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value:
+            return value
+    return None
+
+
+class MooncakeStorage:
+    """L3 pages in a Mooncake Store cluster; see the module docstring for config and codes.
+
+    Construction validates the configuration only (no I/O, safe on the event loop).
+    :meth:`open` (called lazily by every method, run it via ``StorageIO``) imports mooncake and
+    connects; it blocks for the client's setup (~1 s; far longer with no master unless
+    ``MC_STORE_CLIENT_SETUP_RETRIES`` is small).
+    """
+
+    def __init__(
+        self,
+        master: str | None = None,
+        metadata_server: str | None = None,
+        local_hostname: str | None = None,
+        protocol: str | None = None,
+        device_name: str | None = None,
+        global_segment_size: int | str | None = None,
+        local_buffer_size: int | str | None = None,
+        *,
+        rpc_timeout_ms: int | None = None,
+        no_space_retry_delay: float = 0.02,
+    ) -> None:
+        """Raises:
+        ConfigError: a size or timeout is malformed or an address is empty.
+        """
+        self.master = master or _env("MOONCAKE_MASTER") or _DEFAULT_MASTER
+        self.metadata_server = (
+            metadata_server
+            or _env("MOONCAKE_TE_META_DATA_SERVER", "MOONCAKE_METADATA_SERVER")
+            or _DEFAULT_METADATA
+        )
+        self.local_hostname = local_hostname or _env("MOONCAKE_LOCAL_HOSTNAME") or _DEFAULT_HOSTNAME
+        self.protocol = protocol or _env("MOONCAKE_PROTOCOL") or "tcp"
+        self.device_name = (
+            device_name if device_name is not None else (_env("MOONCAKE_DEVICE") or "")
+        )
+        gss = global_segment_size
+        if gss is None:
+            gss = _env("MOONCAKE_GLOBAL_SEGMENT_SIZE") or _DEFAULT_GLOBAL_SEGMENT
+        lbs = local_buffer_size
+        if lbs is None:
+            lbs = _env("MOONCAKE_LOCAL_BUFFER_SIZE") or _DEFAULT_LOCAL_BUFFER
+        self.global_segment_size = parse_size(gss, "global_segment_size")
+        self.local_buffer_size = parse_size(lbs, "local_buffer_size")
+        if rpc_timeout_ms is not None and (
+            isinstance(rpc_timeout_ms, bool)
+            or not isinstance(rpc_timeout_ms, int)
+            or rpc_timeout_ms <= 0
+        ):
+            raise ConfigError(f"rpc_timeout_ms must be a positive int, got {rpc_timeout_ms!r}")
+        if no_space_retry_delay < 0:
+            raise ConfigError(f"no_space_retry_delay must be >= 0, got {no_space_retry_delay}")
+        if ":" not in self.master:
+            raise ConfigError(f"master must be host:port, got {self.master!r}")
+        self.rpc_timeout_ms = rpc_timeout_ms
+        self.no_space_retry_delay = no_space_retry_delay
+        self._store: Any = None
+        self._open_lock = threading.Lock()
+        self._closed = False
+        self._registered: list[tuple[int, int]] = []  # (start, end) of registered buffers
+        self._reg_lock = threading.Lock()
+        self._warned_unregistered = False
+        self._stats = StatsCounter()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("open" if self._store is not None else "new")
+        return (
+            f"MooncakeStorage(master={self.master!r}, metadata_server={self.metadata_server!r}, "
+            f"protocol={self.protocol!r}, state={state}, registered={len(self._registered)})"
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Import mooncake and connect (idempotent).
+
+        Raises:
+            MooncakeNotInstalledError: ``mooncake.store`` cannot be imported.
+            StorageUnavailableError: closed, or ``setup`` failed (master/metadata unreachable).
+        """
+        with self._open_lock:
+            if self._closed:
+                raise StorageUnavailableError("MooncakeStorage is closed")
+            if self._store is not None:
+                return
+            try:
+                from mooncake.store import MooncakeDistributedStore
+            except ImportError as exc:
+                raise MooncakeNotInstalledError(
+                    "MooncakeStorage needs the mooncake client: pip install "
+                    "'aiocache_kv[mooncake]' (mooncake-transfer-engine-non-cuda); "
+                    f"import failed: {exc}"
+                ) from exc
+            if self.rpc_timeout_ms is not None:
+                os.environ["MC_RPC_TIMEOUT_MS"] = str(self.rpc_timeout_ms)
+            host = (
+                self.local_hostname.rsplit(":", 1)[0]
+                if self.local_hostname.count(":") == 1
+                else self.local_hostname
+            )
+            try:
+                ipaddress.ip_address(host)
+                os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
+            except ValueError:
+                pass
+            store = MooncakeDistributedStore()
+            t0 = time.monotonic()
+            rc = store.setup(
+                self.local_hostname,
+                self.metadata_server,
+                self.global_segment_size,
+                self.local_buffer_size,
+                self.protocol,
+                self.device_name,
+                self.master,
+            )
+            if rc != 0:
+                raise StorageUnavailableError(
+                    f"mooncake setup failed with {rc} (master={self.master!r}, "
+                    f"metadata_server={self.metadata_server!r}, local_hostname="
+                    f"{self.local_hostname!r}, protocol={self.protocol!r})"
+                )
+            self._store = store
+            log.info(
+                "storage.mooncake.open",
+                master=self.master,
+                hostname=store.get_hostname(),
+                setup_s=round(time.monotonic() - t0, 3),
+            )
+
+    def close(self) -> None:
+        """Unregister buffers and close the client (idempotent; takes ~2 s; drops this
+        client's segment, i.e. every object stored in it)."""
+        with self._open_lock:
+            if self._closed:
+                return
+            self._closed = True
+            store, self._store = self._store, None
+        if store is None:
+            return
+        with self._reg_lock:
+            regs, self._registered = self._registered, []
+        for start, _ in regs:
+            store.unregister_buffer(start)
+        store.close()
+        log.info("storage.mooncake.closed", master=self.master)
+
+    @property
+    def raw_client(self) -> Any:
+        """The underlying ``MooncakeDistributedStore`` (opens it; tests and diagnostics)."""
+        return self._client()
+
+    def _client(self) -> Any:
+        if self._closed:
+            raise StorageUnavailableError("MooncakeStorage is closed")
+        if self._store is None:
+            self.open()
+        return self._store
+
+    def register_buffer(self, tensor: torch.Tensor) -> None:
+        """Register a host tensor's memory once for zero-copy transfers (idempotent).
+
+        Raises:
+            InvalidInputError: not a contiguous CPU tensor.
+            StorageError: the client refused the registration (e.g. -600, overlapping range).
+        """
+        buf = PageBuffer.from_tensor(tensor.view(-1).view(torch.uint8))
+        store = self._client()
+        with self._reg_lock:
+            if (buf.ptr, buf.ptr + buf.nbytes) in self._registered:
+                return
+            rc = store.register_buffer(buf.ptr, buf.nbytes)
+            if rc != 0:
+                raise StorageError(
+                    f"mooncake register_buffer(0x{buf.ptr:x}, {buf.nbytes}) failed with {rc}"
+                )
+            self._registered.append((buf.ptr, buf.ptr + buf.nbytes))
+
+    def _check_registered(self, buffers: Sequence[PageBuffer]) -> None:
+        with self._reg_lock:
+            regs = list(self._registered)
+        outside = sum(
+            1 for b in buffers if not any(s <= b.ptr and b.ptr + b.nbytes <= e for s, e in regs)
+        )
+        if outside:
+            self._stats.add(unregistered_buffers=outside)
+            if not self._warned_unregistered:
+                self._warned_unregistered = True
+                log.warning("storage.mooncake.unregistered_buffers", count=outside)
+
+    def statistics(self) -> StorageStats:
+        """Frozen snapshot of the counters."""
+        return self._stats.snapshot()
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def _call(self, what: str, fn: Any, *args: Any) -> list[int]:
+        try:
+            codes = list(fn(*args))
+        except Exception as exc:  # the binding raises on bad arguments / internal errors
+            raise StorageError(f"mooncake {what} raised {type(exc).__name__}: {exc}") from exc
+        n = len(args[0])
+        if len(codes) != n:
+            log.error("storage.mooncake.short_result", call=what, expected=n, got=len(codes))
+            codes = (codes + [-1] * n)[:n]  # never truncate silently: missing = failed
+        return codes
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Per key: present in the store (grants Mooncake's read lease).
+
+        Raises:
+            StorageKeyError: a malformed key.
+            StorageUnavailableError: the store answered with an error for every key.
+        """
+        check_keys(keys)
+        if not keys:
+            return []
+        store = self._client()
+        codes = self._call("batch_is_exist", store.batch_is_exist, list(keys))
+        if all(c < 0 for c in codes):
+            raise StorageUnavailableError(
+                f"mooncake batch_is_exist failed for all {len(keys)} keys"
+            )
+        return [c == 1 for c in codes]
+
+    def leading_hits(self, keys: Sequence[str]) -> int:
+        """Count of the leading run of present keys (raises as :meth:`exists`)."""
+        return leading_run(self.exists(keys))
+
+    def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+        """Store slots not already present, zero-copy; see module doc for codes and retries.
+
+        Raises:
+            StorageKeyError, InvalidInputError: malformed batch (nothing sent).
+            StorageUnavailableError: every key failed as unavailable.
+            StorageError: the client raised.
+        """
+        integrity.check_batch(keys, buffers)
+        n = len(keys)
+        if n == 0:
+            return []
+        store = self._client()
+        self._stats.add(puts=n)
+        results = [False] * n
+        exist = self._call("batch_is_exist", store.batch_is_exist, list(keys))
+        if all(c < 0 for c in exist):
+            self._stats.add(put_failed=n, unavailable=n)
+            raise StorageUnavailableError(f"mooncake batch_is_exist failed for all {n} keys")
+        first: dict[str, int] = {}  # key -> index it is sent from (duplicates ride along)
+        for i, key in enumerate(keys):
+            if exist[i] == 1:
+                results[i] = True
+            elif key not in first:
+                first[key] = i
+        skipped = sum(results)
+        todo = list(first.values())
+        for i in todo:
+            integrity.seal(buffers[i], keys[i])
+        self._check_registered([buffers[i] for i in todo])
+        codes: dict[int, int] = {}
+        retries = 0
+        attempt = todo
+        for round_ in range(2):
+            if not attempt:
+                break
+            got = self._call(
+                "batch_put_from",
+                store.batch_put_from,
+                [keys[i] for i in attempt],
+                [buffers[i].ptr for i in attempt],
+                [buffers[i].nbytes for i in attempt],
+            )
+            codes.update(zip(attempt, got, strict=True))
+            attempt = [i for i, c in zip(attempt, got, strict=True) if c == CODE_NO_SPACE]
+            if round_ == 0 and attempt:
+                retries = len(attempt)
+                time.sleep(self.no_space_retry_delay)
+        ok = failed = unavailable = 0
+        sent_bytes = 0
+        failures: dict[int, int] = {}
+        for i, key in enumerate(keys):
+            if results[i]:
+                continue
+            code = codes[first[key]]
+            if code == 0:
+                results[i] = True
+                if first[key] == i:
+                    ok += 1
+                    sent_bytes += buffers[i].nbytes
+                else:
+                    skipped += 1
+            else:
+                failed += 1
+                failures[code] = failures.get(code, 0) + 1
+                if code in UNAVAILABLE_CODES:
+                    unavailable += 1
+        self._stats.add(
+            put_ok=ok,
+            put_skipped=skipped,
+            put_failed=failed,
+            put_retries=retries,
+            unavailable=unavailable,
+            bytes_written=sent_bytes,
+        )
+        if failed:
+            log.warning("storage.mooncake.put_failed", failed=failed, of=n, codes=failures)
+        if unavailable == n:
+            raise StorageUnavailableError(
+                f"mooncake put failed for all {n} keys (codes {failures})"
+            )
+        return results
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+        """Read slots zero-copy and verify them; corrupt pages are misses and are removed.
+
+        Raises:
+            StorageKeyError, InvalidInputError: malformed batch (nothing read).
+            StorageUnavailableError: every key failed as unavailable.
+            StorageError: the client raised.
+        """
+        integrity.check_batch(keys, buffers)
+        n = len(keys)
+        if n == 0:
+            return []
+        store = self._client()
+        self._check_registered(buffers)
+        codes = self._call(
+            "batch_get_into",
+            store.batch_get_into,
+            list(keys),
+            [b.ptr for b in buffers],
+            [b.nbytes for b in buffers],
+        )
+        results = [False] * n
+        hits = misses = failed = unavailable = 0
+        read_bytes = 0
+        corrupt: list[tuple[str, integrity.Verdict]] = []
+        failures: dict[int, int] = {}
+        for i, (key, buf, code) in enumerate(zip(keys, buffers, codes, strict=True)):
+            if code > 0:
+                verdict = integrity.verify(buf, key, nbytes_read=code)
+                if verdict is integrity.Verdict.OK:
+                    results[i] = True
+                    hits += 1
+                    read_bytes += code
+                else:
+                    corrupt.append((key, verdict))
+            elif code == CODE_MISSING:
+                misses += 1
+            elif code == CODE_BUFFER_SIZE:
+                corrupt.append((key, integrity.Verdict.BAD_LENGTH))
+            else:
+                failed += 1
+                failures[code] = failures.get(code, 0) + 1
+                if code in UNAVAILABLE_CODES:
+                    unavailable += 1
+        self._stats.add(
+            gets=n,
+            hits=hits,
+            misses=misses,
+            corrupt=len(corrupt),
+            get_failed=failed,
+            unavailable=unavailable,
+            bytes_read=read_bytes,
+        )
+        integrity.log_failures("mooncake", corrupt)
+        if corrupt:
+            bad = sorted({k for k, _ in corrupt})
+            removed = self._call("batch_remove", store.batch_remove, bad, True)
+            self._stats.add(removed=sum(1 for c in removed if c == 0))
+        if failed:
+            log.warning("storage.mooncake.get_failed", failed=failed, of=n, codes=failures)
+        if unavailable == n:
+            raise StorageUnavailableError(
+                f"mooncake get failed for all {n} keys (codes {failures})"
+            )
+        return results
+
+    def remove(self, keys: Sequence[str]) -> list[bool]:
+        """Force-remove keys (ignores read leases); per key ``True`` if it was removed.
+
+        Raises:
+            StorageKeyError: a malformed key.
+            StorageError: the client raised.
+        """
+        check_keys(keys)
+        if not keys:
+            return []
+        store = self._client()
+        codes = self._call("batch_remove", store.batch_remove, list(keys), True)
+        removed = sum(1 for c in codes if c == 0)
+        self._stats.add(removed=removed)
+        return [c == 0 for c in codes]

@@ -1,0 +1,309 @@
+"""FileStorage: atomic files, safe names, exact LRU, corruption as misses, typed errors."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from aiocache_kv.errors import ConfigError, StorageKeyError, StorageUnavailableError
+from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, PageBuffer
+from aiocache_kv.storage.keys import parse_storage_key, storage_key
+
+PAGE = 4096
+SLOT = PAGE + FRAME_OVERHEAD
+
+
+def pages(n: int, seed: int = 0, slot: int = SLOT) -> list[PageBuffer]:
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randint(0, 256, (n * slot,), dtype=torch.uint8, generator=g)
+    return [PageBuffer.from_tensor(pool[i * slot : (i + 1) * slot]) for i in range(n)]
+
+
+def empty(n: int, slot: int = SLOT) -> list[PageBuffer]:
+    return [PageBuffer.allocate(slot) for _ in range(n)]
+
+
+def payload(buf: PageBuffer) -> bytes:
+    return bytes(buf.view[: buf.nbytes - FRAME_OVERHEAD])
+
+
+def keys_for(tag: str, n: int, start: int = 0) -> list[str]:
+    return [storage_key(tag, 0x1000 + i) for i in range(start, start + n)]
+
+
+def stored_keys(root: Path) -> list[str]:
+    """Read the raw key back from every page file under ``root``."""
+    out = []
+    for path in sorted(root.rglob("*.kv")):
+        with open(path, "rb") as f:
+            magic, n = struct.unpack("<4sI", f.read(8))
+            assert magic == b"AKVF"
+            out.append(f.read(n).decode("utf-8", "surrogatepass"))
+    return out
+
+
+def file_size(key: str) -> int:
+    return 8 + len(key.encode()) + SLOT
+
+
+def test_round_trip_bit_identical(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path / "kv")
+    keys, src = keys_for("a", 4), pages(4)
+    assert fs.put(keys, src) == [True] * 4
+    dst = empty(4)
+    assert fs.get_into(keys, dst) == [True] * 4
+    assert [bytes(b.view) for b in dst] == [bytes(b.view) for b in src]  # trailer too
+    assert fs.exists([*keys, "a/0000000000000000/kv"]) == [True] * 4 + [False]
+    assert fs.leading_hits([keys[0], keys[1], "missing", keys[2]]) == 2
+    st = fs.statistics()
+    assert (st.puts, st.put_ok, st.gets, st.hits, st.bytes_written, st.bytes_read) == (
+        4,
+        4,
+        4,
+        4,
+        4 * SLOT,
+        4 * SLOT,
+    )
+    assert fs.total_bytes() == sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*.kv"))
+
+
+def test_existing_keys_not_rewritten(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    keys = keys_for("a", 2)
+    fs.put(keys, pages(2, seed=1))
+    mtimes = [fs.path_of(k).stat().st_mtime_ns for k in keys]
+    other = pages(2, seed=2)
+    assert fs.put(keys, other) == [True, True]
+    st = fs.statistics()
+    assert (st.put_ok, st.put_skipped, st.bytes_written) == (2, 2, 2 * SLOT)
+    assert [fs.path_of(k).stat().st_mtime_ns for k in keys] == mtimes
+    dst = empty(2)
+    fs.get_into(keys, dst)
+    assert [payload(b) for b in dst] == [payload(b) for b in pages(2, seed=1)]
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "../../etc/passwd",
+        "/abs",
+        "/abs/../../x",
+        "a\x00b",
+        "x" * 1000,
+        "..",
+        ".",
+        "é/ü\\c:",
+        "\udc80",
+    ],
+)
+def test_keys_cannot_escape_the_directory(tmp_path: Path, key: str) -> None:
+    root = tmp_path / "kv"
+    outside_before = sorted(p for p in tmp_path.rglob("*") if root not in p.parents and p != root)
+    fs = FileStorage(root)
+    [src] = pages(1)
+    assert fs.put([key], [src]) == [True]
+    files = list(root.rglob("*.kv"))
+    assert len(files) == 1
+    assert files[0].resolve().parent.parent == root.resolve()
+    assert len(files[0].stem) == 40 and all(c in "0123456789abcdef" for c in files[0].stem)
+    assert stored_keys(root) == [key]
+    dst = empty(1)
+    assert fs.get_into([key], dst) == [True] and payload(dst[0]) == payload(src)
+    outside_after = sorted(p for p in tmp_path.rglob("*") if root not in p.parents and p != root)
+    assert outside_after == outside_before
+
+
+def test_bad_keys_raise_before_any_io(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    for bad in ["", "x" * 2000]:
+        with pytest.raises(StorageKeyError):
+            fs.put(["ok", bad], pages(2))
+    assert fs.statistics().puts == 0 and stored_keys(tmp_path) == []
+
+
+def test_raw_keys_carry_exactly_one_tag(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    ka, kb = keys_for("tenantA", 3), keys_for("tenantB", 3)
+    fs.put(ka, pages(3, seed=1))
+    fs.put(kb, pages(3, seed=2))
+    raw = stored_keys(tmp_path)
+    assert sorted(raw) == sorted(ka + kb)
+    tags = [parse_storage_key(k).tag for k in raw]  # raises on a doubly-tagged key
+    assert sorted(tags) == ["tenantA"] * 3 + ["tenantB"] * 3
+    # Same page hashes, other tag: never a cross hit, never the other tenant's bytes.
+    fs2 = FileStorage(tmp_path / "only-a")
+    fs2.put(ka, pages(3, seed=1))
+    assert fs2.get_into(keys_for("tenantB", 3), empty(3)) == [False] * 3
+    dst = empty(3)
+    assert fs.get_into(kb, dst) == [True] * 3
+    assert [payload(b) for b in dst] == [payload(b) for b in pages(3, seed=2)]
+
+
+def test_corrupted_and_truncated_files_are_misses(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    keys, src = keys_for("a", 4), pages(4)
+    fs.put(keys, src)
+    flip = fs.path_of(keys[1])
+    data = bytearray(flip.read_bytes())
+    data[100] ^= 0x40
+    flip.write_bytes(bytes(data))
+    trunc = fs.path_of(keys[2])
+    with open(trunc, "r+b") as f:
+        f.truncate(trunc.stat().st_size - 7)
+    with capture_logs() as logs:
+        got = fs.get_into(keys, empty(4))
+    assert got == [True, False, False, True]
+    st = fs.statistics()
+    assert (st.hits, st.corrupt, st.misses) == (2, 2, 0)
+    corrupt_logs = [e for e in logs if e["event"] == "storage.corrupt_pages"]
+    assert len(corrupt_logs) == 1 and corrupt_logs[0]["count"] == 2
+    # Corrupt pages are dropped, so a re-put stores them again.
+    assert fs.exists(keys) == [True, False, False, True]
+    assert fs.put(keys, src) == [True] * 4
+    dst = empty(4)
+    assert fs.get_into(keys, dst) == [True] * 4
+    assert [payload(b) for b in dst] == [payload(b) for b in src]
+
+
+def test_wrong_slot_size_is_a_miss(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    fs.put(["k"], pages(1))
+    assert fs.get_into(["k"], [PageBuffer.allocate(SLOT + 8)]) == [False]
+    assert fs.statistics().corrupt == 1
+
+
+def test_lru_eviction_exact_order(tmp_path: Path) -> None:
+    ks = keys_for("a", 5)
+    fs = FileStorage(tmp_path, capacity_bytes=3 * file_size(ks[0]))
+    a, b, c, d, e = ks
+    fs.put([a, b, c], pages(3))
+    assert fs.get_into([a], empty(1)) == [True]  # a is now most recent
+    assert fs.exists([b]) == [True]  # exists is not an access
+    fs.put([d], pages(1))  # evicts b
+    assert fs.exists(ks) == [True, False, True, True, False]
+    fs.put([c], pages(1))  # present: not rewritten, but touched
+    fs.put([e], pages(1))  # evicts a (c, d, e remain)
+    assert fs.exists(ks) == [False, False, True, True, True]
+    assert fs.lru_order() == [fs.path_of(k).stem for k in (d, c, e)]
+    assert fs.statistics().evictions == 2
+    assert fs.total_bytes() == 3 * file_size(a)
+    assert sorted(stored_keys(tmp_path)) == sorted([c, d, e])
+
+
+def test_page_larger_than_capacity_is_refused(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path, capacity_bytes=SLOT)
+    assert fs.put(["k"], pages(1)) == [False]
+    assert fs.statistics().put_failed == 1 and stored_keys(tmp_path) == []
+
+
+def test_index_rebuilt_at_open(tmp_path: Path) -> None:
+    ks = keys_for("a", 3)
+    fs = FileStorage(tmp_path)
+    fs.put(ks, pages(3))
+    for i, k in enumerate(ks):  # make the on-disk order explicit: ks[2] oldest
+        os.utime(fs.path_of(k), ns=(10**18 - i * 10**9, 10**18 - i * 10**9))
+    (tmp_path / "00" / ".stale.tmp").write_bytes(b"half a page")
+    fs.close()
+    with pytest.raises(StorageUnavailableError):
+        fs.exists(ks)
+    reopened = FileStorage(tmp_path, capacity_bytes=2 * file_size(ks[0]))
+    assert reopened.exists(ks) == [True, True, False]  # over capacity: oldest evicted at open
+    assert not (tmp_path / "00" / ".stale.tmp").exists()
+    dst = empty(2)
+    assert reopened.get_into(ks[:2], dst) == [True, True]
+
+
+def _unwritable_target(tmp_path: Path) -> Path:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        (locked / "probe").write_bytes(b"x")  # succeeds as root: chmod does not stop root
+    except PermissionError:
+        return locked / "kv"
+    (locked / "probe").unlink()
+    locked.chmod(0o700)
+    blocker = tmp_path / "file.txt"
+    blocker.write_bytes(b"a regular file")
+    return blocker / "sub"
+
+
+def test_unwritable_directory_is_a_typed_error(tmp_path: Path) -> None:
+    target = _unwritable_target(tmp_path)
+    fs = FileStorage(target)  # construction does no I/O
+    with pytest.raises(StorageUnavailableError, match="not usable"):
+        fs.open()
+    with pytest.raises(StorageUnavailableError):
+        fs.put(["k"], pages(1))
+
+
+def test_path_under_a_regular_file_is_a_typed_error(tmp_path: Path) -> None:
+    (tmp_path / "file.txt").write_bytes(b"x")
+    with pytest.raises(StorageUnavailableError, match=r"file\.txt"):
+        FileStorage(tmp_path / "file.txt" / "sub").open()
+
+
+def test_failure_mid_batch_is_per_key(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    fs.open()
+    keys = [f"key-{i}" for i in range(40)]
+    broken_shard = fs.path_of(keys[7]).parent.name
+    os.rmdir(tmp_path / broken_shard)
+    (tmp_path / broken_shard).write_bytes(b"not a directory")  # writes there fail
+    with capture_logs() as logs:
+        got = fs.put(keys, pages(40))
+    expected = [fs.path_of(k).parent.name != broken_shard for k in keys]
+    assert got == expected and not all(got) and any(got[8:])
+    st = fs.statistics()
+    assert (st.put_ok, st.put_failed) == (sum(expected), len(keys) - sum(expected))
+    assert sorted(stored_keys(tmp_path)) == sorted(k for k, ok in zip(keys, got, strict=True) if ok)
+    assert fs.exists(keys) == expected
+    assert len([e for e in logs if e["event"] == "storage.file.put_failed"]) == 1
+
+
+@pytest.mark.parametrize("policy", ["never", "data", "always"])
+def test_fsync_policies_round_trip(tmp_path: Path, policy: str) -> None:
+    fs = FileStorage(tmp_path, fsync=policy)  # type: ignore[arg-type]
+    src = pages(2)
+    assert fs.put(["a", "b"], src) == [True, True]
+    dst = empty(2)
+    assert fs.get_into(["a", "b"], dst) == [True, True]
+    assert [payload(b) for b in dst] == [payload(b) for b in src]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"fsync": "sometimes"},
+        {"capacity_bytes": 0},
+        {"capacity_bytes": -5},
+        {"capacity_bytes": 1.5},
+        {"capacity_bytes": True},
+    ],
+)
+def test_bad_config(tmp_path: Path, kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        FileStorage(tmp_path, **kwargs)  # type: ignore[arg-type]
+
+
+def test_concurrent_workers_keep_the_index_consistent(tmp_path: Path) -> None:
+    cap = 20 * file_size(storage_key("a", 0))
+    fs = FileStorage(tmp_path, capacity_bytes=cap)
+
+    def work(w: int) -> None:
+        ks = keys_for("a", 30, start=w * 10)  # overlapping ranges across workers
+        fs.put(ks, pages(30, seed=w))
+        fs.get_into(ks, empty(30))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(work, range(4)))
+    on_disk = list(tmp_path.rglob("*.kv"))
+    assert fs.total_bytes() == sum(p.stat().st_size for p in on_disk) <= cap
+    assert sorted(p.stem for p in on_disk) == sorted(fs.lru_order())
+    assert fs.statistics().corrupt == 0

@@ -1,0 +1,285 @@
+"""MooncakeStorage against a real mooncake_master on 127.0.0.1, plus return-code mapping."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from aiocache_kv.errors import ConfigError, StorageUnavailableError
+from aiocache_kv.storage import FRAME_OVERHEAD, MooncakeStorage, PageBuffer, StorageIO
+from aiocache_kv.storage.keys import parse_storage_key, storage_key
+from aiocache_kv.storage.mooncake import MooncakeNotInstalledError, parse_size
+
+from .conftest import LOOPBACK, MasterProc
+
+PAGE = 64 << 10
+SLOT = PAGE + FRAME_OVERHEAD
+
+
+class HostPool:
+    """A tiny page-first host pool: one registered uint8 tensor, one slot per page."""
+
+    def __init__(self, n: int, seed: int | None = None) -> None:
+        if seed is None:
+            self.tensor = torch.zeros(n * SLOT, dtype=torch.uint8)
+        else:
+            g = torch.Generator().manual_seed(seed)
+            self.tensor = torch.randint(0, 256, (n * SLOT,), dtype=torch.uint8, generator=g)
+        self.slots = [
+            PageBuffer.from_tensor(self.tensor[i * SLOT : (i + 1) * SLOT]) for i in range(n)
+        ]
+
+    def payload(self, i: int) -> bytes:
+        return bytes(self.slots[i].view[:PAGE])
+
+
+def keys_for(tag: str, n: int) -> list[str]:
+    return [storage_key(tag, 0xABC000 + i) for i in range(n)]
+
+
+pytestmark = pytest.mark.mooncake
+
+
+def test_round_trip_zero_copy(mc_storage: MooncakeStorage, tag: str) -> None:
+    src, dst = HostPool(8, seed=1), HostPool(8)
+    mc_storage.register_buffer(src.tensor)
+    mc_storage.register_buffer(dst.tensor)
+    mc_storage.register_buffer(src.tensor)  # idempotent
+    before = mc_storage.statistics()
+    keys = keys_for(tag, 8)
+    assert mc_storage.put(keys, src.slots) == [True] * 8
+    assert mc_storage.get_into(keys, dst.slots) == [True] * 8
+    assert torch.equal(src.tensor, dst.tensor)  # payload and trailer bit-identical
+    after = mc_storage.statistics()
+    assert after.unregistered_buffers == before.unregistered_buffers  # all zero-copy
+    assert after.bytes_written - before.bytes_written == 8 * SLOT
+    assert after.hits - before.hits == 8
+    assert mc_storage.exists([*keys, storage_key(tag, 1)]) == [True] * 8 + [False]
+    assert mc_storage.leading_hits([keys[0], keys[1], storage_key(tag, 1), keys[2]]) == 2
+
+
+def test_existing_keys_are_not_resent(mc_storage: MooncakeStorage, tag: str) -> None:
+    keys = keys_for(tag, 4)
+    first = HostPool(4, seed=2)
+    assert mc_storage.put(keys[:2], first.slots[:2]) == [True, True]
+    before = mc_storage.statistics()
+    other = HostPool(4, seed=3)
+    assert mc_storage.put(keys, other.slots) == [True] * 4
+    after = mc_storage.statistics()
+    assert after.bytes_written - before.bytes_written == 2 * SLOT  # only the two new keys
+    assert after.put_skipped - before.put_skipped == 2
+    dst = HostPool(4)
+    assert mc_storage.get_into(keys, dst.slots) == [True] * 4
+    assert [dst.payload(i) for i in range(2)] == [first.payload(i) for i in range(2)]
+    assert [dst.payload(i) for i in (2, 3)] == [other.payload(i) for i in (2, 3)]
+
+
+def test_missing_keys_are_misses(mc_storage: MooncakeStorage, tag: str) -> None:
+    before = mc_storage.statistics()
+    assert mc_storage.get_into(keys_for(tag, 3), HostPool(3).slots) == [False] * 3
+    assert mc_storage.statistics().misses - before.misses == 3
+
+
+def test_raw_keys_one_tag_and_no_cross_reads(mc_storage: MooncakeStorage, tag: str) -> None:
+    raw = mc_storage.raw_client
+    tag_a, tag_b = f"{tag}A", f"{tag}B"
+    src = HostPool(3, seed=4)
+    keys_a = keys_for(tag_a, 3)
+    assert mc_storage.put(keys_a, src.slots) == [True] * 3
+    for i, key in enumerate(keys_a):
+        assert raw.is_exist(key) == 1
+        assert parse_storage_key(key).tag == tag_a  # exactly one tag, no double prefix
+        assert raw.is_exist(f"{tag_a}/{key}") == 0
+        blob = raw.get(key)
+        assert (
+            len(blob) == SLOT and blob[:PAGE] == src.payload(i) and blob[PAGE : PAGE + 4] == b"AKVP"
+        )
+    keys_b = keys_for(tag_b, 3)  # same page hashes, other namespace
+    assert [raw.is_exist(k) for k in keys_b] == [0, 0, 0]
+    assert mc_storage.get_into(keys_b, HostPool(3).slots) == [False] * 3
+
+
+def _raw_frame(mc_storage: MooncakeStorage, key: str) -> bytearray:
+    return bytearray(mc_storage.raw_client.get(key))
+
+
+def test_corrupted_values_are_misses(mc_storage: MooncakeStorage, tag: str) -> None:
+    raw = mc_storage.raw_client
+    keys = keys_for(tag, 5)
+    src = HostPool(5, seed=5)
+    assert mc_storage.put(keys, src.slots) == [True] * 5
+    flipped = _raw_frame(mc_storage, keys[1])
+    flipped[1234] ^= 0x01
+    assert raw.upsert(keys[1], bytes(flipped)) == 0
+    assert raw.upsert(keys[2], bytes(_raw_frame(mc_storage, keys[2])[:-9])) == 0  # truncated
+    assert raw.upsert(keys[3], bytes(_raw_frame(mc_storage, keys[3])) + b"\0" * 64) == 0  # longer
+    before = mc_storage.statistics()
+    dst = HostPool(5)
+    assert mc_storage.get_into(keys, dst.slots) == [True, False, False, False, True]
+    after = mc_storage.statistics()
+    assert after.corrupt - before.corrupt == 3
+    assert after.hits - before.hits == 2 and after.misses == before.misses
+    assert dst.payload(0) == src.payload(0) and dst.payload(4) == src.payload(4)
+    # Corrupt objects are removed, so the next put stores good pages again.
+    assert [raw.is_exist(k) for k in keys] == [1, 0, 0, 0, 1]
+    assert mc_storage.put(keys, src.slots) == [True] * 5
+    assert mc_storage.get_into(keys, dst.slots) == [True] * 5
+    assert torch.equal(dst.tensor, src.tensor)
+
+
+def test_other_process_reads_bit_identical_pages(
+    mc_storage: MooncakeStorage, mooncake_master: MasterProc, tag: str
+) -> None:
+    keys = keys_for(tag, 4)
+    src = HostPool(4, seed=6)
+    assert mc_storage.put(keys, src.slots) == [True] * 4
+    script = textwrap.dedent(
+        f"""
+        import hashlib, json, sys, torch
+        from aiocache_kv.storage import MooncakeStorage, PageBuffer
+        s = MooncakeStorage(master={mooncake_master.rpc_addr!r},
+                            metadata_server={mooncake_master.metadata_url!r},
+                            local_hostname={LOOPBACK!r}, global_segment_size=0,
+                            local_buffer_size=16 << 20)
+        pool = torch.zeros({4 * SLOT}, dtype=torch.uint8)
+        s.register_buffer(pool)
+        bufs = [PageBuffer.from_tensor(pool[i * {SLOT}:(i + 1) * {SLOT}]) for i in range(4)]
+        ok = s.get_into({keys!r}, bufs)
+        sha = hashlib.sha256(pool.numpy().tobytes()).hexdigest()
+        print("RESULT " + json.dumps({{"ok": ok, "sha": sha}}))
+        sys.stdout.flush()
+        s.close()
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    [line] = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    result = json.loads(line.removeprefix("RESULT "))
+    import hashlib
+
+    assert result["ok"] == [True] * 4
+    assert result["sha"] == hashlib.sha256(src.tensor.numpy().tobytes()).hexdigest()
+
+
+async def test_through_storage_io(mc_storage: MooncakeStorage, tag: str) -> None:
+    io = StorageIO(mc_storage, workers=2)  # not closed: the session owns the client
+    src, dst = HostPool(4, seed=7), HostPool(4)
+    keys = keys_for(tag, 4)
+    assert await io.put(keys, src.slots, timeout=5) == [True] * 4
+    assert await io.get_into(keys, dst.slots, timeout=5) == [True] * 4
+    assert torch.equal(src.tensor, dst.tensor)
+    assert await io.remove(keys[:1], timeout=5) == [True]
+    assert await io.exists(keys, timeout=5) == [False, True, True, True]
+    await io.drain()
+
+
+# -- return-code mapping, with a scripted client (no master needed) --------------------------
+
+
+class ScriptedClient:
+    """Stands in for MooncakeDistributedStore: answers from queued code lists."""
+
+    def __init__(self, exist: list[list[int]], put: list[list[int]]) -> None:
+        self.exist, self.put_codes = exist, put
+        self.put_calls: list[list[str]] = []
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return self.exist.pop(0)
+
+    def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        self.put_calls.append(list(keys))
+        return self.put_codes.pop(0)
+
+    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        return [-900 for _ in keys]
+
+
+def scripted(client: ScriptedClient) -> MooncakeStorage:
+    s = MooncakeStorage(master="127.0.0.1:1", no_space_retry_delay=0.0)
+    s._store = client  # bypass setup: only the code mapping is under test
+    return s
+
+
+def bufs(n: int) -> list[PageBuffer]:
+    return [PageBuffer.allocate(64 + FRAME_OVERHEAD) for _ in range(n)]
+
+
+def test_no_space_is_retried_once_then_per_key() -> None:
+    client = ScriptedClient(exist=[[1, 0, 0, 0, 0]], put=[[0, -200, -200, -704], [0, -200]])
+    s = scripted(client)
+    keys = ["a", "b", "c", "d", "e"]
+    assert s.put(keys, bufs(5)) == [True, True, True, False, False]
+    assert client.put_calls == [["b", "c", "d", "e"], ["c", "d"]]
+    st = s.statistics()
+    assert (st.put_skipped, st.put_ok, st.put_failed, st.put_retries) == (1, 2, 2, 2)
+
+
+def test_all_unavailable_raises_mixed_is_per_key() -> None:
+    s = scripted(ScriptedClient(exist=[[-1, -1]], put=[]))
+    with pytest.raises(StorageUnavailableError):
+        s.put(["a", "b"], bufs(2))
+    s = scripted(ScriptedClient(exist=[[0, 0]], put=[[-900, -900]]))
+    with pytest.raises(StorageUnavailableError):
+        s.put(["a", "b"], bufs(2))
+    s = scripted(ScriptedClient(exist=[[0, 0, 0]], put=[[0, -901, 0]]))
+    assert s.put(["a", "b", "c"], bufs(3)) == [True, False, True]
+    assert s.statistics().unavailable == 1
+    with pytest.raises(StorageUnavailableError):
+        s.get_into(["a", "b"], bufs(2))
+
+
+def test_short_result_is_never_silently_truncated() -> None:
+    s = scripted(ScriptedClient(exist=[[0, 0, 0]], put=[[0]]))
+    assert s.put(["a", "b", "c"], bufs(3)) == [True, False, False]
+
+
+def test_duplicate_keys_in_a_batch_are_sent_once() -> None:
+    client = ScriptedClient(exist=[[0, 0, 0]], put=[[0, 0]])
+    s = scripted(client)
+    assert s.put(["a", "b", "a"], bufs(3)) == [True, True, True]
+    assert client.put_calls == [["a", "b"]]
+
+
+def test_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOONCAKE_MASTER", "10.0.0.1:5")
+    monkeypatch.delenv("MOONCAKE_TE_META_DATA_SERVER", raising=False)
+    monkeypatch.setenv("MOONCAKE_METADATA_SERVER", "http://m:1/metadata")
+    monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "10.0.0.2")
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "rdma")
+    monkeypatch.setenv("MOONCAKE_DEVICE", "mlx5_0")
+    monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "4gb")
+    monkeypatch.setenv("MOONCAKE_LOCAL_BUFFER_SIZE", "512MB")
+    s = MooncakeStorage()
+    assert (s.master, s.metadata_server, s.local_hostname, s.protocol, s.device_name) == (
+        "10.0.0.1:5",
+        "http://m:1/metadata",
+        "10.0.0.2",
+        "rdma",
+        "mlx5_0",
+    )
+    assert (s.global_segment_size, s.local_buffer_size) == (4 << 30, 512 << 20)
+    monkeypatch.setenv("MOONCAKE_TE_META_DATA_SERVER", "http://te:2/metadata")
+    assert MooncakeStorage().metadata_server == "http://te:2/metadata"
+    assert MooncakeStorage(master="h:1").master == "h:1"  # arguments win
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1", "4 parsecs", -3, True])
+def test_bad_sizes(bad: object) -> None:
+    with pytest.raises(ConfigError):
+        parse_size(bad)  # type: ignore[arg-type]
+    assert parse_size("16k") == 16 << 10 and parse_size("2GiB") == 2 << 30
+
+
+def test_missing_client_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    with pytest.raises(MooncakeNotInstalledError, match="pip install"):
+        MooncakeStorage(master="127.0.0.1:1").open()
