@@ -27,6 +27,8 @@ from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEv
 from aiocache_kv.handles import InsertResult, MatchResult, WriteAck
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.stats import CacheStatistics, TierStatistics
+from aiocache_kv.storage import FileStorage, MooncakeStorage, StorageBackend
+from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus
 from aiocache_kv.tree import Tier, TierState
 
 __version__ = "0.1.0.dev0"
@@ -41,6 +43,7 @@ __all__ = [
     "CacheStatistics",
     "CapacityError",
     "ConfigError",
+    "FileStorage",
     "HandleError",
     "HiCache",
     "HostMemoryError",
@@ -50,9 +53,13 @@ __all__ = [
     "KVCacheError",
     "KVEvent",
     "MatchResult",
+    "MooncakeStorage",
     "Namespace",
     "OwnershipError",
     "PrefetchPolicy",
+    "PrefetchResult",
+    "PrefetchStatus",
+    "StorageBackend",
     "StorageError",
     "StorageKeyError",
     "StorageTimeoutError",

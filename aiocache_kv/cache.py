@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 import torch
 
-from aiocache_kv.config import CacheConfig, WritePolicy
+from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
 from aiocache_kv.errors import (
     CacheClosedError,
     CapacityError,
@@ -41,8 +41,11 @@ from aiocache_kv.pools import (
     admit_host_bytes,
     available_host_bytes,
     has_duplicates,
+    host_slot_bytes,
 )
 from aiocache_kv.stats import CacheStatistics, TierStatistics
+from aiocache_kv.storage.integrity import FRAME_OVERHEAD
+from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
 from aiocache_kv.transfer import CopyEngine, CopyJob, Direction, default_engine
 from aiocache_kv.tree import Node, RadixTree, Tier
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT
@@ -133,6 +136,7 @@ class HiCache:
         self.host_pool: HostKVPool | None = None
         self._dev_alloc: PageAllocator | None = None
         self._host_alloc: PageAllocator | None = None
+        self._l3: StorageTier | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -147,7 +151,8 @@ class HiCache:
             raise CacheClosedError(f"cache cannot start from state {self._state.name}")
         cfg = self.config
         pin = self._device.type == "cuda" and torch.cuda.is_available()
-        host_bytes = cfg.host_pages * cfg.page_bytes
+        extra = FRAME_OVERHEAD if cfg.storage is not None else 0
+        host_bytes = cfg.host_pages * host_slot_bytes(cfg.page_bytes, extra)
         available = await asyncio.to_thread(available_host_bytes)
         admit_host_bytes(host_bytes, cfg.host_memory_reserve_bytes, available)
 
@@ -163,7 +168,12 @@ class HiCache:
             )
             host = (
                 HostKVPool(
-                    cfg.host_pages, cfg.num_layers, cfg.page_elems, cfg.dtype, pin_memory=pin
+                    cfg.host_pages,
+                    cfg.num_layers,
+                    cfg.page_elems,
+                    cfg.dtype,
+                    extra_bytes=extra,
+                    pin_memory=pin,
                 )
                 if cfg.host_pages
                 else None
@@ -176,6 +186,9 @@ class HiCache:
         self._loop = asyncio.get_running_loop()
         self._owner = threading.get_ident()
         self._tree.bind_owner(self._owner)
+        if cfg.storage is not None:
+            self._l3 = StorageTier(self, cfg.storage)
+            await self._l3.start()
         self._engine.start(self._loop)
         self._state = CacheState.RUNNING
         log.info(
@@ -199,6 +212,8 @@ class HiCache:
         try:
             await self._engine.aclose()  # runs what is queued; completions reach the loop
             await self._wait_inflight()
+            if self._l3 is not None:
+                await self._l3.aclose()
         finally:
             if self._events.enabled:
                 self._events.append(AllBlocksCleared())
@@ -323,7 +338,43 @@ class HiCache:
                     [n for n in tree.path(node) if n.hit_count >= threshold],
                     OpKind.WRITE_THROUGH,
                 )
+            if self._l3 is not None:  # host copies not yet in storage (earlier failure)
+                self._l3.backup(tree.path(node))
         return m
+
+    async def prefetch(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        *,
+        tenant: str | None = None,
+        lora: str | None = None,
+        policy: PrefetchPolicy | str | None = None,
+    ) -> PrefetchResult:
+        """Load the storage-resident continuation of the cached prefix of ``tokens`` to host.
+
+        Only the leading run of pages that arrived intact is committed; a later
+        :meth:`match_prefix` sees them as host hits.  ``policy`` (default: the config's):
+        ``wait_complete`` waits for every page (bounded by the storage deadline),
+        ``timeout`` waits ``base + per_1k * tokens / 1000`` seconds (capped) and commits what
+        arrived, ``best_effort`` returns after the existence check and commits in the
+        background.  Storage faults never raise here: the result says what happened.
+
+        Raises:
+            InvalidTypeError / InvalidInputError: bad tokens or policy (nothing changed).
+            CacheClosedError: the cache is not running.
+        """
+        self._check()
+        toks = self._tokens(tokens)
+        try:
+            pol = PrefetchPolicy(policy if policy is not None else self.config.prefetch_policy)
+        except ValueError:
+            raise InvalidInputError(f"unknown prefetch policy {policy!r}") from None
+        ns = self._ns(tenant, lora)
+        if self._l3 is None:
+            return PrefetchResult(PrefetchStatus.NO_STORAGE, 0, 0, 0)
+        p = self.config.page_size
+        self._tree.root(ns, ns.tag)
+        return await self._l3.prefetch(ns, toks, len(toks) // p * p, pol)
 
     async def load_back(self, m: MatchResult) -> MatchResult:
         """Copy the host-resident part of ``m`` to device; ``m`` then reports it on device.
@@ -615,9 +666,12 @@ class HiCache:
 
     def _on_split(self, head: Node, tail: Node) -> None:
         """A node with a transfer in flight was split: the transfer now covers both parts."""
-        op: TransferOp = tail.op
-        i = op.targets.index(tail)
-        op.targets.insert(i, head)
+        if tail.op is not None:
+            op: TransferOp = tail.op
+            op.targets.insert(op.targets.index(tail), head)
+        if tail.backup is not None:
+            assert self._l3 is not None
+            self._l3.retarget(head, tail)
 
     def _complete(self, op: TransferOp, err: BaseException | None) -> None:
         """Apply a finished copy to the tree (on the loop).  Every target, in path order."""
@@ -646,6 +700,8 @@ class HiCache:
                     freed.append(pages)
                 elif self._events.enabled:
                     self._emit_stored(node, Tier.HOST)
+            if ok and self._l3 is not None:
+                self._l3.backup(op.targets)  # every fragment, including split heads
             if freed:
                 assert self._host_alloc is not None
                 self._host_alloc.free(freed)
@@ -686,7 +742,11 @@ class HiCache:
             CacheClosedError: the cache is not running.
         """
         self._check()
-        await self._wait_inflight()
+        while True:
+            await self._wait_inflight()
+            if self._l3 is None or not self._l3.in_flight:
+                break
+            await self._l3.settle()
 
     # ------------------------------------------------------------------ eviction
 
@@ -791,7 +851,10 @@ class HiCache:
             namespaces=sum(1 for _ in tree.roots()),
             ops_in_flight=len(self._inflight),
             events_published=self._events.published,
+            storage_in_flight=self._l3.in_flight if self._l3 is not None else 0,
+            prefetch_reserved_pages=self._l3.reserved_pages if self._l3 is not None else 0,
             **self._counters,
+            **(self._l3.counters if self._l3 is not None else {}),
         )
 
     def check_invariants(self) -> None:
@@ -810,7 +873,8 @@ class HiCache:
         if self._dev_alloc is not None:
             self._dev_alloc.check_invariants(self._tree.device_pages_in_tree())
         if self._host_alloc is not None:
-            self._host_alloc.check_invariants(self._tree.host_pages_in_tree())
+            reserved = list(self._l3.reserved.values()) if self._l3 is not None else []
+            self._host_alloc.check_invariants(self._tree.host_pages_in_tree() + reserved)
         for op in self._inflight.values():
             assert not op.future.done(), f"settled op still in flight {op!r}"
             for node in op.targets:

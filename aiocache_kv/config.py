@@ -54,6 +54,17 @@ class CacheConfig:
     enable_kv_events: bool = True
     host_memory_reserve_bytes: int = 10 * GiB
     components: tuple[Any, ...] = field(default_factory=tuple)
+    #: storage tier: worker threads, per-call deadline (s), back-off after a failed backup (s)
+    storage_workers: int = 2
+    storage_timeout: float = 5.0
+    storage_retry_seconds: float = 1.0
+    #: prefetch: minimum uncached tokens, deadline = base + per_1k * tokens / 1000 (capped),
+    #: pages per storage read call
+    prefetch_threshold_tokens: int = 256
+    prefetch_timeout_base: float = 0.5
+    prefetch_timeout_per_1k: float = 0.25
+    prefetch_timeout_max: float = 5.0
+    prefetch_batch_pages: int = 32
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_layers", "num_kv_heads", "head_dim", "device_pages"):
@@ -94,6 +105,37 @@ class CacheConfig:
                 f"prefetch_policy must be one of {[p.value for p in PrefetchPolicy]}, "
                 f"got {self.prefetch_policy!r}"
             ) from None
+        for name in ("storage_workers", "prefetch_batch_pages"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if type(self.prefetch_threshold_tokens) is not int or self.prefetch_threshold_tokens < 0:
+            raise ConfigError(
+                f"prefetch_threshold_tokens must be an int >= 0, "
+                f"got {self.prefetch_threshold_tokens!r}"
+            )
+        for name in (
+            "storage_timeout",
+            "storage_retry_seconds",
+            "prefetch_timeout_base",
+            "prefetch_timeout_per_1k",
+            "prefetch_timeout_max",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+        if self.storage_timeout <= 0:
+            raise ConfigError(f"storage_timeout must be > 0, got {self.storage_timeout!r}")
+        if self.storage is not None:
+            from aiocache_kv.storage.base import StorageBackend
+
+            if not isinstance(self.storage, StorageBackend):
+                raise ConfigError(
+                    f"storage must be a StorageBackend (FileStorage, MooncakeStorage) or None, "
+                    f"got {type(self.storage).__name__}"
+                )
+            if self.host_pages == 0:
+                raise ConfigError("a storage tier needs host_pages > 0")
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"namespace must be a non-empty str, got {self.namespace!r}")
         policy = WritePolicy(self.write_policy)

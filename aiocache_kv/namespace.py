@@ -36,4 +36,5 @@ class Namespace:
         digest = hashlib.blake2b(
             "\x1f".join((self.model, self.tenant, self.lora)).encode(), digest_size=8
         ).hexdigest()
-        return f"{_SAFE.sub('_', self.model)[:48]}-{digest}"
+        readable = _SAFE.sub("_", self.model).lstrip("._-")[:40] or "ns"
+        return f"{readable}-{digest}"

@@ -39,3 +39,14 @@ class CacheStatistics:
     bytes_host_to_device: int
     ops_in_flight: int
     events_published: int
+    storage_in_flight: int = 0  #: backups and background prefetches
+    prefetch_reserved_pages: int = 0  #: host pages held by prefetches in flight
+    backup_started: int = 0
+    backup_pages_ok: int = 0
+    backup_pages_failed: int = 0
+    backup_skipped_pages: int = 0  #: not attempted while backing off after a failure
+    prefetch_queries: int = 0
+    prefetch_storage_hit_tokens: int = 0
+    prefetch_hit_tokens: int = 0  #: committed to the host tier
+    prefetch_pages_discarded: int = 0  #: loaded or reserved but not committed
+    storage_errors: int = 0

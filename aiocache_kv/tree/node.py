@@ -47,6 +47,7 @@ class Node:
 
     __slots__ = (
         "alive",
+        "backup",
         "children",
         "device",
         "device_pages",
@@ -61,6 +62,7 @@ class Node:
         "op",
         "parent",
         "pins",
+        "storage",
     )
 
     def __init__(self, key: list[int], parent: Node | None, ns: Any) -> None:
@@ -77,7 +79,9 @@ class Node:
         self.hit_count = 0
         self.n_dev_children = 0
         self.hashes: list[int] | None = None
-        self.op: Any = None  # the in-flight transfer touching this node, if any
+        self.op: Any = None  # the in-flight device<->host transfer touching this node
+        self.storage = ABSENT  # presence in L3 as far as this cache wrote or read it
+        self.backup: Any = None  # the in-flight host->storage backup reading this node
         self.alive = True
 
     @property
@@ -88,5 +92,6 @@ class Node:
     def __repr__(self) -> str:
         return (
             f"<Node tokens={len(self.key)} device={self.device.name} host={self.host.name} "
+            f"storage={self.storage.name} "
             f"pins={self.pins} children={len(self.children)}>"
         )

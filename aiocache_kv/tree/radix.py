@@ -22,7 +22,9 @@ Per node and tier the state is a :class:`TierState`.  Invariants (see ``check_in
   device victim without a host copy is deleted together with its host-only subtree;
 * ``host FILLING`` implies ``device RESIDENT`` (write-through/back reads the device copy) and
   ``device FILLING`` implies ``host RESIDENT`` (load-back reads the host copy);
-* a node with a FILLING tier has ``op`` set, and only then;
+* a node with a FILLING device or host tier has ``op`` set, and only then; a node whose
+  storage tier is FILLING (backup in flight, reading the host copy) has ``backup`` set, is
+  host-RESIDENT, and its host copy is protected until the backup lands;
 * pins: a handle pins every node from its node to the root; pinned nodes are never evicted;
 * page accounting per tier splits into *evictable* (unpinned, nothing in flight) and
   *protected*, and equals a recomputation from the tree.
@@ -241,6 +243,7 @@ class RadixTree:
         head = Node(child.key[:at], parent, child.ns)
         head.device = child.device
         head.host = child.host
+        head.storage = child.storage
         head.pins = child.pins
         head.last_access = child.last_access
         head.hit_count = child.hit_count
@@ -259,10 +262,10 @@ class RadixTree:
         head.n_dev_children = 1 if child.device is not ABSENT else 0
         child.parent = head
         self.num_nodes += 1
-        if child.op is not None:
-            head.op = child.op
-            if self._on_split is not None:
-                self._on_split(head, child)
+        head.op = child.op
+        head.backup = child.backup
+        if (child.op is not None or child.backup is not None) and self._on_split is not None:
+            self._on_split(head, child)
         # page totals and classes are unchanged: head has child's state, pages were divided
         return head
 
@@ -327,7 +330,7 @@ class RadixTree:
             else:
                 self.dev_evictable += n
         if node.host is not ABSENT:
-            if busy:
+            if busy or node.storage is FILLING:
                 self.host_protected += n
             else:
                 self.host_evictable += n
@@ -411,6 +414,31 @@ class RadixTree:
         self._set_device(node, ABSENT)
         return pages
 
+    def begin_backup(self, node: Node, op: Any) -> None:
+        """Host-resident ``node`` starts copying to storage; its host copy is protected."""
+        self._check_owner()
+        assert node.host is RESIDENT and node.storage is ABSENT, f"cannot back up {node!r}"
+        assert node.backup is None, f"{node!r} already has a backup in flight"
+        self._acct(node, -1)
+        node.storage = FILLING
+        node.backup = op
+        self._acct(node, 1)
+
+    def end_backup(self, node: Node, ok: bool) -> None:
+        """Apply a storage ack: the node is in storage (``ok``) or not."""
+        self._check_owner()
+        assert node.storage is FILLING, f"storage ack on {node!r}"
+        self._acct(node, -1)
+        node.storage = RESIDENT if ok else ABSENT
+        node.backup = None
+        self._acct(node, 1)
+        self._offer(node)
+        up = node.parent  # a device victim skipped while this backup ran may go now
+        while up is not None and up.parent is not None and up.device is ABSENT:
+            up = up.parent
+        if up is not None and up.parent is not None:
+            self._dev_heap.offer(up)
+
     def demote(self, node: Node) -> torch.Tensor | None:
         """Drop the device copy of an idle device leaf that has a host copy.
 
@@ -443,6 +471,7 @@ class RadixTree:
         node.children[self._child_key(tokens, matched)] = new
         self.num_nodes += 1
         new.last_access = node.last_access
+        new.storage = RESIDENT  # it came from there
         self._set_host(new, RESIDENT)
         return [new]
 
@@ -464,9 +493,12 @@ class RadixTree:
                 break
             if node.host is ABSENT and stage is not None and stage(node):
                 continue
-            out.num_pages += self._npages(node)
-            assert node.device_pages is not None
-            out.pages.append(node.device_pages)
+            if node.host is not RESIDENT and not self._subtree_idle(node):
+                continue  # a host-only descendant is being backed up: offered again later
+            pages = node.device_pages
+            assert pages is not None
+            out.num_pages += pages.numel()
+            out.pages.append(pages)
             out.nodes.append(node)
             if node.host is RESIDENT:
                 self._set_device(node, ABSENT)
@@ -491,6 +523,16 @@ class RadixTree:
             self._remove(node)
         return out
 
+    @staticmethod
+    def _subtree_idle(node: Node) -> bool:
+        stack = list(node.children.values())
+        while stack:
+            child = stack.pop()
+            if child.backup is not None or child.op is not None or child.pins:
+                return False
+            stack.extend(child.children.values())
+        return True
+
     def _drop_subtree(self, node: Node, out: Eviction) -> None:
         """Remove the host-only descendants of a device victim that has no host copy."""
         stack = list(node.children.values())
@@ -509,7 +551,7 @@ class RadixTree:
     def _remove(self, node: Node) -> None:
         """Unlink a childless node and drop its pages from the accounting."""
         assert not node.children, f"removing {node!r} with children"
-        assert node.op is None and node.pins == 0, f"removing busy {node!r}"
+        assert node.op is None and node.backup is None and node.pins == 0, f"busy {node!r}"
         parent = node.parent
         assert parent is not None
         self._acct(node, -1)
@@ -603,6 +645,10 @@ class RadixTree:
                 assert node.host is RESIDENT, f"device filling without host copy {node!r}"
             filling = node.host is FILLING or node.device is FILLING
             assert (node.op is not None) == filling, f"op/state mismatch {node!r}"
+            backing_up = node.storage is FILLING
+            assert (node.backup is not None) == backing_up, f"backup/state mismatch {node!r}"
+            if backing_up:
+                assert node.host is RESIDENT, f"backup without a host copy {node!r}"
             ndc = sum(1 for c in node.children.values() if c.device is not ABSENT)
             assert node.n_dev_children == ndc, f"n_dev_children {node.n_dev_children}!={ndc}"
             busy = node.pins > 0 or filling
@@ -610,7 +656,7 @@ class RadixTree:
             if node.device is not ABSENT:
                 counts["dp" if busy else "de"] += n
             if node.host is not ABSENT:
-                counts["hp" if busy else "he"] += n
+                counts["hp" if busy or backing_up else "he"] += n
         assert nodes == self.num_nodes, f"num_nodes {self.num_nodes} != {nodes}"
         got = {
             "de": self.dev_evictable,
@@ -655,6 +701,7 @@ def _is_host_candidate(node: Node) -> bool:
     return (
         node.alive
         and node.host is RESIDENT
+        and node.storage is not FILLING
         and node.device is ABSENT
         and node.pins == 0
         and not node.children
