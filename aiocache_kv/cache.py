@@ -261,12 +261,13 @@ class HiCache:
         if not out:
             raise InvalidInputError("tokens must not be empty")
         try:
-            arr = array("q", out)
-        except (TypeError, OverflowError) as exc:
+            array("Q", out)  # one C pass: rejects non-ints, negatives and ids >= 2**64
+        except TypeError as exc:
             bad = next((t for t in out if type(t) is not int), None)
             raise InvalidTypeError(f"tokens must be ints; found {bad!r} ({exc})") from None
-        if min(arr) < 0:
-            raise InvalidInputError(f"tokens must be >= 0; found {min(arr)}")
+        except OverflowError:
+            bad = next(t for t in out if not 0 <= t < 1 << 64)
+            raise InvalidInputError(f"tokens must be in [0, 2**64); found {bad}") from None
         return out
 
     def _slots_to_pages(self, slots: Any, n: int) -> torch.Tensor:
@@ -278,12 +279,15 @@ class HiCache:
             raise InvalidInputError(
                 f"kv_indices must be 1-D int64, got {slots.dtype} {tuple(slots.shape)}"
             )
-        if slots.device.type != "cpu":
+        if not slots.is_cpu:
             slots = slots.cpu()
-        slots = slots[:n].to(torch.int64)
+        slots = slots[:n]
+        if slots.dtype != torch.int64:
+            slots = slots.to(torch.int64)
         limit = cfg.device_pages * cfg.page_size
-        if n and (int(slots.min()) < 0 or int(slots.max()) >= limit):
-            lo, hi = int(slots.min()), int(slots.max())
+        arr = slots.numpy()
+        if n and (arr.min() < 0 or arr.max() >= limit):
+            lo, hi = int(arr.min()), int(arr.max())
             raise InvalidInputError(f"kv_indices out of range [0, {limit}): min {lo} max {hi}")
         p = cfg.page_size
         if p == 1:
@@ -472,7 +476,7 @@ class HiCache:
             raise InvalidInputError(f"free needs whole pages, got {n} slots")
         pages = self._slots_to_pages(kv_indices, n)
         assert self._dev_alloc is not None
-        if has_duplicates(pages) or not self._dev_alloc.check(pages, PageState.HELD):
+        if not self._dev_alloc.distinct(pages) or not self._dev_alloc.check(pages, PageState.HELD):
             raise InvalidInputError("free: slots not held by the caller (double free?)")
         self._dev_alloc.free([pages])
 
@@ -554,19 +558,18 @@ class HiCache:
         # validate ownership before changing anything
         existing = self._device_prefix(ns, toks, n)
         d = existing.numel()
-        if has_duplicates(pages):
+        if not alloc.distinct(pages):
             raise InvalidInputError("kv_indices repeat a page")
-        same = pages[:d] == existing
+        same = pages[:d].numpy() == existing.numpy()
         held = alloc.mask(pages, PageState.HELD)
-        if not bool((held[:d] | same).all()) or not bool(held[d:].all()):
+        if not (held[:d] | same).all() or not held[d:].all():
             raise InvalidInputError(
                 "kv_indices name pages the caller does not hold (not from alloc(), already "
                 "inserted elsewhere, or freed)"
             )
         out = tree.insert(ns, toks, n, pages)
-        dup = pages[:d][~same]
-        if dup.numel():
-            alloc.free([dup])
+        if d and not same.all():
+            alloc.free([torch.from_numpy(pages[:d].numpy()[~same])])
         if n > d:
             alloc.set_state(pages[d:], PageState.OWNED)
         self._counters["inserted_tokens"] += n - out.prefix_tokens

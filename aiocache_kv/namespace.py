@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -33,8 +34,11 @@ class Namespace:
 
         The tenant salt appears only inside the digest, so keys do not reveal it.
         """
-        digest = hashlib.blake2b(
-            "\x1f".join((self.model, self.tenant, self.lora)).encode(), digest_size=8
-        ).hexdigest()
-        readable = _SAFE.sub("_", self.model).lstrip("._-")[:40] or "ns"
-        return f"{readable}-{digest}"
+        return _tag(self.model, self.tenant, self.lora)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tag(model: str, tenant: str, lora: str) -> str:
+    digest = hashlib.blake2b("\x1f".join((model, tenant, lora)).encode(), digest_size=8)
+    readable = _SAFE.sub("_", model).lstrip("._-")[:40] or "ns"
+    return f"{readable}-{digest.hexdigest()}"

@@ -2,26 +2,21 @@
 
 Every page is FREE, HELD (handed to the caller by ``cache.alloc`` and not yet inserted) or
 OWNED (belongs to the tree or to a transfer in flight).  The states let the cache reject a
-double free or an insert of pages it never handed out, with one vectorized check per call.
-Allocation hands out ascending ids from a sorted free list so that neighbouring pages tend to
-be contiguous, which lets copies coalesce into few large ``copy_`` calls.
+double free or an insert of pages it never handed out, with a few vectorized operations per
+call.  They live in numpy arrays (shared zero-copy with the torch page tensors): numpy's
+per-call overhead on small index arrays is a fraction of torch's, and these checks run on
+every insert.  Allocation hands out ascending ids from a sorted free list so that neighbouring
+pages tend to be contiguous, which lets copies coalesce into few large ``copy_`` calls.
 """
 
 from __future__ import annotations
 
 import enum
 
+import numpy as np
 import torch
 
 from aiocache_kv.errors import CapacityError, InvalidInputError
-
-
-def has_duplicates(pages: torch.Tensor) -> bool:
-    """Whether any page id occurs twice."""
-    if pages.numel() < 2:
-        return False
-    s = torch.sort(pages).values
-    return bool((s[1:] == s[:-1]).any())
 
 
 class PageState(enum.IntEnum):
@@ -32,6 +27,17 @@ class PageState(enum.IntEnum):
     OWNED = 2  #: referenced by the tree or by a transfer in flight
 
 
+def has_duplicates(pages: torch.Tensor) -> bool:
+    """Whether any page id occurs twice (sort-based; for checks off the hot path)."""
+    if pages.numel() < 2:
+        return False
+    s = np.sort(pages.numpy())
+    return bool((s[1:] == s[:-1]).any())
+
+
+_FREE, _HELD, _OWNED = int(PageState.FREE), int(PageState.HELD), int(PageState.OWNED)
+
+
 class PageAllocator:
     """Free list of ``num_pages`` page ids of one pool."""
 
@@ -40,7 +46,8 @@ class PageAllocator:
             raise InvalidInputError(f"{name} pool needs at least one page, got {num_pages}")
         self.name = name
         self.num_pages = num_pages
-        self._state = torch.zeros(num_pages, dtype=torch.uint8)
+        self._state = np.zeros(num_pages, dtype=np.uint8)
+        self._stamp = np.zeros(num_pages, dtype=np.int64)  # scratch for duplicate checks
         self._free = torch.arange(num_pages, dtype=torch.int64)
         self._cursor = 0
         self._returned: list[torch.Tensor] = []
@@ -70,7 +77,7 @@ class PageAllocator:
             self._consolidate()
         pages = self._free[self._cursor : self._cursor + n].clone()
         self._cursor += n
-        self._state[pages] = state
+        self._state[pages.numpy()] = int(state)
         return pages
 
     def free(self, pages: list[torch.Tensor]) -> None:
@@ -79,37 +86,52 @@ class PageAllocator:
         if not parts:
             return
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-        assert bool((self._state[flat] != PageState.FREE).all()), f"{self.name}: double free"
-        self._state[flat] = PageState.FREE
+        idx = flat.numpy()
+        assert bool((self._state[idx] != _FREE).all()), f"{self.name}: double free"
+        self._state[idx] = _FREE
         self._returned.append(flat)
         self._returned_count += flat.numel()
 
     def set_state(self, pages: torch.Tensor, state: PageState) -> None:
         """Change the ownership state of allocated pages (HELD -> OWNED on insert)."""
-        self._state[pages] = state
+        self._state[pages.numpy()] = int(state)
 
-    def mask(self, pages: torch.Tensor, state: PageState) -> torch.Tensor:
+    def mask(self, pages: torch.Tensor, state: PageState) -> np.ndarray:
         """Boolean mask: which of ``pages`` are in ``state``."""
-        return self._state[pages] == state
+        mask: np.ndarray = self._state[pages.numpy()] == int(state)
+        return mask
 
     def check(self, pages: torch.Tensor, state: PageState) -> bool:
         """Whether every page in ``pages`` is in ``state``."""
-        return bool((self._state[pages] == state).all())
+        return bool((self._state[pages.numpy()] == int(state)).all())
+
+    def distinct(self, pages: torch.Tensor) -> bool:
+        """Whether ``pages`` has no repeated id, in O(n) (a scratch array, no sort)."""
+        idx = pages.numpy()
+        if idx.size < 2:
+            return True
+        order = np.arange(idx.size, dtype=np.int64)
+        self._stamp[idx] = order  # a repeated id keeps only one of its positions
+        return bool((self._stamp[idx] == order).all())
 
     def count(self, state: PageState) -> int:
         """Pages in ``state``."""
-        return int((self._state == state).sum())
+        return int(np.count_nonzero(self._state == state))
 
     def check_invariants(self, owned: list[torch.Tensor]) -> None:
         """``owned`` (every page the tree and transfers hold) must be exactly the OWNED pages."""
         free = torch.cat([self._free[self._cursor :], *self._returned])
         assert free.numel() == self.num_free, f"{self.name}: free count drifted"
         assert not has_duplicates(free), f"{self.name}: page on free list twice"
-        assert bool((self._state[free] == PageState.FREE).all()), f"{self.name}: free page in use"
+        assert bool((self._state[free.numpy()] == PageState.FREE).all()), (
+            f"{self.name}: free page in use"
+        )
         assert self.count(PageState.FREE) == free.numel(), f"{self.name}: FREE pages off list"
         flat = torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64)
         assert not has_duplicates(flat), f"{self.name}: page owned twice"
-        assert bool((self._state[flat] == PageState.OWNED).all()), f"{self.name}: owned not OWNED"
+        assert bool((self._state[flat.numpy()] == PageState.OWNED).all()), (
+            f"{self.name}: owned not OWNED"
+        )
         assert self.count(PageState.OWNED) == flat.numel(), (
             f"{self.name}: {self.count(PageState.OWNED)} OWNED pages but {flat.numel()} referenced"
         )
