@@ -40,7 +40,6 @@ from aiocache_kv.pools import (
     PageState,
     admit_host_bytes,
     available_host_bytes,
-    has_duplicates,
     host_slot_bytes,
 )
 from aiocache_kv.stats import CacheStatistics, TierStatistics
