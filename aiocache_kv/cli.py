@@ -1,4 +1,4 @@
-"""The ``aiocache-kv`` command line: ``demo`` and ``bench [tree|transfer]``.
+"""The ``aiocache-kv`` command line: ``demo`` and ``bench [tree|transfer|storage]``.
 
 Output meant for people (walkthrough, benchmark tables) goes to stdout; logs go to stderr
 through structlog, as concise console lines.  ``main`` returns the exit code.
@@ -45,6 +45,37 @@ def _positive(text: str) -> int:
     return value
 
 
+def _int_list(text: str) -> list[int]:
+    """``"64,256"`` (or ``"64"``) as positive ints; space-separated values also work (nargs)."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _flat(values: Sequence[Sequence[int]] | None, default: Sequence[int]) -> tuple[int, ...]:
+    if not values:
+        return tuple(default)
+    return tuple(v for group in values for v in group)
+
+
+#: ``--page-kib`` when not given, per suite
+TRANSFER_PAGE_KIB = (64, 256, 1024)
+STORAGE_PAGE_KIB = (64, 256, 1024, 4096)
+STORAGE_BATCHES = (16, 128)
+
+
+def page_kib(args: argparse.Namespace, suite: str) -> tuple[int, ...]:
+    """The page sizes (KiB) ``suite`` uses: ``--page-kib`` or the suite's default."""
+    default = STORAGE_PAGE_KIB if suite == "storage" else TRANSFER_PAGE_KIB
+    return _flat(args.page_kib, default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``aiocache-kv``."""
     parser = argparse.ArgumentParser(
@@ -61,18 +92,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="in-process walkthrough on CPU: insert, match, evict to host, load back, verify",
+        help="in-process walkthrough on CPU: insert, match, evict to host and storage, "
+        "restart, prefetch, load back, verify",
         description="A small walkthrough of HiCache on CPU (see aiocache_kv/demo.py).",
     )
     demo.add_argument("--device-pages", type=_positive, default=64, help="L1 pages (default 64)")
     demo.add_argument("--host-pages", type=_positive, default=256, help="L2 pages (default 256)")
     demo.add_argument("--page-size", type=_positive, default=4, help="tokens per page (default 4)")
     demo.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    demo.add_argument(
+        "--storage",
+        choices=("file", "none", "mooncake"),
+        default="file",
+        help="L3 storage: file (FileStorage in --storage-dir; default), none, or mooncake "
+        "(a loopback master is started unless --master is given)",
+    )
+    demo.add_argument(
+        "--storage-dir",
+        metavar="DIR",
+        help="FileStorage directory (default: a temporary directory, removed afterwards)",
+    )
+    demo.add_argument("--master", metavar="ADDR", help="Mooncake master host:port")
+    demo.add_argument("--metadata", metavar="URL", help="Mooncake metadata server URL")
     demo.set_defaults(func=cmd_demo, default_log_level="info")
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: radix tree and device<->host transfer (all suites by default)",
+        help="benchmarks: radix tree, device<->host transfer, storage tier (all by default)",
         description="Run benchmark suites; numbers are printed next to their targets and as "
         "ratios against baselines measured in the same run. Timings on a shared machine are "
         "noisy: compare medians, not single runs.",
@@ -100,14 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tree.add_argument("--events", action="store_true", help="HiCache level: KV events on")
     tree.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    xfer = bench.add_argument_group("transfer suite")
+    xfer = bench.add_argument_group("transfer and storage suites")
     xfer.add_argument(
         "--page-kib",
-        type=_positive,
+        type=_int_list,
         nargs="+",
-        default=[64, 256, 1024],
+        default=None,
         metavar="KIB",
-        help="page sizes in KiB, multiples of 16 (default: 64 256 1024)",
+        help="page sizes in KiB, multiples of 16, e.g. 64,256 or 64 256 (default: transfer "
+        "64 256 1024; storage 64 256 1024 4096)",
     )
     xfer.add_argument(
         "--mib", type=_positive, default=256, help="MiB moved per measurement (default 256)"
@@ -121,6 +168,42 @@ def build_parser() -> argparse.ArgumentParser:
     xfer.add_argument(
         "--transfer-repeats", type=_positive, default=5, help="repeats, median reported (default 5)"
     )
+    stor = bench.add_argument_group("storage suite")
+    stor.add_argument(
+        "--backend",
+        choices=("file", "mooncake", "all"),
+        default="all",
+        help="storage backend(s) (default: all; mooncake is skipped when not installed, "
+        "unless named explicitly)",
+    )
+    stor.add_argument(
+        "--batch",
+        type=_int_list,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="pages per storage call, e.g. 16,128 (default: 16 128)",
+    )
+    stor.add_argument(
+        "--storage-mib",
+        type=_positive,
+        default=128,
+        help="MiB per measurement, at least one batch (default 128)",
+    )
+    stor.add_argument(
+        "--storage-repeats", type=_positive, default=3, help="repeats, median reported (default 3)"
+    )
+    stor.add_argument(
+        "--master",
+        metavar="ADDR",
+        help="Mooncake master host:port (default: start one on 127.0.0.1)",
+    )
+    stor.add_argument("--metadata", metavar="URL", help="Mooncake metadata server URL")
+    stor.add_argument(
+        "--storage-dir",
+        metavar="DIR",
+        help="where the file backend's temp dirs go (default: TMPDIR)",
+    )
     bench.set_defaults(func=cmd_bench, default_log_level="warning")
     return parser
 
@@ -133,7 +216,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``aiocache-kv bench [tree|transfer|all]``."""
+    """``aiocache-kv bench [tree|transfer|storage|all]``."""
     from aiocache_kv.bench import report
 
     suites = SUITES if args.suite == "all" else (args.suite,)
@@ -160,17 +243,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             results["transfer"] = transfer.run(
                 transfer.TransferBenchOptions(
-                    page_kib=tuple(args.page_kib),
+                    page_kib=page_kib(args, "transfer"),
                     mib=args.mib,
                     lag_mib=args.lag_mib,
                     repeats=args.transfer_repeats,
                     seed=args.seed,
                 )
             )
+        elif suite == "storage":
+            from aiocache_kv.bench import storage
+
+            if (args.master is None) != (args.metadata is None):
+                print("bench storage: --master and --metadata go together", file=sys.stderr)
+                return 2
+            results["storage"] = storage.run(
+                storage.StorageBenchOptions(
+                    backends=storage.BACKENDS if args.backend == "all" else (args.backend,),
+                    page_kib=page_kib(args, "storage"),
+                    batches=_flat(args.batch, STORAGE_BATCHES),
+                    mib=args.storage_mib,
+                    repeats=args.storage_repeats,
+                    master=args.master,
+                    metadata=args.metadata,
+                    storage_dir=args.storage_dir,
+                    explicit_backend=args.backend != "all",
+                )
+            )
+    code = 1 if results.get("storage", {}).get("errors") else 0
     if args.json:
         report.write_json(report.make_report(results), args.json)
         print(f"\nJSON report written to {args.json}")
-    return 0
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,7 +12,14 @@ The walkthrough plays a serving loop over a few prompts that share a system prom
    back to device;
 5. **data check** - the K/V read at ``m.device_indices`` must be bit-identical to what the
    model wrote;
-6. the KV events (``take_events``) and ``statistics()`` as tables.
+6. **evict from host too** (with a storage tier, default ``FileStorage`` in a temporary
+   directory): ``await flush()`` first, so every page's backup to storage has landed; the
+   prompts are then misses in L1 and L2;
+7. the KV events (``take_events``, including ``STORAGE`` ones) and ``statistics()`` as tables;
+8. **restarted node** - a fresh cache on the same storage (file: node 1 closes first, a true
+   restart; Mooncake: node 1 stays up, since its segment holds the pages, and node 2 is a
+   second client): ``await prefetch(tokens)`` shows storage hits, ``load_back`` brings them to
+   device, and the K/V must again be bit-identical; its events and statistics follow.
 
 The "model" here is :func:`fake_kv`: K/V of a token is a deterministic function of the tokens
 up to and including it, as in a real transformer, so prompts sharing a prefix produce the same
@@ -23,10 +30,14 @@ shape: ``kv(tokens, start) -> (k, v)`` for positions ``start..len(tokens)``.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import hashlib
 import random
+import shutil
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TextIO
 
@@ -40,6 +51,7 @@ from aiocache_kv.errors import KVCacheError
 from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from aiocache_kv.handles import MatchResult
 from aiocache_kv.stats import CacheStatistics
+from aiocache_kv.storage import FileStorage, MooncakeStorage, StorageBackend
 
 log = structlog.get_logger(__name__)
 
@@ -110,8 +122,8 @@ def make_prompts(seed: int, page_size: int) -> list[tuple[str, list[int]]]:
     ]
 
 
-def demo_config(args: argparse.Namespace) -> CacheConfig:
-    """The demo's cache: a tiny float32 KV on CPU, write-through to the host pool."""
+def demo_config(args: argparse.Namespace, storage: StorageBackend | None = None) -> CacheConfig:
+    """The demo's cache: a tiny float32 KV on CPU, write-through to host (and to storage)."""
     return CacheConfig(
         page_size=args.page_size,
         num_layers=2,
@@ -124,7 +136,76 @@ def demo_config(args: argparse.Namespace) -> CacheConfig:
         write_policy="write_through",
         namespace="demo-model",
         host_memory_reserve_bytes=0,
+        storage=storage,
+        prefetch_policy="wait_complete",
+        prefetch_threshold_tokens=0,  # the demo's prompts are short
     )
+
+
+@dataclass
+class StorageSetup:
+    """Where the demo's L3 lives; ``make()`` gives each node its own backend object."""
+
+    kind: str  #: "file" | "mooncake" | "none"
+    path: str | None = None
+    master: str | None = None
+    metadata: str | None = None
+
+    def make(self) -> StorageBackend | None:
+        """A fresh backend on the same storage (each cache closes its own)."""
+        if self.kind == "file":
+            assert self.path is not None
+            return FileStorage(self.path)
+        if self.kind == "mooncake":
+            return MooncakeStorage(
+                master=self.master,
+                metadata_server=self.metadata,
+                local_hostname="127.0.0.1",
+                protocol="tcp",
+                device_name="",
+                global_segment_size=32 << 20,
+                local_buffer_size=16 << 20,
+            )
+        return None
+
+    def describe(self) -> str:
+        """One line for the header."""
+        if self.kind == "file":
+            return f"FileStorage at {self.path}"
+        if self.kind == "mooncake":
+            return f"MooncakeStorage, master {self.master}"
+        return "no storage tier"
+
+
+@contextlib.asynccontextmanager
+async def storage_setup(args: argparse.Namespace) -> AsyncIterator[StorageSetup]:
+    """The storage the demo uses: a temp dir (removed afterwards) or ``--storage-dir`` for
+    ``file``; a loopback master (stopped afterwards) unless ``--master`` for ``mooncake``."""
+    kind = getattr(args, "storage", "none")
+    if kind == "file":
+        given: str | None = getattr(args, "storage_dir", None)
+        path = given
+        if path is None:
+            path = await asyncio.to_thread(lambda: tempfile.mkdtemp(prefix="aiocache-kv-demo-"))
+        try:
+            yield StorageSetup("file", path=path)
+        finally:
+            if not given:
+                await asyncio.to_thread(shutil.rmtree, path, True)
+    elif kind == "mooncake":
+        if getattr(args, "master", None):
+            yield StorageSetup("mooncake", master=args.master, metadata=args.metadata)
+            return
+        from aiocache_kv.bench.mooncake_master import LoopbackMaster
+
+        master = LoopbackMaster()
+        await asyncio.to_thread(master.start)
+        try:
+            yield StorageSetup("mooncake", master=master.rpc_addr, metadata=master.metadata_url)
+        finally:
+            await asyncio.to_thread(master.terminate)
+    else:
+        yield StorageSetup("none")
 
 
 class Walkthrough:
@@ -253,80 +334,196 @@ def print_statistics(st: CacheStatistics, out: TextIO) -> None:
     table(["counter", "value"], counters, out=out)
 
 
+STORAGE_COUNTERS = (
+    "backup_started",
+    "backup_pages_ok",
+    "backup_pages_failed",
+    "prefetch_queries",
+    "prefetch_storage_hit_tokens",
+    "prefetch_hit_tokens",
+    "prefetch_pages_discarded",
+    "storage_errors",
+)
+
+
+def print_storage_statistics(st: CacheStatistics, out: TextIO) -> None:
+    """The storage-tier counters of ``statistics()``."""
+    table(["storage counter", "value"], [[k, getattr(st, k)] for k in STORAGE_COUNTERS], out=out)
+
+
 async def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run the walkthrough; return 0 when every data check passed, 1 otherwise."""
     stream = out if out is not None else sys.stdout
     try:
-        cfg = demo_config(args)
+        demo_config(args)
     except KVCacheError as exc:
         log.error("demo_bad_config", error=str(exc))
         return 2
+    try:
+        async with storage_setup(args) as setup:
+            return await _walkthrough(args, setup, stream)
+    except KVCacheError as exc:
+        log.error("demo_failed", error=str(exc), error_type=type(exc).__name__)
+        print(f"demo failed: {type(exc).__name__}: {exc}", file=stream)
+        return 1
+
+
+async def _walkthrough(args: argparse.Namespace, setup: StorageSetup, stream: TextIO) -> int:
+    cfg = demo_config(args, setup.make())
     model = FakeModel(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
     prompts = make_prompts(args.seed, cfg.page_size)
     print(
         f"aiocache-kv demo: page_size={cfg.page_size}, device_pages={cfg.device_pages}, "
         f"host_pages={cfg.host_pages}, {cfg.num_layers} layers x {cfg.num_kv_heads} heads x "
         f"{cfg.head_dim} dims {str(cfg.dtype).replace('torch.', '')}, write_through, seed "
-        f"{args.seed}",
+        f"{args.seed}; L3: {setup.describe()}",
         file=stream,
     )
-    try:
-        async with HiCache(cfg) as cache:
-            w = Walkthrough(cache, model, stream)
-            heading("1. prefill: KV written at alloc() slots, insert, write-through", out=stream)
-            for name, toks in prompts:
-                await w.prefill(name, toks)
+    async with contextlib.AsyncExitStack() as stack:
+        cache = await stack.enter_async_context(HiCache(cfg))
+        w = Walkthrough(cache, model, stream)
+        heading("1. prefill: KV written at alloc() slots, insert, write-through", out=stream)
+        for name, toks in prompts:
+            await w.prefill(name, toks)
 
-            heading("2. match: every prompt is a device hit", out=stream)
-            matches = w.match_all(prompts)
-            device_ok = all(
-                w.check_data(name, t, m) for (name, t), m in zip(prompts, matches, strict=True)
+        heading("2. match: every prompt is a device hit", out=stream)
+        matches = w.match_all(prompts)
+        device_ok = all(
+            w.check_data(name, t, m) for (name, t), m in zip(prompts, matches, strict=True)
+        )
+        for m in matches:
+            cache.release(m)
+
+        heading("3. evict every device page (write-through copies stay on host)", out=stream)
+        evictable = cache.statistics().device.evictable_pages
+        freed = cache.evict(evictable)
+        w.say(f"  evict({evictable}) freed {freed} device pages; the nodes are now host-only")
+
+        heading("4. match again: host hits; await load_back(m)", out=stream)
+        matches = w.match_all(prompts)
+        for m in matches:
+            await cache.load_back(m)
+        w.say("  after load_back:")
+        table(
+            ["prompt", "device hit", "host hit"],
+            [
+                [name, m.device_len, m.host_len]
+                for (name, _), m in zip(prompts, matches, strict=True)
+            ],
+            out=stream,
+        )
+
+        heading("5. data check: loaded KV vs what the model wrote", out=stream)
+        loaded_ok = all(
+            w.check_data(name, t, m) for (name, t), m in zip(prompts, matches, strict=True)
+        )
+        for m in matches:
+            cache.release(m)
+        await cache.flush()
+        cache.check_invariants()
+        checked = sum(m.device_len for m in matches)
+        if device_ok and loaded_ok:
+            w.say(
+                f"  data check PASSED: {checked} tokens x {cfg.num_layers} layers of K and V "
+                "are bit-identical after device -> host -> device"
             )
-            for m in matches:
-                cache.release(m)
+        else:
+            w.say(f"  data check FAILED: {', '.join(w.mismatches)}")
 
-            heading("3. evict every device page (write-through copies stay on host)", out=stream)
-            evictable = cache.statistics().device.evictable_pages
-            freed = cache.evict(evictable)
-            w.say(f"  evict({evictable}) freed {freed} device pages; the nodes are now host-only")
-
-            heading("4. match again: host hits; await load_back(m)", out=stream)
-            matches = w.match_all(prompts)
-            for m in matches:
-                await cache.load_back(m)
-            w.say("  after load_back:")
-            table(
-                ["prompt", "device hit", "host hit"],
-                [
-                    [name, m.device_len, m.host_len]
-                    for (name, _), m in zip(prompts, matches, strict=True)
-                ],
+        step = 6
+        if cfg.storage is not None:
+            heading(
+                f"{step}. await flush() (backups to storage landed), then evict device AND host",
                 out=stream,
             )
-
-            heading("5. data check: loaded KV vs what the model wrote", out=stream)
-            loaded_ok = all(
-                w.check_data(name, t, m) for (name, t), m in zip(prompts, matches, strict=True)
-            )
-            for m in matches:
-                cache.release(m)
             await cache.flush()
-            cache.check_invariants()
-            checked = sum(m.device_len for m in matches)
-            if device_ok and loaded_ok:
-                w.say(
-                    f"  data check PASSED: {checked} tokens x {cfg.num_layers} layers of K and V "
-                    "are bit-identical after device -> host -> device"
-                )
-            else:
-                w.say(f"  data check FAILED: {', '.join(w.mismatches)}")
+            st = cache.statistics()
+            w.say(
+                f"  {st.backup_pages_ok} pages backed up to storage "
+                f"({st.backup_pages_failed} failed)"
+            )
+            dev = cache.evict(cache.statistics().device.evictable_pages)
+            host = cache.evict(cache.statistics().host.evictable_pages, "host")
+            w.say(f"  evicted {dev} device pages, then {host} host pages; match now:")
+            for m in w.match_all(prompts):
+                cache.release(m)
+            step += 1
 
-            heading("6. KV events (take_events)", out=stream)
-            print_events(cache.take_events(), stream)
-            heading("7. statistics()", out=stream)
-            print_statistics(cache.statistics(), stream)
-    except KVCacheError as exc:
-        log.error("demo_failed", error=str(exc), error_type=type(exc).__name__)
-        print(f"demo failed: {type(exc).__name__}: {exc}", file=stream)
-        return 1
-    return 0 if device_ok and loaded_ok else 1
+        heading(f"{step}. KV events (take_events)", out=stream)
+        print_events(cache.take_events(), stream)
+        heading(f"{step + 1}. statistics()", out=stream)
+        print_statistics(cache.statistics(), stream)
+        step += 2
+        restart_ok = True
+        if cfg.storage is not None:
+            if setup.kind == "file":
+                await cache.aclose()  # a true restart: node 1 is gone, its files stay
+                how = "node 1 closed; a fresh cache opens the same directory"
+            else:
+                how = "node 1 stays up (its segment holds the pages); node 2 is a second client"
+            restart_ok = await _restarted_node(args, setup, model, prompts, stream, step, how)
+    return 0 if device_ok and loaded_ok and restart_ok else 1
+
+
+async def _restarted_node(
+    args: argparse.Namespace,
+    setup: StorageSetup,
+    model: KVModel,
+    prompts: Sequence[tuple[str, list[int]]],
+    stream: TextIO,
+    step: int,
+    how: str,
+) -> bool:
+    """A fresh cache on the same storage: prefetch, storage hits, load back, data check."""
+    heading(f"{step}. restarted node: fresh cache on the same storage; await prefetch", out=stream)
+    print(f"  {how}", file=stream)
+    async with HiCache(demo_config(args, setup.make())) as cache:
+        w = Walkthrough(cache, model, stream)
+        rows: list[list[object]] = []
+        total = 0
+        for name, toks in prompts:
+            before = cache.match_prefix(toks)
+            cached = before.device_len + before.host_len
+            cache.release(before)
+            res = await cache.prefetch(toks)
+            total += res.hit_tokens
+            rows.append(
+                [name, len(toks), cached, res.storage_hit_tokens, res.hit_tokens, res.status.value]
+            )
+        table(
+            ["prompt", "tokens", "cached before", "storage hit", "prefetched", "status"],
+            rows,
+            out=stream,
+        )
+        w.say(f"  storage hits: {total} tokens prefetched from storage into the host tier")
+
+        heading(f"{step + 1}. match (host hits) + load_back + data check", out=stream)
+        matches = w.match_all(prompts)
+        for m in matches:
+            await cache.load_back(m)
+        ok = all(
+            m.device_len == len(t) // cache.config.page_size * cache.config.page_size
+            for (_, t), m in zip(prompts, matches, strict=True)
+        )
+        ok = ok and all(
+            w.check_data(name, t, m) for (name, t), m in zip(prompts, matches, strict=True)
+        )
+        for m in matches:
+            cache.release(m)
+        await cache.flush()
+        cache.check_invariants()
+        checked = sum(m.device_len for m in matches)
+        if ok:
+            w.say(
+                f"  data check PASSED: {checked} tokens x {cache.config.num_layers} layers of K "
+                "and V are bit-identical after device -> host -> storage -> (restart) -> host "
+                "-> device"
+            )
+        else:
+            w.say(f"  restarted-node data check FAILED: {', '.join(w.mismatches) or 'short'}")
+
+        heading(f"{step + 2}. KV events of the restarted node", out=stream)
+        print_events(cache.take_events(), stream)
+        heading(f"{step + 3}. storage statistics of the restarted node", out=stream)
+        print_storage_statistics(cache.statistics(), stream)
+    return ok

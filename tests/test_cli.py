@@ -1,8 +1,9 @@
-"""The ``aiocache-kv`` command line, run as a subprocess: demo and both bench suites."""
+"""The ``aiocache-kv`` command line, run as a subprocess: demo and the bench suites."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from aiocache_kv.cli import build_parser
+from aiocache_kv.cli import build_parser, page_kib
 
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -46,6 +47,29 @@ def test_demo_runs_and_passes_its_data_check() -> None:
     assert "BlockStored" in out and "BlockRemoved" in out
     assert "load_back_done" in out
     assert "cache_started" in proc.stderr  # structlog console logs go to stderr
+    # the default embedded FileStorage: backup, restart, prefetch, storage hits, bit-identical
+    assert "L3: FileStorage at" in out
+    assert "STORAGE" in out  # BlockStored events of the storage tier
+    assert "restarted node" in out and "storage hits: 60 tokens" in out
+    assert out.count("data check PASSED") == 2
+    assert "-> storage -> (restart) ->" in out
+    assert "backup_pages_ok                 15" in out
+    assert "prefetch_hit_tokens             60" in out
+
+
+def test_demo_storage_dir_is_kept_and_reused(tmp_path: Path) -> None:
+    store = tmp_path / "kv"
+    proc = run_cli("demo", "--storage-dir", str(store))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "storage hits: 60 tokens" in proc.stdout
+    assert any(store.rglob("*.kv"))  # the pages stay where the user put them
+
+
+def test_demo_without_storage() -> None:
+    proc = run_cli("demo", "--storage", "none")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "data check PASSED" in proc.stdout
+    assert "restarted node" not in proc.stdout and "STORAGE" not in proc.stdout
 
 
 def test_demo_other_page_size_and_seed() -> None:
@@ -125,11 +149,95 @@ def test_bench_transfer_tiny(tmp_path: Path) -> None:
     assert lag["p99_ms"] >= 0 and lag["target_p99_ms"] == 2.0
 
 
+def _mooncake_missing() -> str | None:
+    from aiocache_kv.bench.mooncake_master import mooncake_available
+
+    reason = mooncake_available()
+    if reason is not None and os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"mooncake dependency missing in CI: {reason}")
+    return reason
+
+
+def _check_storage_report(path: Path, backend: str, configs: set[str]) -> dict[str, Any]:
+    data = json.loads(path.read_text())
+    suite = data["suites"]["storage"]
+    assert suite["errors"] == []
+    entries = suite["backends"][backend]["configs"]
+    assert set(entries) == configs
+    for entry in entries.values():
+        assert set(entry["gbs"]) == {"raw_put", "cache_backup", "raw_get", "cache_prefetch", "seal"}
+        assert set(entry["ratio"]) == {"backup", "prefetch"}
+        assert entry["pages"] > 0 and entry["bytes"] == entry["pages"] * entry["page_bytes"]
+        assert all(v > 0 for v in positive_numbers(entry["gbs"]))
+        assert all(v > 0 for v in positive_numbers(entry["ratio"]))
+        assert all(len(v) == 2 for v in entry["seconds"].values())
+    return dict(suite)
+
+
+def test_bench_storage_file_tiny(tmp_path: Path) -> None:
+    report = tmp_path / "storage.json"
+    proc = run_cli(
+        "bench",
+        "storage",
+        "--backend",
+        "file",
+        "--page-kib",
+        "64,256",
+        "--batch",
+        "4",
+        "--storage-mib",
+        "1",
+        "--storage-repeats",
+        "2",
+        "--storage-dir",
+        str(tmp_path),
+        "--json",
+        str(report),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "cache backup" in proc.stdout and "cache prefetch" in proc.stdout
+    suite = _check_storage_report(report, "file", {"64KiB_b4", "256KiB_b4"})
+    assert suite["target_ratio"] == 0.9 and "mooncake" not in suite["backends"]
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # temp dirs removed
+
+
+@pytest.mark.mooncake
+def test_bench_storage_mooncake_tiny(tmp_path: Path) -> None:
+    reason = _mooncake_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    report = tmp_path / "storage.json"
+    proc = run_cli(
+        "bench",
+        "storage",
+        "--backend",
+        "mooncake",
+        "--page-kib",
+        "64",
+        "--batch",
+        "4",
+        "16",
+        "--storage-mib",
+        "1",
+        "--storage-repeats",
+        "2",
+        "--json",
+        str(report),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "started a loopback master at 127.0.0.1:" in proc.stdout
+    _check_storage_report(report, "mooncake", {"64KiB_b4", "64KiB_b16"})
+
+
 def test_bench_parser_defaults() -> None:
     args = build_parser().parse_args(["bench"])
     assert args.suite == "all"
     assert args.sequences == 2000 and args.page_sizes == [1, 16]
-    assert args.page_kib == [64, 256, 1024]
+    assert page_kib(args, "transfer") == (64, 256, 1024)
+    assert page_kib(args, "storage") == (64, 256, 1024, 4096)
+    assert args.backend == "all" and args.batch is None and args.storage_repeats == 3
+    args = build_parser().parse_args(["bench", "storage", "--page-kib", "64,256", "1024"])
+    assert args.suite == "storage" and page_kib(args, "storage") == (64, 256, 1024)
     args = build_parser().parse_args(["bench", "tree", "--sizes", "4", "--json", "x.json"])
     assert args.suite == "tree" and args.page_sizes == [4] and args.json == "x.json"
 
@@ -139,3 +247,6 @@ def test_bench_rejects_unknown_suite(capsys: pytest.CaptureFixture[str]) -> None
         build_parser().parse_args(["bench", "nope"])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "storage", "--batch", "16,x"])
+    assert "comma-separated integers" in capsys.readouterr().err
