@@ -78,10 +78,16 @@ class _Job(Protocol):
 
 
 class ThreadCopyEngine:
-    """CPU engine: a worker thread does the copies, in order."""
+    """CPU engine: a worker thread does the copies, in order.
 
-    def __init__(self, name: str = "aiocache-kv-copy") -> None:
+    ``threads`` caps torch's intra-op threads *for the worker only* (OpenMP keeps the setting
+    per thread; the model's threads are untouched).  One thread leaves a core to the event
+    loop on small machines; ``None`` keeps torch's default (faster copies, more loop lag).
+    """
+
+    def __init__(self, name: str = "aiocache-kv-copy", *, threads: int | None = 1) -> None:
         self._name = name
+        self._threads = threads
         self._queue: queue.SimpleQueue[tuple[_Job, Done] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -100,6 +106,8 @@ class ThreadCopyEngine:
     def _work(self) -> None:
         loop = self._loop
         assert loop is not None
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
         while True:
             item = self._queue.get()
             if item is None:
