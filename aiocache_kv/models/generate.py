@@ -1,0 +1,260 @@
+"""Greedy generation over the cache: the serving loop of one request.
+
+:meth:`CachedLM.generate` is what a serving loop does per request::
+
+    p = await cache.prefetch(prompt)        # storage -> host (only with an L3 tier)
+    m = cache.match_prefix(prompt)          # device / host hit lengths; pins the prefix
+    await cache.load_back(m)                # host part -> device
+    slots = await cache.alloc_wait(n)       # rows for the uncached suffix and the reply
+    ... prefill the suffix, decode token by token (K/V written to the pool by PagedKV) ...
+    r = cache.insert(prompt + reply, rows)  # the new pages join the tree (write-through)
+    cache.release(r); cache.release(m)
+
+:func:`reference_generate` runs the same greedy loop on ``transformers``' own
+``DynamicCache`` without any prefix cache: the baseline for TTFT and for the identity check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from aiocache_kv.cache import HiCache
+from aiocache_kv.errors import ConfigError, InvalidInputError
+from aiocache_kv.models.gpt2 import kv_shape
+from aiocache_kv.models.paged import PagedKV
+
+log = structlog.get_logger(__name__)
+
+#: Runs a forward pass: ``await run(fn)`` returns ``fn()``.  Default: inline on the loop.
+Runner = Callable[[Callable[[], torch.Tensor]], Awaitable[torch.Tensor]]
+
+
+async def run_inline(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Run a forward pass on the loop thread (CPU work; other tasks wait for it)."""
+    return fn()
+
+
+@dataclass
+class Generation:
+    """One greedy generation and where its prompt's KV came from."""
+
+    prompt_len: int
+    tokens: list[int]  #: generated token ids
+    ttft: float  #: seconds from the request to the first generated token
+    total: float  #: seconds for the whole request
+    hit_device: int = 0  #: prompt tokens whose KV was on device at match time
+    hit_host: int = 0  #: ... on host (loaded back)
+    hit_storage: int = 0  #: ... in storage (prefetched to host, then loaded back)
+    reused: int = 0  #: prompt tokens not recomputed (<= the hits: the last one is always run)
+    computed: int = 0  #: prompt tokens run through the model in the prefill
+    logits: torch.Tensor | None = field(default=None, repr=False)  #: [tokens, vocab] if kept
+
+    @property
+    def hit_tokens(self) -> int:
+        """Prompt tokens found in any tier."""
+        return self.hit_device + self.hit_host + self.hit_storage
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    return int(torch.argmax(logits).item())
+
+
+def _check_request(prompt: Sequence[int], max_new_tokens: int, limit: int) -> list[int]:
+    toks = list(prompt)
+    if not toks:
+        raise InvalidInputError("prompt must not be empty")
+    if type(max_new_tokens) is not int or max_new_tokens < 1:
+        raise InvalidInputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if len(toks) + max_new_tokens > limit:
+        raise InvalidInputError(
+            f"prompt ({len(toks)}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"{limit} positions"
+        )
+    return toks
+
+
+def reference_generate(
+    model: Any, prompt: Sequence[int], max_new_tokens: int, *, keep_logits: bool = False
+) -> Generation:
+    """Greedy generation with ``transformers``' ``DynamicCache`` and no prefix cache."""
+    from transformers import DynamicCache
+
+    toks = _check_request(prompt, max_new_tokens, int(model.config.n_positions))
+    t0 = time.perf_counter()
+    kv = DynamicCache(config=model.config)
+    out: list[int] = []
+    kept: list[torch.Tensor] = []
+    ttft = 0.0
+    with torch.no_grad():
+        ids = torch.tensor([toks], dtype=torch.long)
+        for step in range(max_new_tokens):
+            res = model(input_ids=ids, past_key_values=kv, use_cache=True, logits_to_keep=1)
+            logits = res.logits[0, -1]
+            tok = _argmax(logits)
+            if step == 0:
+                ttft = time.perf_counter() - t0
+            out.append(tok)
+            if keep_logits:
+                kept.append(logits.clone())
+            ids = torch.tensor([[tok]], dtype=torch.long)
+    return Generation(
+        prompt_len=len(toks),
+        tokens=out,
+        ttft=ttft,
+        total=time.perf_counter() - t0,
+        computed=len(toks),
+        logits=torch.stack(kept) if keep_logits else None,
+    )
+
+
+class CachedLM:
+    """A model whose attention KV lives in ``cache``'s device pool.
+
+    Call :meth:`generate` on the loop thread that runs ``cache``.  Forward passes run through
+    ``runner`` (default: inline on the loop; pass one that uses a single worker thread to keep
+    the loop responsive in a server).
+
+    Raises:
+        ConfigError: the cache's KV shape does not match the model.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        cache: HiCache,
+        *,
+        runner: Runner | None = None,
+        tenant: str | None = None,
+        await_backup: bool = True,
+        yield_every: int = 1,
+    ) -> None:
+        shape = kv_shape(model)
+        cfg = cache.config
+        got = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+        want = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype)
+        if got != want:
+            raise ConfigError(
+                f"cache KV shape (layers, heads, head_dim, dtype) {got} does not match the "
+                f"model's {want}"
+            )
+        self.model = model
+        self.cache = cache
+        self.runner: Runner = runner if runner is not None else run_inline
+        self.tenant = tenant
+        self.await_backup = await_backup
+        self.yield_every = max(1, yield_every)
+        self.max_positions = int(model.config.n_positions)
+
+    async def generate(
+        self, prompt: Sequence[int], max_new_tokens: int, *, keep_logits: bool = False
+    ) -> Generation:
+        """Greedy-generate ``max_new_tokens`` after ``prompt``, reusing and filling the cache.
+
+        The prompt and the reply (all but the last token, whose KV is never computed) are
+        inserted into the cache when the request ends, so the next turn of a conversation
+        hits them.
+
+        Raises:
+            InvalidInputError: empty prompt, bad ``max_new_tokens``, too long for the model.
+            CapacityError: the device pool cannot hold the request (nothing leaks).
+        """
+        toks = _check_request(prompt, max_new_tokens, self.max_positions)
+        cache = self.cache
+        p = cache.config.page_size
+        t0 = time.perf_counter()
+        hit_storage = 0
+        if cache.config.storage is not None:
+            res = await cache.prefetch(toks, tenant=self.tenant)
+            hit_storage = res.hit_tokens
+        m = cache.match_prefix(toks, tenant=self.tenant)
+        try:
+            hit_device = m.device_len
+            hit_storage = min(hit_storage, m.host_len)
+            hit_host = m.host_len - hit_storage
+            if m.host_len:
+                await cache.load_back(m)
+            # always run at least the prompt's last token: its logits give the first reply token
+            reused = min(m.device_len, (len(toks) - 1) // p * p)
+            n_kv = len(toks) + max_new_tokens - 1  # positions whose K/V get written
+            own = await cache.alloc_wait(n_kv - reused)
+            try:
+                gen = await self._run(
+                    toks, m.device_indices[:reused], own, max_new_tokens, t0, keep_logits
+                )
+                kv_toks = toks + gen.tokens[:-1]
+                rows = torch.cat([m.device_indices[:reused], own])[: len(kv_toks)]
+            except BaseException:
+                cache.free(own)
+                raise
+            r = cache.insert(kv_toks, rows, tenant=self.tenant)
+            aligned = len(kv_toks) // p * p
+            if aligned - reused < own.numel():  # slots past the last whole page stay ours
+                cache.free(own[aligned - reused :])
+            try:
+                if self.await_backup and r.write_through is not None:
+                    await r.write_through
+            finally:
+                cache.release(r)
+        finally:
+            cache.release(m)
+        gen.total = time.perf_counter() - t0
+        gen.hit_device, gen.hit_host, gen.hit_storage = hit_device, hit_host, hit_storage
+        gen.reused = reused
+        log.debug(
+            "generated",
+            prompt=len(toks),
+            device=hit_device,
+            host=hit_host,
+            storage=hit_storage,
+            computed=gen.computed,
+            ttft_ms=round(gen.ttft * 1e3, 2),
+        )
+        return gen
+
+    async def _run(
+        self,
+        toks: list[int],
+        prefix_rows: torch.Tensor,
+        own: torch.Tensor,
+        max_new_tokens: int,
+        t0: float,
+        keep_logits: bool,
+    ) -> Generation:
+        cache = self.cache
+        reused = prefix_rows.numel()
+        views = [cache.device_kv(layer) for layer in range(cache.config.num_layers)]
+        seq = PagedKV(views, torch.cat([prefix_rows, own]), filled=reused)
+        model = self.model
+        suffix = toks[reused:]
+        logits = await self.runner(lambda: seq.forward(model, suffix))
+        tok = _argmax(logits)
+        ttft = time.perf_counter() - t0
+        out = [tok]
+        kept = [logits.clone()] if keep_logits else []
+        for step in range(1, max_new_tokens):
+            if step % self.yield_every == 0:
+                await asyncio.sleep(0)  # let other requests on the loop make progress
+            last = [tok]
+            logits = await self.runner(lambda: seq.forward(model, last))  # noqa: B023
+            tok = _argmax(logits)
+            out.append(tok)
+            if keep_logits:
+                kept.append(logits.clone())
+        return Generation(
+            prompt_len=len(toks),
+            tokens=out,
+            ttft=ttft,
+            total=0.0,
+            computed=len(suffix),
+            logits=torch.stack(kept) if keep_logits else None,
+        )
+
+
+__all__ = ["CachedLM", "Generation", "Runner", "reference_generate", "run_inline"]

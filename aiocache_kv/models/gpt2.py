@@ -1,0 +1,123 @@
+"""A small GPT-2 with seeded random weights, and the cache shape that matches it.
+
+Nothing is downloaded: the model is built from a ``GPT2Config`` under ``torch.manual_seed``,
+so two processes with the same :class:`GPT2Spec` get bit-identical weights (which is what
+lets a second node reuse KV that the first one stored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aiocache_kv.config import CacheConfig
+from aiocache_kv.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GPT2Spec:
+    """Size and seed of a random-weight GPT-2 (defaults: ~9M parameters, 4 layers)."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    seed: int = 0
+    attn_implementation: str = "sdpa"
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width of K and V."""
+        return self.n_embd // self.n_head
+
+    @property
+    def name(self) -> str:
+        """A namespace for the cache: changes whenever the weights would."""
+        return (
+            f"gpt2-random-L{self.n_layer}-H{self.n_head}-D{self.n_embd}-V{self.vocab_size}"
+            f"-P{self.n_positions}-s{self.seed}"
+        )
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What a model's attention KV looks like per token."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def build_gpt2(spec: GPT2Spec | None = None) -> Any:
+    """A ``GPT2LMHeadModel`` in eval mode with weights drawn under ``torch.manual_seed``.
+
+    Construction reads no files and opens no sockets, but it is slow-ish CPU work: call it
+    off the event loop (``await asyncio.to_thread(build_gpt2, spec)``) in a server.
+
+    Raises:
+        ConfigError: ``n_embd`` is not a multiple of ``n_head``.
+    """
+    s = spec if spec is not None else GPT2Spec()
+    if s.n_embd % s.n_head:
+        raise ConfigError(f"n_embd {s.n_embd} must be a multiple of n_head {s.n_head}")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=s.n_layer,
+        n_head=s.n_head,
+        n_embd=s.n_embd,
+        vocab_size=s.vocab_size,
+        n_positions=s.n_positions,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=True,
+    )
+    config._attn_implementation = s.attn_implementation
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(s.seed)
+        model = GPT2LMHeadModel(config)
+    finally:
+        torch.random.set_rng_state(state)
+    model.eval()  # type: ignore[no-untyped-call]
+    model.requires_grad_(False)
+    return model
+
+
+def kv_shape(model: Any) -> KVShape:
+    """The per-token KV shape of a GPT-2-like ``transformers`` model."""
+    cfg = model.config
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.n_head)
+    return KVShape(
+        num_layers=int(cfg.n_layer),
+        num_kv_heads=heads,
+        head_dim=int(cfg.n_embd) // int(cfg.n_head),
+        dtype=next(model.parameters()).dtype,
+    )
+
+
+def cache_config_for(model: Any, **options: Any) -> CacheConfig:
+    """A :class:`CacheConfig` whose KV shape matches ``model``; ``options`` set the rest.
+
+    Raises:
+        ConfigError: an option contradicts the model's shape, or is invalid.
+    """
+    shape = kv_shape(model)
+    fixed = {
+        "num_layers": shape.num_layers,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "dtype": shape.dtype,
+    }
+    for key, value in fixed.items():
+        if key in options and options[key] != value:
+            raise ConfigError(f"{key}={options[key]!r} does not match the model ({value!r})")
+    return CacheConfig(**{**options, **fixed})
+
+
+__all__ = ["GPT2Spec", "KVShape", "build_gpt2", "cache_config_for", "kv_shape"]
