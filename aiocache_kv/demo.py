@@ -1,30 +1,27 @@
-"""``aiocache-kv demo``: a small in-process walkthrough of the cache on CPU.
+"""``aiocache-kv demo``: multi-turn chat on a small GPT-2 whose KV lives in the cache.
 
-The walkthrough plays a serving loop over a few prompts that share a system prompt:
+The workload is what a chat server sees: several conversations that share a system prompt,
+several turns each, interleaved (turn 1 of every conversation, then turn 2 of every
+conversation, ...).  Each turn's prompt is the whole conversation so far - system prompt,
+earlier user messages and the model's replies - plus a new user message, so most of it was
+computed before, by this conversation's previous turn or (the system prompt) by another one.
 
-1. **prefill** - for each prompt: ``match_prefix`` (the shared prefix is reused from device
-   after the first prompt), ``alloc`` slots for the rest, let the "model" write K/V rows
-   through ``device_kv(layer)``, ``insert``, await the write-through ack, ``release``;
-2. **match** - every prompt is now a device hit;
-3. **evict** - ``evict`` every device page: with ``write_through`` each page has a host copy,
-   so the nodes are demoted to host, not dropped;
-4. **match again + load_back** - every prompt is a host hit; ``await load_back(m)`` brings it
-   back to device;
-5. **data check** - the K/V read at ``m.device_indices`` must be bit-identical to what the
-   model wrote;
-6. **evict from host too** (with a storage tier, default ``FileStorage`` in a temporary
-   directory): ``await flush()`` first, so every page's backup to storage has landed; the
-   prompts are then misses in L1 and L2;
-7. the KV events (``take_events``, including ``STORAGE`` ones) and ``statistics()`` as tables;
-8. **restarted node** - a fresh cache on the same storage (file: node 1 closes first, a true
-   restart; Mooncake: node 1 stays up, since its segment holds the pages, and node 2 is a
-   second client): ``await prefetch(tokens)`` shows storage hits, ``load_back`` brings them to
-   device, and the K/V must again be bit-identical; its events and statistics follow.
+Every turn is generated twice, greedily:
 
-The "model" here is :func:`fake_kv`: K/V of a token is a deterministic function of the tokens
-up to and including it, as in a real transformer, so prompts sharing a prefix produce the same
-K/V for it.  A later demo swaps in a real model (GPT-2) through the same :class:`KVModel`
-shape: ``kv(tokens, start) -> (k, v)`` for positions ``start..len(tokens)``.
+* **without a cache** - ``transformers``' own ``DynamicCache``, the whole prompt prefilled;
+* **with the cache** - :class:`~aiocache_kv.models.CachedLM`: ``await prefetch`` (storage ->
+  host), ``match_prefix``, ``await load_back`` (host -> device), prefill only the uncached
+  suffix with the K/V read from and written to the device pool, decode, ``insert`` the prompt
+  and the reply (written through to host and storage).
+
+and the two must give the same tokens.  The pools are small on purpose, so every tier serves
+hits: older conversations are demoted from device to host and evicted from host (their pages
+stay in storage), and at the end a **restarted node** - a fresh cache on the same storage -
+serves one more turn of every conversation from storage alone.
+
+The model is a random-weight GPT-2 built from a ``GPT2Config`` under ``torch.manual_seed``
+(:mod:`aiocache_kv.models.gpt2`): nothing is downloaded.  The exit code is 0 only if every
+generation was token-identical with and without the cache.
 """
 
 from __future__ import annotations
@@ -32,14 +29,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import random
 import shutil
+import statistics
 import sys
 import tempfile
+import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Protocol, TextIO
+from dataclasses import dataclass, field
+from typing import Any, TextIO
 
 import structlog
 import torch
@@ -49,96 +48,173 @@ from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.errors import KVCacheError
 from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from aiocache_kv.handles import MatchResult
+from aiocache_kv.models import CachedLM, GPT2Spec, build_gpt2, cache_config_for
+from aiocache_kv.models.generate import Generation, reference_generate
 from aiocache_kv.stats import CacheStatistics
 from aiocache_kv.storage import FileStorage, MooncakeStorage, StorageBackend
 
 log = structlog.get_logger(__name__)
 
-VOCAB = 50257  # GPT-2's, so a later real-model demo can keep the same prompts' shape
+#: the demo's model: 6 layers x 4 heads x 64 dims, GPT-2's vocabulary, random weights
+DEMO_SPEC = GPT2Spec(n_layer=6, n_head=4, n_embd=256, vocab_size=50257, n_positions=1024)
+
+#: defaults of the workload options (``aiocache-kv demo --help`` shows the same)
+DEFAULTS: dict[str, Any] = {
+    "page_size": 16,
+    "device_pages": 48,
+    "host_pages": 96,
+    "seed": 0,
+    "conversations": 4,
+    "turns": 4,
+    "new_tokens": 12,
+    "system_tokens": 160,
+    "storage": "file",
+}
 
 
-class KVModel(Protocol):
-    """What the demo needs from a model: K/V for ``tokens[start:]`` given the whole prefix."""
-
-    def kv(self, tokens: Sequence[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions ``start..len(tokens)``: ``[layers, n, heads, head_dim]`` each."""
-        ...
+def _opt(args: argparse.Namespace, name: str) -> Any:
+    value = getattr(args, name, None)
+    return DEFAULTS[name] if value is None else value
 
 
-@dataclass(frozen=True)
-class FakeModel:
-    """Deterministic stand-in for a transformer: K/V depend on the whole prefix."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def kv(self, tokens: Sequence[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of ``tokens[start:]`` (see :func:`fake_kv`)."""
-        return fake_kv(self, tokens, start)
+# ---------------------------------------------------------------------------- workload
 
 
-def _prefix_hashes(tokens: Sequence[int]) -> list[int]:
-    out: list[int] = []
-    h = b"aiocache-kv-demo"
-    for t in tokens:
-        h = hashlib.blake2b(h + t.to_bytes(8, "little"), digest_size=8).digest()
-        out.append(int.from_bytes(h, "little"))
-    return out
+@dataclass
+class Conversation:
+    """One chat: the token history so far and the user messages still to send."""
+
+    name: str
+    history: list[int]
+    messages: list[list[int]]
+    replies: int = 0
 
 
-def fake_kv(
-    model: FakeModel, tokens: Sequence[int], start: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[layers, n, heads, head_dim]`` for positions ``start..len(tokens)``.
-
-    Position ``i`` gets values derived from a hash of ``tokens[: i + 1]``, so equal prefixes
-    give equal K/V (bit for bit) and different prefixes give different K/V.
-    """
-    hashes = _prefix_hashes(tokens)[start:]
-    seed = torch.tensor([h % (1 << 31) for h in hashes], dtype=torch.float64) / (1 << 31)
-    width = model.num_layers * 2 * model.num_kv_heads * model.head_dim
-    grid = torch.arange(width, dtype=torch.float64)
-    vals = torch.sin(seed[:, None] * 1000.0 + grid * 0.37).to(model.dtype)
-    vals = vals.view(len(hashes), model.num_layers, 2, model.num_kv_heads, model.head_dim)
-    vals = vals.permute(1, 2, 0, 3, 4)  # [layers, 2, n, heads, dim]
-    return vals[:, 0], vals[:, 1]
-
-
-def make_prompts(seed: int, page_size: int) -> list[tuple[str, list[int]]]:
-    """A shared system prompt plus three user turns (lengths not page-aligned on purpose)."""
+def make_conversations(
+    seed: int, conversations: int, turns: int, system_tokens: int, vocab: int
+) -> list[Conversation]:
+    """``conversations`` chats sharing one system prompt, ``turns + 1`` user messages each
+    (the last one is for the restarted node), of 20-60 tokens (not page-aligned)."""
     rng = random.Random(seed)
 
     def toks(n: int) -> list[int]:
-        return [rng.randrange(VOCAB) for _ in range(n)]
+        return [rng.randrange(vocab) for _ in range(n)]
 
-    system = toks(6 * page_size)
+    system = toks(system_tokens)
+    names = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
     return [
-        ("chat A turn 1", system + toks(3 * page_size + 1)),
-        ("chat B turn 1", system + toks(2 * page_size + page_size // 2)),
-        ("chat C turn 1", system + toks(4 * page_size)),
+        Conversation(
+            name=f"chat {names[i % 26]}{i // 26 or ''}",
+            history=list(system),
+            messages=[toks(rng.randrange(20, 61)) for _ in range(turns + 1)],
+        )
+        for i in range(conversations)
     ]
 
 
-def demo_config(args: argparse.Namespace, storage: StorageBackend | None = None) -> CacheConfig:
-    """The demo's cache: a tiny float32 KV on CPU, write-through to host (and to storage)."""
-    return CacheConfig(
-        page_size=args.page_size,
-        num_layers=2,
-        num_kv_heads=2,
-        head_dim=8,
-        dtype=torch.float32,
+@dataclass
+class TurnResult:
+    """One turn, generated without and with the cache."""
+
+    node: str
+    turn: int
+    chat: str
+    ref: Generation
+    got: Generation
+    max_logit_diff: float
+
+    @property
+    def identical(self) -> bool:
+        """The reply is token-identical with and without the cache."""
+        return self.ref.tokens == self.got.tokens
+
+    @property
+    def source(self) -> str:
+        """Where the deepest part of the reused prefix came from."""
+        g = self.got
+        if g.hit_storage:
+            return "storage"
+        if g.hit_host:
+            return "host"
+        if g.hit_device:
+            return "device"
+        return "miss"
+
+
+@dataclass
+class DemoLog:
+    """Everything the summary needs."""
+
+    results: list[TurnResult] = field(default_factory=list)
+    events: list[KVEvent] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- progress bar
+
+
+class Progress:
+    """A one-line progress bar on a terminal (nothing when the stream is not a terminal)."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 28) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.active = self.stream.isatty()
+        self.started = time.monotonic()
+        self.label = ""
+
+    def advance(self, label: str = "") -> None:
+        """One step done; redraw."""
+        self.done += 1
+        self.label = label
+        self.draw()
+
+    def draw(self) -> None:
+        """Redraw the bar in place."""
+        if not self.active:
+            return
+        filled = self.width * self.done // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        elapsed = time.monotonic() - self.started
+        self.stream.write(f"\r\033[K[{bar}] {self.done}/{self.total} {elapsed:5.1f}s {self.label}")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        """Erase the bar (before printing a table); the next :meth:`draw` brings it back."""
+        if self.active:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+# ---------------------------------------------------------------------------- storage
+
+
+def demo_config(
+    args: argparse.Namespace, model: Any | None = None, storage: StorageBackend | None = None
+) -> CacheConfig:
+    """The demo's cache, shaped like ``model`` (default: the demo's GPT-2 shape): small
+    device and host pools, write-through to host and storage, prefetch that waits."""
+    opts: dict[str, Any] = dict(
+        page_size=_opt(args, "page_size"),
         device="cpu",
-        device_pages=args.device_pages,
-        host_pages=args.host_pages,
+        device_pages=_opt(args, "device_pages"),
+        host_pages=_opt(args, "host_pages"),
         write_policy="write_through",
-        namespace="demo-model",
+        namespace=DEMO_SPEC.name,
         host_memory_reserve_bytes=0,
         storage=storage,
         prefetch_policy="wait_complete",
-        prefetch_threshold_tokens=0,  # the demo's prompts are short
+        prefetch_threshold_tokens=0,  # chat turns are short; prefetch whatever storage has
+    )
+    if model is not None:
+        return cache_config_for(model, **opts)
+    return CacheConfig(
+        num_layers=DEMO_SPEC.n_layer,
+        num_kv_heads=DEMO_SPEC.n_head,
+        head_dim=DEMO_SPEC.head_dim,
+        dtype=torch.float32,
+        **opts,
     )
 
 
@@ -163,8 +239,8 @@ class StorageSetup:
                 local_hostname="127.0.0.1",
                 protocol="tcp",
                 device_name="",
-                global_segment_size=32 << 20,
-                local_buffer_size=16 << 20,
+                global_segment_size=128 << 20,
+                local_buffer_size=32 << 20,
             )
         return None
 
@@ -181,7 +257,7 @@ class StorageSetup:
 async def storage_setup(args: argparse.Namespace) -> AsyncIterator[StorageSetup]:
     """The storage the demo uses: a temp dir (removed afterwards) or ``--storage-dir`` for
     ``file``; a loopback master (stopped afterwards) unless ``--master`` for ``mooncake``."""
-    kind = getattr(args, "storage", "none")
+    kind = _opt(args, "storage")
     if kind == "file":
         given: str | None = getattr(args, "storage_dir", None)
         path = given
@@ -208,118 +284,110 @@ async def storage_setup(args: argparse.Namespace) -> AsyncIterator[StorageSetup]
         yield StorageSetup("none")
 
 
-class Walkthrough:
-    """The demo's steps over one running cache; each step prints what it did."""
-
-    def __init__(self, cache: HiCache, model: KVModel, out: TextIO) -> None:
-        self.cache = cache
-        self.model = model
-        self.out = out
-        self.mismatches: list[str] = []
-
-    def say(self, text: str) -> None:
-        """Print one line of narration."""
-        print(text, file=self.out)
-
-    async def prefill(self, name: str, tokens: list[int]) -> None:
-        """Serve one prompt: reuse the cached prefix, compute and cache the rest."""
-        cache = self.cache
-        p = cache.config.page_size
-        m = cache.match_prefix(tokens)
-        if m.host_len:
-            await cache.load_back(m)
-        reused = m.device_len
-        new = len(tokens) - reused
-        slots = cache.alloc(new)  # whole pages; the unaligned tail's page stays ours
-        k_new, v_new = self.model.kv(tokens, reused)
-        for layer in range(cache.config.num_layers):
-            k, v = cache.device_kv(layer)
-            k[slots[:new]] = k_new[layer]
-            v[slots[:new]] = v_new[layer]
-        r = cache.insert(tokens, torch.cat([m.device_indices, slots[:new]]))
-        if r.write_through is not None:
-            await r.write_through
-        aligned = len(tokens) // p * p
-        if aligned < len(tokens):  # the tail page is not cached: hand its slots back
-            cache.free(slots[aligned - reused :])
-        cache.release(r)
-        cache.release(m)
-        self.say(
-            f"  {name}: {len(tokens)} tokens, reused {reused} from device, computed {new}, "
-            f"cached {aligned} ({aligned // p} pages, written through to host)"
-        )
-
-    def match_all(self, prompts: Sequence[tuple[str, list[int]]]) -> list[MatchResult]:
-        """Match every prompt and print its device/host hits (the handles stay pinned)."""
-        matches = [self.cache.match_prefix(t) for _, t in prompts]
-        table(
-            ["prompt", "tokens", "device hit", "host hit", "miss"],
-            [
-                [name, len(t), m.device_len, m.host_len, len(t) - m.device_len - m.host_len]
-                for (name, t), m in zip(prompts, matches, strict=True)
-            ],
-            out=self.out,
-        )
-        return matches
-
-    def check_data(self, name: str, tokens: list[int], m: MatchResult) -> bool:
-        """Compare the K/V at ``m.device_indices`` with what the model computes."""
-        n = m.device_len
-        idx = m.device_indices
-        k_ref, v_ref = self.model.kv(tokens[:n], 0)
-        ok = True
-        for layer in range(self.cache.config.num_layers):
-            k, v = self.cache.device_kv(layer)
-            if not (torch.equal(k[idx], k_ref[layer]) and torch.equal(v[idx], v_ref[layer])):
-                self.mismatches.append(f"{name} layer {layer}")
-                ok = False
-        return ok
+# ---------------------------------------------------------------------------- reports
 
 
-def _short(h: int | None) -> str:
-    return "-" if h is None else f"{h:016x}"[:10]
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
 
 
-def print_events(events: Sequence[KVEvent], out: TextIO) -> None:
-    """KV events as a table (one row per event)."""
-    rows: list[list[object]] = []
-    for i, ev in enumerate(events, 1):
-        if isinstance(ev, BlockStored):
-            rows.append(
-                [
-                    i,
-                    "BlockStored",
-                    ev.medium,
-                    len(ev.block_hashes),
-                    len(ev.token_ids),
-                    _short(ev.block_hashes[0]),
-                    _short(ev.parent_block_hash),
-                ]
-            )
-        elif isinstance(ev, BlockRemoved):
-            rows.append(
-                [
-                    i,
-                    "BlockRemoved",
-                    ev.medium,
-                    len(ev.block_hashes),
-                    "",
-                    _short(ev.block_hashes[0]),
-                    "",
-                ]
-            )
-        elif isinstance(ev, AllBlocksCleared):
-            rows.append([i, "AllBlocksCleared", "", "", "", "", ""])
+def print_turns(results: Sequence[TurnResult], out: TextIO) -> None:
+    """One row per conversation: hits per tier, TTFT without/with the cache, identity."""
+    rows = [
+        [
+            r.chat,
+            r.got.prompt_len,
+            r.got.hit_device,
+            r.got.hit_host,
+            r.got.hit_storage,
+            r.got.computed,
+            _ms(r.ref.ttft),
+            _ms(r.got.ttft),
+            f"{r.ref.ttft / r.got.ttft:.1f}x" if r.got.ttft > 0 else "-",
+            "yes" if r.identical else "NO",
+            f"{r.max_logit_diff:.1e}",
+        ]
+        for r in results
+    ]
     table(
-        ["#", "event", "medium", "pages", "tokens", "first hash", "parent hash"],
+        [
+            "chat",
+            "prompt",
+            "device hit",
+            "host hit",
+            "storage hit",
+            "computed",
+            "TTFT no cache ms",
+            "TTFT cache ms",
+            "speedup",
+            "identical",
+            "max |dlogit|",
+        ],
         rows,
         out=out,
-        align="rlllrll",
+    )
+
+
+def print_ttft_by_source(results: Sequence[TurnResult], out: TextIO) -> None:
+    """Median TTFT without/with the cache, grouped by where the reused prefix came from."""
+    rows: list[list[object]] = []
+    for source in ("miss", "device", "host", "storage"):
+        group = [r for r in results if r.source == source]
+        if not group:
+            continue
+        ref = statistics.median(r.ref.ttft for r in group)
+        got = statistics.median(r.got.ttft for r in group)
+        rows.append(
+            [
+                source,
+                len(group),
+                round(statistics.mean(r.got.prompt_len for r in group)),
+                round(statistics.mean(r.got.hit_tokens for r in group)),
+                _ms(ref),
+                _ms(got),
+                f"{ref / got:.1f}x" if got > 0 else "-",
+            ]
+        )
+    table(
+        [
+            "deepest tier hit",
+            "turns",
+            "mean prompt",
+            "mean hit",
+            "median TTFT no cache ms",
+            "median TTFT cache ms",
+            "speedup",
+        ],
+        rows,
+        out=out,
+    )
+
+
+def print_event_summary(events: Sequence[KVEvent], out: TextIO) -> None:
+    """KV events counted by type and medium (pages in brackets)."""
+    counts: Counter[tuple[str, str]] = Counter()
+    pages: Counter[tuple[str, str]] = Counter()
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            key = ("BlockStored", ev.medium)
+            pages[key] += len(ev.block_hashes)
+        elif isinstance(ev, BlockRemoved):
+            key = ("BlockRemoved", ev.medium)
+            pages[key] += len(ev.block_hashes)
+        else:
+            assert isinstance(ev, AllBlocksCleared), ev
+            key = ("AllBlocksCleared", "")
+        counts[key] += 1
+    table(
+        ["event", "medium", "events", "pages"],
+        [[k[0], k[1], counts[k], pages[k]] for k in sorted(counts)],
+        out=out,
+        align="llrr",
     )
 
 
 def print_statistics(st: CacheStatistics, out: TextIO) -> None:
-    """``statistics()`` as two small tables: per tier, then the counters."""
+    """``statistics()``: the tiers, then the hit and traffic counters."""
     table(
         ["tier", "total", "free", "held", "evictable", "protected"],
         [
@@ -329,30 +397,154 @@ def print_statistics(st: CacheStatistics, out: TextIO) -> None:
         out=out,
     )
     print(file=out)
-    skip = {"device", "host"}
-    counters = [[k, getattr(st, k)] for k in st.__dataclass_fields__ if k not in skip]
-    table(["counter", "value"], counters, out=out)
+    keys = (
+        "match_queries",
+        "hit_tokens_device",
+        "hit_tokens_host",
+        "inserted_tokens",
+        "write_through_done",
+        "load_back_done",
+        "bytes_device_to_host",
+        "bytes_host_to_device",
+        "backup_pages_ok",
+        "prefetch_queries",
+        "prefetch_hit_tokens",
+        "storage_errors",
+        "events_published",
+    )
+    table(["counter", "value"], [[k, getattr(st, k)] for k in keys], out=out)
 
 
-STORAGE_COUNTERS = (
-    "backup_started",
-    "backup_pages_ok",
-    "backup_pages_failed",
-    "prefetch_queries",
-    "prefetch_storage_hit_tokens",
-    "prefetch_hit_tokens",
-    "prefetch_pages_discarded",
-    "storage_errors",
-)
+# ---------------------------------------------------------------------------- the run
 
 
-def print_storage_statistics(st: CacheStatistics, out: TextIO) -> None:
-    """The storage-tier counters of ``statistics()``."""
-    table(["storage counter", "value"], [[k, getattr(st, k)] for k in STORAGE_COUNTERS], out=out)
+class ChatDemo:
+    """Plays the conversations against one cache after another (node 1, then node 2)."""
+
+    def __init__(
+        self, args: argparse.Namespace, model: Any, setup: StorageSetup, out: TextIO
+    ) -> None:
+        self.args = args
+        self.model = model
+        self.setup = setup
+        self.out = out
+        self.new_tokens: int = _opt(args, "new_tokens")
+        self.turns: int = _opt(args, "turns")
+        self.chats = make_conversations(
+            _opt(args, "seed"),
+            _opt(args, "conversations"),
+            self.turns,
+            _opt(args, "system_tokens"),
+            int(model.config.vocab_size),
+        )
+        restart = 1 if setup.kind != "none" else 0
+        self.progress = Progress(2 * len(self.chats) * (self.turns + restart))
+        self.log = DemoLog()
+
+    def config(self) -> CacheConfig:
+        """A cache config for a new node (each gets its own storage backend object)."""
+        return demo_config(self.args, self.model, self.setup.make())
+
+    async def turn(self, lm: CachedLM, chat: Conversation, turn: int, node: str) -> TurnResult:
+        """Send the chat's next message; generate without and with the cache; compare."""
+        prompt = chat.history + chat.messages[chat.replies]
+        ref = reference_generate(self.model, prompt, self.new_tokens, keep_logits=True)
+        self.progress.advance(f"{node} turn {turn} {chat.name}: no cache")
+        got = await lm.generate(prompt, self.new_tokens, keep_logits=True)
+        self.progress.advance(f"{node} turn {turn} {chat.name}: cache")
+        assert ref.logits is not None and got.logits is not None
+        diff = float((ref.logits - got.logits).abs().max())
+        chat.history = prompt + got.tokens
+        chat.replies += 1
+        result = TurnResult(node, turn, chat.name, ref, got, diff)
+        self.log.results.append(result)
+        return result
+
+    async def round(self, lm: CachedLM, turn: int, node: str) -> None:
+        """Turn ``turn`` of every conversation, then its table."""
+        rows = [await self.turn(lm, chat, turn, node) for chat in self.chats]
+        self.progress.clear()
+        heading(f"{node}, turn {turn}", out=self.out)
+        print_turns(rows, self.out)
+        self.progress.draw()
+
+    async def run(self) -> bool:
+        """Node 1 plays every turn; node 2 (restarted, same storage) one more turn each."""
+        async with contextlib.AsyncExitStack() as stack:
+            cache = await stack.enter_async_context(HiCache(self.config()))
+            lm = CachedLM(self.model, cache)
+            for turn in range(1, self.turns + 1):
+                await self.round(lm, turn, "node 1")
+            await cache.flush()  # every backup to storage landed
+            cache.check_invariants()
+            self.progress.clear()
+            heading("node 1: statistics()", out=self.out)
+            print_statistics(cache.statistics(), self.out)
+            self.log.events += cache.take_events()
+            if self.setup.kind == "file":
+                await stack.aclose()  # a true restart: node 1 is gone, its files stay
+                how = "node 1 closed; node 2 opens the same directory with empty L1/L2"
+            else:  # Mooncake: node 1's segment holds the pages, so it stays up
+                how = "node 1 stays up (its segment holds the pages); node 2 is a second client"
+            if self.setup.kind != "none":
+                heading("restarted node: a fresh cache on the same storage", out=self.out)
+                print(f"  {how}", file=self.out)
+                async with HiCache(self.config()) as cache2:
+                    lm2 = CachedLM(self.model, cache2)
+                    await self.round(lm2, self.turns + 1, "node 2")
+                    await cache2.flush()
+                    cache2.check_invariants()
+                    self.progress.clear()
+                    heading("node 2: statistics()", out=self.out)
+                    print_statistics(cache2.statistics(), self.out)
+                    self.log.events += cache2.take_events()
+        self.progress.clear()
+        return self.summary()
+
+    def summary(self) -> bool:
+        """The tables across all turns; True when every generation was identical."""
+        results = self.log.results
+        out = self.out
+        heading("KV events (both nodes)", out=out)
+        print_event_summary(self.log.events, out)
+        heading("TTFT by the deepest tier that served the prefix", out=out)
+        print_ttft_by_source(results, out)
+        hits = {
+            "device": sum(r.got.hit_device for r in results),
+            "host": sum(r.got.hit_host for r in results),
+            "storage": sum(r.got.hit_storage for r in results),
+        }
+        expected = ("device", "host", "storage") if self.setup.kind != "none" else ("device",)
+        print(
+            "\ntokens hit per tier: "
+            + ", ".join(f"{k} {v}" for k, v in hits.items())
+            + (
+                " - every tier served hits"
+                if all(hits[k] for k in expected)
+                else " - some tier served no hits (pools too large for the workload?)"
+            ),
+            file=out,
+        )
+        bad = [r for r in results if not r.identical]
+        worst = max((r.max_logit_diff for r in results), default=0.0)
+        if bad:
+            print(
+                f"identity check FAILED: {len(bad)}/{len(results)} generations differ with the "
+                f"cache: " + ", ".join(f"{r.node} turn {r.turn} {r.chat}" for r in bad),
+                file=out,
+            )
+            return False
+        print(
+            f"identity check PASSED: {len(results)}/{len(results)} generations token-identical "
+            f"with and without the cache (max |dlogit| {worst:.1e})",
+            file=out,
+        )
+        return True
 
 
 async def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Run the walkthrough; return 0 when every data check passed, 1 otherwise."""
+    """Run the chat demo; return 0 when every generation was identical with and without the
+    cache, 1 on a mismatch or a cache error, 2 on a bad configuration."""
     stream = out if out is not None else sys.stdout
     try:
         demo_config(args)
@@ -361,169 +553,25 @@ async def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     try:
         async with storage_setup(args) as setup:
-            return await _walkthrough(args, setup, stream)
+            t0 = time.perf_counter()
+            model = await asyncio.to_thread(build_gpt2, DEMO_SPEC)
+            await asyncio.to_thread(reference_generate, model, list(range(32)), 2)  # warm up
+            cfg = demo_config(args, model)
+            params = sum(p.numel() for p in model.parameters())
+            print(
+                f"aiocache-kv demo: multi-turn chat on a random-weight GPT-2 ({DEMO_SPEC.n_layer} "
+                f"layers x {DEMO_SPEC.n_head} heads x {DEMO_SPEC.head_dim} dims, "
+                f"{params / 1e6:.1f}M parameters, built in {time.perf_counter() - t0:.1f}s, "
+                f"nothing downloaded); page_size={cfg.page_size}, device_pages="
+                f"{cfg.device_pages}, host_pages={cfg.host_pages}, write_through; "
+                f"{_opt(args, 'conversations')} chats x {_opt(args, 'turns')} turns, "
+                f"{_opt(args, 'new_tokens')} new tokens per reply, seed {_opt(args, 'seed')}; "
+                f"L3: {setup.describe()}",
+                file=stream,
+            )
+            ok = await ChatDemo(args, model, setup, stream).run()
+            return 0 if ok else 1
     except KVCacheError as exc:
         log.error("demo_failed", error=str(exc), error_type=type(exc).__name__)
         print(f"demo failed: {type(exc).__name__}: {exc}", file=stream)
         return 1
-
-
-async def _walkthrough(args: argparse.Namespace, setup: StorageSetup, stream: TextIO) -> int:
-    cfg = demo_config(args, setup.make())
-    model = FakeModel(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
-    prompts = make_prompts(args.seed, cfg.page_size)
-    print(
-        f"aiocache-kv demo: page_size={cfg.page_size}, device_pages={cfg.device_pages}, "
-        f"host_pages={cfg.host_pages}, {cfg.num_layers} layers x {cfg.num_kv_heads} heads x "
-        f"{cfg.head_dim} dims {str(cfg.dtype).replace('torch.', '')}, write_through, seed "
-        f"{args.seed}; L3: {setup.describe()}",
-        file=stream,
-    )
-    async with contextlib.AsyncExitStack() as stack:
-        cache = await stack.enter_async_context(HiCache(cfg))
-        w = Walkthrough(cache, model, stream)
-        heading("1. prefill: KV written at alloc() slots, insert, write-through", out=stream)
-        for name, toks in prompts:
-            await w.prefill(name, toks)
-
-        heading("2. match: every prompt is a device hit", out=stream)
-        matches = w.match_all(prompts)
-        device_ok = all(
-            w.check_data(name, t, m) for (name, t), m in zip(prompts, matches, strict=True)
-        )
-        for m in matches:
-            cache.release(m)
-
-        heading("3. evict every device page (write-through copies stay on host)", out=stream)
-        evictable = cache.statistics().device.evictable_pages
-        freed = cache.evict(evictable)
-        w.say(f"  evict({evictable}) freed {freed} device pages; the nodes are now host-only")
-
-        heading("4. match again: host hits; await load_back(m)", out=stream)
-        matches = w.match_all(prompts)
-        for m in matches:
-            await cache.load_back(m)
-        w.say("  after load_back:")
-        table(
-            ["prompt", "device hit", "host hit"],
-            [
-                [name, m.device_len, m.host_len]
-                for (name, _), m in zip(prompts, matches, strict=True)
-            ],
-            out=stream,
-        )
-
-        heading("5. data check: loaded KV vs what the model wrote", out=stream)
-        loaded_ok = all(
-            w.check_data(name, t, m) for (name, t), m in zip(prompts, matches, strict=True)
-        )
-        for m in matches:
-            cache.release(m)
-        await cache.flush()
-        cache.check_invariants()
-        checked = sum(m.device_len for m in matches)
-        if device_ok and loaded_ok:
-            w.say(
-                f"  data check PASSED: {checked} tokens x {cfg.num_layers} layers of K and V "
-                "are bit-identical after device -> host -> device"
-            )
-        else:
-            w.say(f"  data check FAILED: {', '.join(w.mismatches)}")
-
-        step = 6
-        if cfg.storage is not None:
-            heading(
-                f"{step}. await flush() (backups to storage landed), then evict device AND host",
-                out=stream,
-            )
-            await cache.flush()
-            st = cache.statistics()
-            w.say(
-                f"  {st.backup_pages_ok} pages backed up to storage "
-                f"({st.backup_pages_failed} failed)"
-            )
-            dev = cache.evict(cache.statistics().device.evictable_pages)
-            host = cache.evict(cache.statistics().host.evictable_pages, "host")
-            w.say(f"  evicted {dev} device pages, then {host} host pages; match now:")
-            for m in w.match_all(prompts):
-                cache.release(m)
-            step += 1
-
-        heading(f"{step}. KV events (take_events)", out=stream)
-        print_events(cache.take_events(), stream)
-        heading(f"{step + 1}. statistics()", out=stream)
-        print_statistics(cache.statistics(), stream)
-        step += 2
-        restart_ok = True
-        if cfg.storage is not None:
-            if setup.kind == "file":
-                await cache.aclose()  # a true restart: node 1 is gone, its files stay
-                how = "node 1 closed; a fresh cache opens the same directory"
-            else:
-                how = "node 1 stays up (its segment holds the pages); node 2 is a second client"
-            restart_ok = await _restarted_node(args, setup, model, prompts, stream, step, how)
-    return 0 if device_ok and loaded_ok and restart_ok else 1
-
-
-async def _restarted_node(
-    args: argparse.Namespace,
-    setup: StorageSetup,
-    model: KVModel,
-    prompts: Sequence[tuple[str, list[int]]],
-    stream: TextIO,
-    step: int,
-    how: str,
-) -> bool:
-    """A fresh cache on the same storage: prefetch, storage hits, load back, data check."""
-    heading(f"{step}. restarted node: fresh cache on the same storage; await prefetch", out=stream)
-    print(f"  {how}", file=stream)
-    async with HiCache(demo_config(args, setup.make())) as cache:
-        w = Walkthrough(cache, model, stream)
-        rows: list[list[object]] = []
-        total = 0
-        for name, toks in prompts:
-            before = cache.match_prefix(toks)
-            cached = before.device_len + before.host_len
-            cache.release(before)
-            res = await cache.prefetch(toks)
-            total += res.hit_tokens
-            rows.append(
-                [name, len(toks), cached, res.storage_hit_tokens, res.hit_tokens, res.status.value]
-            )
-        table(
-            ["prompt", "tokens", "cached before", "storage hit", "prefetched", "status"],
-            rows,
-            out=stream,
-        )
-        w.say(f"  storage hits: {total} tokens prefetched from storage into the host tier")
-
-        heading(f"{step + 1}. match (host hits) + load_back + data check", out=stream)
-        matches = w.match_all(prompts)
-        for m in matches:
-            await cache.load_back(m)
-        ok = all(
-            m.device_len == len(t) // cache.config.page_size * cache.config.page_size
-            for (_, t), m in zip(prompts, matches, strict=True)
-        )
-        ok = ok and all(
-            w.check_data(name, t, m) for (name, t), m in zip(prompts, matches, strict=True)
-        )
-        for m in matches:
-            cache.release(m)
-        await cache.flush()
-        cache.check_invariants()
-        checked = sum(m.device_len for m in matches)
-        if ok:
-            w.say(
-                f"  data check PASSED: {checked} tokens x {cache.config.num_layers} layers of K "
-                "and V are bit-identical after device -> host -> storage -> (restart) -> host "
-                "-> device"
-            )
-        else:
-            w.say(f"  restarted-node data check FAILED: {', '.join(w.mismatches) or 'short'}")
-
-        heading(f"{step + 2}. KV events of the restarted node", out=stream)
-        print_events(cache.take_events(), stream)
-        heading(f"{step + 3}. storage statistics of the restarted node", out=stream)
-        print_storage_statistics(cache.statistics(), stream)
-    return ok

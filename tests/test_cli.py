@@ -38,51 +38,68 @@ def positive_numbers(obj: Any) -> list[float]:
     return []
 
 
-def test_demo_runs_and_passes_its_data_check() -> None:
+SMALL = ("--conversations", "2", "--turns", "2", "--new-tokens", "4")
+
+
+def test_demo_runs_and_passes_its_identity_check() -> None:
     proc = run_cli("demo")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert "device hit" in out and "host hit" in out
-    assert "data check PASSED" in out
-    assert "BlockStored" in out and "BlockRemoved" in out
-    assert "load_back_done" in out
-    assert "cache_started" in proc.stderr  # structlog console logs go to stderr
-    # the default embedded FileStorage: backup, restart, prefetch, storage hits, bit-identical
+    assert "random-weight GPT-2" in out and "nothing downloaded" in out
     assert "L3: FileStorage at" in out
-    assert "STORAGE" in out  # BlockStored events of the storage tier
-    assert "restarted node" in out and "storage hits: 60 tokens" in out
-    assert out.count("data check PASSED") == 2
-    assert "-> storage -> (restart) ->" in out
-    assert "backup_pages_ok                 15" in out
-    assert "prefetch_hit_tokens             60" in out
+    for turn in range(1, 5):
+        assert f"node 1, turn {turn}" in out
+    assert "node 2, turn 5" in out and "restarted node" in out
+    assert "TTFT no cache ms" in out and "TTFT cache ms" in out
+    assert "device hit" in out and "host hit" in out and "storage hit" in out
+    assert "every tier served hits" in out  # device, host and storage each served a prefix
+    assert "identity check PASSED: 20/20 generations token-identical" in out
+    assert " NO " not in out
+    assert "BlockStored" in out and "BlockRemoved" in out and "STORAGE" in out
+    assert "cache_started" in proc.stderr  # structlog console logs go to stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_demo_storage_dir_is_kept_and_reused(tmp_path: Path) -> None:
     store = tmp_path / "kv"
-    proc = run_cli("demo", "--storage-dir", str(store))
+    proc = run_cli("demo", *SMALL, "--storage-dir", str(store))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "storage hits: 60 tokens" in proc.stdout
+    assert "identity check PASSED: 6/6" in proc.stdout
     assert any(store.rglob("*.kv"))  # the pages stay where the user put them
+    again = run_cli("demo", *SMALL, "--storage-dir", str(store))
+    assert again.returncode == 0, again.stdout + again.stderr
+    # a second run on the same directory: even the first turn is served from storage
+    first = again.stdout.split("node 1, turn 1 ==")[1].split("==")[0]
+    row = next(line for line in first.splitlines() if line.startswith("chat A"))
+    assert int(row.split()[5]) > 0, first  # storage hit column of chat A
 
 
-def test_demo_without_storage() -> None:
-    proc = run_cli("demo", "--storage", "none")
+def test_demo_without_storage_other_page_size_and_seed() -> None:
+    args = ("--storage", "none", "--page-size", "8", "--seed", "7", "--device-pages", "96")
+    proc = run_cli("demo", *SMALL, *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "data check PASSED" in proc.stdout
+    assert "page_size=8" in proc.stdout
+    assert "identity check PASSED: 4/4" in proc.stdout
     assert "restarted node" not in proc.stdout and "STORAGE" not in proc.stdout
 
 
-def test_demo_other_page_size_and_seed() -> None:
-    proc = run_cli("demo", "--page-size", "1", "--seed", "7", "--device-pages", "200")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "data check PASSED" in proc.stdout
-
-
 def test_demo_too_small_device_pool_fails_cleanly() -> None:
-    proc = run_cli("demo", "--device-pages", "4")
+    proc = run_cli("demo", *SMALL, "--device-pages", "4")
     assert proc.returncode == 1
     assert "CapacityError" in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.mooncake
+def test_demo_on_mooncake() -> None:
+    reason = _mooncake_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    proc = run_cli("demo", *SMALL, "--storage", "mooncake")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "L3: MooncakeStorage, master 127.0.0.1:" in proc.stdout
+    assert "node 2 is a second client" in proc.stdout
+    assert "identity check PASSED: 6/6" in proc.stdout
 
 
 def test_bench_tree_tiny(tmp_path: Path) -> None:

@@ -76,6 +76,8 @@ def build_gpt2(spec: GPT2Spec | None = None) -> Any:
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         use_cache=True,
+        bos_token_id=s.vocab_size - 1,
+        eos_token_id=s.vocab_size - 1,
     )
     config._attn_implementation = s.attn_implementation
     state = torch.random.get_rng_state()
