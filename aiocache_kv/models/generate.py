@@ -54,6 +54,9 @@ class Generation:
     hit_storage: int = 0  #: ... in storage (prefetched to host, then loaded back)
     reused: int = 0  #: prompt tokens not recomputed (<= the hits: the last one is always run)
     computed: int = 0  #: prompt tokens run through the model in the prefill
+    prefetch_s: float = 0.0  #: awaiting ``prefetch`` (storage -> host)
+    load_back_s: float = 0.0  #: awaiting ``load_back`` (host -> device)
+    backup_s: float = 0.0  #: awaiting the write-through ack after ``insert`` (device -> host)
     logits: torch.Tensor | None = field(default=None, repr=False)  #: [tokens, vocab] if kept
 
     @property
@@ -170,16 +173,20 @@ class CachedLM:
         p = cache.config.page_size
         t0 = time.perf_counter()
         hit_storage = 0
+        prefetch_s = load_back_s = backup_s = 0.0
         if cache.config.storage is not None:
             res = await cache.prefetch(toks, tenant=self.tenant)
             hit_storage = res.hit_tokens
+            prefetch_s = time.perf_counter() - t0
         m = cache.match_prefix(toks, tenant=self.tenant)
         try:
             hit_device = m.device_len
             hit_storage = min(hit_storage, m.host_len)
             hit_host = m.host_len - hit_storage
             if m.host_len:
+                t1 = time.perf_counter()
                 await cache.load_back(m)
+                load_back_s = time.perf_counter() - t1
             # always run at least the prompt's last token: its logits give the first reply token
             reused = min(m.device_len, (len(toks) - 1) // p * p)
             n_kv = len(toks) + max_new_tokens - 1  # positions whose K/V get written
@@ -199,7 +206,9 @@ class CachedLM:
                 cache.free(own[aligned - reused :])
             try:
                 if self.await_backup and r.write_through is not None:
+                    t1 = time.perf_counter()
                     await r.write_through
+                    backup_s = time.perf_counter() - t1
             finally:
                 cache.release(r)
         finally:
@@ -207,6 +216,7 @@ class CachedLM:
         gen.total = time.perf_counter() - t0
         gen.hit_device, gen.hit_host, gen.hit_storage = hit_device, hit_host, hit_storage
         gen.reused = reused
+        gen.prefetch_s, gen.load_back_s, gen.backup_s = prefetch_s, load_back_s, backup_s
         log.debug(
             "generated",
             prompt=len(toks),

@@ -1,0 +1,480 @@
+"""An async HTTP server: greedy generation on a small GPT-2 whose KV lives in ``HiCache``.
+
+Run::
+
+    pip install -e .[server]                  # aiohttp
+    python examples/server.py --port 8000     # binds 127.0.0.1; FileStorage in a temp dir
+    curl -s localhost:8000/generate -d '{"tokens": [1, 2, 3], "max_new_tokens": 8}'
+    curl -s localhost:8000/metrics
+
+Endpoints:
+
+* ``POST /generate`` - ``{"tokens": [int, ...], "max_new_tokens": int}`` ->
+  ``{"tokens": [...], "prompt_tokens", "cached_tokens": {"device", "host", "storage"},
+  "computed_tokens", "ttft_ms", "total_ms"}``.  Token ids only: GPT-2's tokenizer would have
+  to be downloaded, and this server downloads nothing (the weights are random, seeded).
+* ``GET /health`` - ``{"status": "ok", ...}`` with the cache's page counts.
+* ``GET /metrics`` - Prometheus text format: prompt tokens per tier, prefetch / load-back /
+  write-through bytes and latency, storage backups, pool usage, KV events.
+
+Each request awaits the cache the way a serving loop does (:class:`CachedLM`): ``prefetch``
+(storage -> host), ``match_prefix``, ``load_back`` (host -> device), prefill of the uncached
+suffix and decode with the K/V in the device pool, ``insert`` (written through to host and
+storage).  Forward passes run on one worker thread, so the loop keeps serving ``/health`` and
+``/metrics`` and cache completions while a prefill runs; requests interleave between decode
+steps.  Two servers started with the same ``--model-seed`` and the same storage (a shared
+``--storage-dir`` or Mooncake master) reuse each other's KV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+from aiohttp import web
+
+from aiocache_kv import (
+    BlockRemoved,
+    BlockStored,
+    CacheStatistics,
+    FileStorage,
+    HiCache,
+    KVCacheError,
+    MooncakeStorage,
+    StorageBackend,
+)
+from aiocache_kv.models import CachedLM, GPT2Spec, build_gpt2, cache_config_for
+from aiocache_kv.models.generate import Generation
+
+log = structlog.get_logger("aiocache_kv.examples.server")
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
+class ServerOptions:
+    """Everything the server is configured with (flags of ``examples/server.py``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: GPT2Spec = field(default_factory=GPT2Spec)
+    page_size: int = 16
+    device_pages: int = 256
+    host_pages: int = 1024
+    storage: str = "file"  #: file | none | mooncake
+    storage_dir: str | None = None
+    master: str | None = None
+    metadata: str | None = None
+    max_new_tokens: int = 256  #: upper bound a request may ask for
+    model_thread: bool = True  #: forward passes on a worker thread (else inline on the loop)
+
+
+class Histogram:
+    """A Prometheus histogram (cumulative buckets, sum, count)."""
+
+    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * len(self.buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        """Record one observation."""
+        self.sum += value
+        self.count += 1
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        """Exposition lines for this histogram."""
+        sep = "," if labels else ""
+        out = [
+            f'{name}_bucket{{{labels}{sep}le="{bound}"}} {n}'
+            for bound, n in zip(self.buckets, self.counts, strict=True)
+        ]
+        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')
+        suffix = f"{{{labels}}}" if labels else ""
+        out.append(f"{name}_sum{suffix} {self.sum:.6f}")
+        out.append(f"{name}_count{suffix} {self.count}")
+        return out
+
+
+@dataclass
+class Metrics:
+    """What the server counts itself (the cache's own counters come from ``statistics()``)."""
+
+    requests: Counter[str] = field(default_factory=Counter)  #: by outcome
+    prompt_tokens: Counter[str] = field(default_factory=Counter)  #: by tier / computed
+    generated_tokens: int = 0
+    events: Counter[tuple[str, str]] = field(default_factory=Counter)  #: (type, medium)
+    ttft: Histogram = field(default_factory=Histogram)
+    prefetch: Histogram = field(default_factory=Histogram)
+    load_back: Histogram = field(default_factory=Histogram)
+    write_through: Histogram = field(default_factory=Histogram)
+
+    def record(self, gen: Generation) -> None:
+        """Account one finished generation."""
+        self.requests["ok"] += 1
+        self.prompt_tokens["device"] += gen.hit_device
+        self.prompt_tokens["host"] += gen.hit_host
+        self.prompt_tokens["storage"] += gen.hit_storage
+        self.prompt_tokens["computed"] += gen.computed
+        self.generated_tokens += len(gen.tokens)
+        self.ttft.observe(gen.ttft)
+        if gen.prefetch_s:
+            self.prefetch.observe(gen.prefetch_s)
+        if gen.load_back_s:
+            self.load_back.observe(gen.load_back_s)
+        if gen.backup_s:
+            self.write_through.observe(gen.backup_s)
+
+
+def render_metrics(m: Metrics, st: CacheStatistics, page_size: int, page_bytes: int) -> str:
+    """The Prometheus text exposition of the server's and the cache's counters."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float | int]]) -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            lines.append(f"{name}{{{labels}}} {value}" if labels else f"{name} {value}")
+
+    def hist(name: str, help_: str, h: Histogram) -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} histogram")
+        lines.extend(h.lines(name))
+
+    metric(
+        "aiocache_kv_requests_total",
+        "counter",
+        "Generate requests by outcome.",
+        [(f'outcome="{k}"', v) for k, v in sorted(m.requests.items())] or [('outcome="ok"', 0)],
+    )
+    metric(
+        "aiocache_kv_prompt_tokens_total",
+        "counter",
+        "Prompt tokens by where their KV came from (device/host/storage hit, or computed).",
+        [(f'source="{k}"', m.prompt_tokens[k]) for k in ("device", "host", "storage", "computed")],
+    )
+    metric(
+        "aiocache_kv_generated_tokens_total", "counter", "Tokens generated.",
+        [("", m.generated_tokens)],
+    )  # fmt: skip
+    hist("aiocache_kv_ttft_seconds", "Time to first token, per request.", m.ttft)
+    hist("aiocache_kv_prefetch_seconds", "Awaiting prefetch (storage -> host).", m.prefetch)
+    hist("aiocache_kv_load_back_seconds", "Awaiting load_back (host -> device).", m.load_back)
+    hist(
+        "aiocache_kv_write_through_seconds",
+        "Awaiting the write-through ack (device -> host) after insert.",
+        m.write_through,
+    )
+    metric(
+        "aiocache_kv_cache_hit_tokens_total",
+        "counter",
+        "Tokens matched per tier by match_prefix, and committed by prefetch.",
+        [
+            ('tier="device"', st.hit_tokens_device),
+            ('tier="host"', st.hit_tokens_host),
+            ('tier="storage"', st.prefetch_hit_tokens),
+        ],
+    )
+    metric(
+        "aiocache_kv_transfer_bytes_total",
+        "counter",
+        "Bytes moved between tiers.",
+        [
+            ('direction="device_to_host"', st.bytes_device_to_host),
+            ('direction="host_to_device"', st.bytes_host_to_device),
+            ('direction="host_to_storage"', st.backup_pages_ok * page_bytes),
+            ('direction="storage_to_host"', st.prefetch_hit_tokens // page_size * page_bytes),
+        ],
+    )
+    metric(
+        "aiocache_kv_storage_pages_total",
+        "counter",
+        "Storage tier pages: backed up, failed, prefetched (committed), discarded.",
+        [
+            ('op="backup_ok"', st.backup_pages_ok),
+            ('op="backup_failed"', st.backup_pages_failed),
+            ('op="backup_skipped"', st.backup_skipped_pages),
+            ('op="prefetch_discarded"', st.prefetch_pages_discarded),
+        ],
+    )
+    metric(
+        "aiocache_kv_storage_errors_total", "counter", "Storage errors.", [("", st.storage_errors)]
+    )
+    metric(
+        "aiocache_kv_pool_pages",
+        "gauge",
+        "Pages per pool by state.",
+        [
+            (f'tier="{name}",state="{state}"', getattr(t, f"{state}_pages"))
+            for name, t in (("device", st.device), ("host", st.host))
+            for state in ("total", "free", "held", "evictable", "protected")
+        ],
+    )
+    metric(
+        "aiocache_kv_operations_in_flight",
+        "gauge",
+        "Copies and storage operations in flight.",
+        [('kind="copy"', st.ops_in_flight), ('kind="storage"', st.storage_in_flight)],
+    )
+    metric(
+        "aiocache_kv_events_published_total",
+        "counter",
+        "KV events published by the cache.",
+        [("", st.events_published)],
+    )
+    metric(
+        "aiocache_kv_events_total",
+        "counter",
+        "KV events drained by the server, by type and medium.",
+        [(f'type="{t}",medium="{md}"', n) for (t, md), n in sorted(m.events.items())],
+    )
+    return "\n".join(lines) + "\n"
+
+
+class GenerateServer:
+    """The model, the cache and the HTTP handlers."""
+
+    def __init__(self, opts: ServerOptions) -> None:
+        self.opts = opts
+        self.metrics = Metrics()
+        self.cache: HiCache | None = None
+        self.lm: CachedLM | None = None
+        self.page_bytes = 0
+        self.started = time.monotonic()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @contextlib.asynccontextmanager
+    async def _storage(self) -> AsyncIterator[Callable[[], StorageBackend | None]]:
+        o = self.opts
+        if o.storage == "file":
+            path = o.storage_dir
+            temp = path is None
+            if path is None:
+                path = await asyncio.to_thread(tempfile.mkdtemp, prefix="aiocache-kv-server-")
+            try:
+                yield lambda: FileStorage(path)
+            finally:
+                if temp:
+                    await asyncio.to_thread(shutil.rmtree, path, True)
+        elif o.storage == "mooncake":
+            if o.master is None or o.metadata is None:
+                raise SystemExit("--storage mooncake needs --master and --metadata")
+            yield lambda: MooncakeStorage(
+                master=o.master,
+                metadata_server=o.metadata,
+                local_hostname="127.0.0.1",
+                protocol="tcp",
+                device_name="",
+                global_segment_size=256 << 20,
+                local_buffer_size=64 << 20,
+            )
+        else:
+            yield lambda: None
+
+    async def lifespan(self, app: web.Application) -> AsyncIterator[None]:
+        """aiohttp ``cleanup_ctx``: build the model, open the cache; close both at the end."""
+        o = self.opts
+        model = await asyncio.to_thread(build_gpt2, o.model)
+        async with contextlib.AsyncExitStack() as stack:
+            make_storage = await stack.enter_async_context(self._storage())
+            cfg = cache_config_for(
+                model,
+                page_size=o.page_size,
+                device="cpu",
+                device_pages=o.device_pages,
+                host_pages=o.host_pages,
+                write_policy="write_through",
+                namespace=o.model.name,
+                host_memory_reserve_bytes=0,
+                storage=make_storage(),
+                prefetch_policy="timeout",
+                prefetch_threshold_tokens=o.page_size,
+            )
+            self.page_bytes = cfg.page_bytes
+            self.cache = await stack.enter_async_context(HiCache(cfg))
+            runner = None
+            if o.model_thread:
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, "model")
+                stack.callback(self._executor.shutdown, wait=False)
+                runner = self._run_in_model_thread
+            self.lm = CachedLM(model, self.cache, runner=runner)
+            drain = asyncio.get_running_loop().create_task(self._drain_events(self.cache))
+            log.info("server_ready", model=o.model.name, storage=o.storage, page_size=o.page_size)
+            try:
+                yield
+            finally:
+                await self.cache.flush()
+                await self.cache.aclose()  # ends the events stream
+                await drain
+
+    async def _run_in_model_thread(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        assert self._executor is not None
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    async def _drain_events(self, cache: HiCache) -> None:
+        async for ev in cache.events():
+            if isinstance(ev, (BlockStored, BlockRemoved)):
+                self.metrics.events[(type(ev).__name__, ev.medium)] += 1
+            else:
+                self.metrics.events[(type(ev).__name__, "")] += 1
+
+    # ------------------------------------------------------------------ handlers
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """``POST /generate``."""
+        try:
+            body = await request.json()
+        except json.JSONDecodeError:
+            return self._bad("body must be JSON")
+        if not isinstance(body, dict):
+            return self._bad("body must be a JSON object")
+        tokens = body.get("tokens")
+        max_new = body.get("max_new_tokens", 16)
+        if not isinstance(tokens, list) or not tokens:
+            return self._bad("tokens must be a non-empty list of token ids")
+        vocab = self.opts.model.vocab_size
+        if not all(type(t) is int and 0 <= t < vocab for t in tokens):
+            return self._bad(f"tokens must be ints in [0, {vocab})")
+        if type(max_new) is not int or not 1 <= max_new <= self.opts.max_new_tokens:
+            return self._bad(f"max_new_tokens must be an int in [1, {self.opts.max_new_tokens}]")
+        assert self.lm is not None
+        try:
+            gen = await self.lm.generate(tokens, max_new)
+        except KVCacheError as exc:
+            self.metrics.requests["error"] += 1
+            status = 400 if isinstance(exc, ValueError) else 503
+            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=status)
+        self.metrics.record(gen)
+        return web.json_response(
+            {
+                "tokens": gen.tokens,
+                "prompt_tokens": gen.prompt_len,
+                "cached_tokens": {
+                    "device": gen.hit_device,
+                    "host": gen.hit_host,
+                    "storage": gen.hit_storage,
+                },
+                "computed_tokens": gen.computed,
+                "ttft_ms": round(gen.ttft * 1e3, 3),
+                "total_ms": round(gen.total * 1e3, 3),
+            }
+        )
+
+    def _bad(self, message: str) -> web.Response:
+        self.metrics.requests["bad_request"] += 1
+        return web.json_response({"error": message}, status=400)
+
+    async def health(self, request: web.Request) -> web.Response:
+        """``GET /health``."""
+        if self.cache is None:
+            return web.json_response({"status": "starting"}, status=503)
+        st = self.cache.statistics()
+        return web.json_response(
+            {
+                "status": "ok",
+                "model": self.opts.model.name,
+                "uptime_s": round(time.monotonic() - self.started, 3),
+                "device_pages": {"total": st.device.total_pages, "free": st.device.free_pages},
+                "host_pages": {"total": st.host.total_pages, "free": st.host.free_pages},
+                "storage": self.opts.storage,
+            }
+        )
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        """``GET /metrics`` (Prometheus text format 0.0.4)."""
+        assert self.cache is not None
+        text = render_metrics(
+            self.metrics, self.cache.statistics(), self.opts.page_size, self.page_bytes
+        )
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+SERVER: web.AppKey[GenerateServer] = web.AppKey("server", GenerateServer)
+
+
+def make_app(opts: ServerOptions) -> web.Application:
+    """The aiohttp application (the model is built and the cache opened at start-up)."""
+    server = GenerateServer(opts)
+    app = web.Application()
+    app[SERVER] = server
+    app.cleanup_ctx.append(server.lifespan)
+    app.router.add_post("/generate", server.generate)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/metrics", server.metrics_handler)
+    return app
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
+    """Flags -> :class:`ServerOptions`."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--device-pages", type=int, default=256)
+    p.add_argument("--host-pages", type=int, default=1024)
+    p.add_argument("--storage", choices=("file", "none", "mooncake"), default="file")
+    p.add_argument("--storage-dir", help="FileStorage directory (default: a temp dir)")
+    p.add_argument("--master", help="Mooncake master host:port")
+    p.add_argument("--metadata", help="Mooncake metadata server URL")
+    p.add_argument("--layers", type=int, default=GPT2Spec.n_layer)
+    p.add_argument("--heads", type=int, default=GPT2Spec.n_head)
+    p.add_argument("--hidden", type=int, default=GPT2Spec.n_embd)
+    p.add_argument("--positions", type=int, default=GPT2Spec.n_positions)
+    p.add_argument("--model-seed", type=int, default=0, help="weights seed (same on every node)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--inline-model", action="store_true", help="run forward passes on the loop thread"
+    )
+    a = p.parse_args(argv)
+    return ServerOptions(
+        host=a.host,
+        port=a.port,
+        model=GPT2Spec(
+            n_layer=a.layers,
+            n_head=a.heads,
+            n_embd=a.hidden,
+            n_positions=a.positions,
+            seed=a.model_seed,
+        ),
+        page_size=a.page_size,
+        device_pages=a.device_pages,
+        host_pages=a.host_pages,
+        storage=a.storage,
+        storage_dir=a.storage_dir,
+        master=a.master,
+        metadata=a.metadata,
+        max_new_tokens=a.max_new_tokens,
+        model_thread=not a.inline_model,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve until interrupted."""
+    from aiocache_kv.cli import configure_logging
+
+    configure_logging("info")
+    opts = parse_args(argv)
+    web.run_app(make_app(opts), host=opts.host, port=opts.port, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

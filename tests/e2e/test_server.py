@@ -1,0 +1,189 @@
+"""``examples/server.py`` over real HTTP on 127.0.0.1: generate, health, metrics, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from aiocache_kv.models import reference_generate
+from tests.e2e.conftest import SPEC, random_tokens
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_server() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("example_server", ROOT / "examples/server.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["example_server"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+server_mod = load_server()
+
+
+class Running:
+    def __init__(self, runner: web.AppRunner, url: str, session: aiohttp.ClientSession) -> None:
+        self.runner = runner
+        self.url = url
+        self.session = session
+
+    async def post(self, path: str, body: Any) -> tuple[int, Any]:
+        async with self.session.post(self.url + path, json=body) as r:
+            return r.status, await r.json()
+
+    async def get_json(self, path: str) -> Any:
+        async with self.session.get(self.url + path) as r:
+            assert r.status == 200
+            return await r.json()
+
+    async def get_text(self, path: str) -> str:
+        async with self.session.get(self.url + path) as r:
+            assert r.status == 200
+            assert r.content_type == "text/plain"
+            text: str = await r.text()
+            return text
+
+
+def options(storage_dir: Path, **kw: Any) -> Any:
+    opts = dict(
+        host="127.0.0.1",
+        port=0,
+        model=SPEC,
+        page_size=8,
+        device_pages=32,
+        host_pages=64,
+        storage="file",
+        storage_dir=str(storage_dir),
+        max_new_tokens=32,
+    )
+    opts.update(kw)
+    return server_mod.ServerOptions(**opts)
+
+
+async def start(opts: Any) -> Running:
+    runner = web.AppRunner(server_mod.make_app(opts))
+    await runner.setup()
+    site = web.TCPSite(runner, opts.host, opts.port)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    assert host == "127.0.0.1"
+    return Running(runner, f"http://{host}:{port}", aiohttp.ClientSession())
+
+
+async def stop(srv: Running) -> None:
+    await srv.session.close()
+    await srv.runner.cleanup()
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[Running]:
+    srv = await start(options(tmp_path / "kv"))
+    try:
+        yield srv
+    finally:
+        await stop(srv)
+
+
+def metric(text: str, line_prefix: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(line_prefix + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{line_prefix} not in metrics:\n{text}")
+
+
+async def test_generate_health_metrics(server: Running, gpt2: Any) -> None:
+    health = await server.get_json("/health")
+    assert health["status"] == "ok" and health["device_pages"]["total"] == 32
+    prompt = random_tokens(30, 45)
+    status, first = await server.post("/generate", {"tokens": prompt, "max_new_tokens": 5})
+    assert status == 200, first
+    assert first["tokens"] == reference_generate(gpt2, prompt, 5).tokens
+    assert first["cached_tokens"] == {"device": 0, "host": 0, "storage": 0}
+    turn2 = prompt + first["tokens"] + random_tokens(31, 7)
+    status, second = await server.post("/generate", {"tokens": turn2, "max_new_tokens": 5})
+    assert status == 200, second
+    assert second["tokens"] == reference_generate(gpt2, turn2, 5).tokens
+    assert second["cached_tokens"]["device"] == 48  # prompt + reply[:-1] = 49 -> 6 pages
+    assert second["computed_tokens"] == len(turn2) - 48
+    assert second["ttft_ms"] > 0 and second["total_ms"] >= second["ttft_ms"]
+
+    text = await server.get_text("/metrics")
+    assert "# TYPE aiocache_kv_ttft_seconds histogram" in text
+    assert metric(text, 'aiocache_kv_requests_total{outcome="ok"}') == 2
+    assert metric(text, 'aiocache_kv_prompt_tokens_total{source="device"}') == 48
+    assert (
+        metric(text, 'aiocache_kv_prompt_tokens_total{source="computed"}') == 45 + len(turn2) - 48
+    )
+    assert metric(text, "aiocache_kv_ttft_seconds_count") == 2
+    assert metric(text, 'aiocache_kv_pool_pages{tier="device",state="total"}') == 32
+    assert metric(text, "aiocache_kv_events_published_total") > 0
+    assert metric(text, 'aiocache_kv_transfer_bytes_total{direction="device_to_host"}') > 0
+    assert metric(text, "aiocache_kv_write_through_seconds_count") == 2
+    await asyncio.sleep(0.05)  # let the events drain task run
+    text = await server.get_text("/metrics")
+    assert metric(text, 'aiocache_kv_events_total{type="BlockStored",medium="GPU"}') >= 2
+
+
+async def test_bad_requests(server: Running) -> None:
+    for body in (
+        {"tokens": []},
+        {"tokens": [1, -2]},
+        {"tokens": [SPEC.vocab_size]},
+        {"tokens": [1, 2], "max_new_tokens": 0},
+        {"tokens": [1, 2], "max_new_tokens": 33},
+        [1, 2, 3],
+    ):
+        status, reply = await server.post("/generate", body)
+        assert status == 400 and "error" in reply, body
+    text = await server.get_text("/metrics")
+    assert metric(text, 'aiocache_kv_requests_total{outcome="bad_request"}') == 6
+
+
+async def test_concurrent_requests_and_health_while_busy(server: Running, gpt2: Any) -> None:
+    system = random_tokens(40, 32)
+    prompts = [system + random_tokens(41 + i, 10 + 3 * i) for i in range(4)]
+    tasks = [
+        asyncio.create_task(server.post("/generate", {"tokens": p, "max_new_tokens": 6}))
+        for p in prompts
+    ]
+    health = await server.get_json("/health")  # the loop serves while forwards run
+    assert health["status"] == "ok"
+    results = await asyncio.gather(*tasks)
+    for p, (status, reply) in zip(prompts, results, strict=True):
+        assert status == 200, reply
+        assert reply["tokens"] == reference_generate(gpt2, p, 6).tokens
+
+
+async def test_restarted_server_serves_from_storage(tmp_path: Path, gpt2: Any) -> None:
+    prompt = random_tokens(50, 70)
+    srv = await start(options(tmp_path / "kv"))
+    try:
+        status, reply = await srv.post("/generate", {"tokens": prompt, "max_new_tokens": 4})
+        assert status == 200, reply
+    finally:
+        await stop(srv)  # flushes: every page is in storage
+    srv = await start(options(tmp_path / "kv"))
+    try:
+        turn2 = prompt + reply["tokens"] + random_tokens(51, 9)
+        status, again = await srv.post("/generate", {"tokens": turn2, "max_new_tokens": 4})
+        assert status == 200, again
+        assert again["cached_tokens"] == {"device": 0, "host": 0, "storage": 72}
+        assert again["tokens"] == reference_generate(gpt2, turn2, 4).tokens
+        text = await srv.get_text("/metrics")
+        assert metric(text, 'aiocache_kv_prompt_tokens_total{source="storage"}') == 72
+        assert metric(text, "aiocache_kv_prefetch_seconds_count") == 1
+        assert metric(text, 'aiocache_kv_transfer_bytes_total{direction="storage_to_host"}') > 0
+    finally:
+        await stop(srv)
