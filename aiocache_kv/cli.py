@@ -142,7 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
         "noisy: compare medians, not single runs.",
     )
     bench.add_argument(
-        "suite", nargs="?", choices=[*SUITES, "all"], default="all", help="suite (default: all)"
+        "suite",
+        nargs="?",
+        choices=[*SUITES, "e2e", "all"],
+        default="all",
+        help="suite (default: all)",
     )
     bench.add_argument("--json", metavar="PATH", help="write a JSON report to PATH")
     tree = bench.add_argument_group("tree suite")
@@ -222,6 +226,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where the file backend's temp dirs go (default: TMPDIR)",
     )
+    e2e = bench.add_argument_group("e2e suite (also uses --seed, --storage-dir)")
+    e2e.add_argument(
+        "--prefix-lens",
+        type=_int_list,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="cached prefix lengths in tokens (default: 128,512,1024,2000)",
+    )
+    e2e.add_argument(
+        "--suffix", type=_positive, default=16, help="uncached tokens per prompt (default 16)"
+    )
+    e2e.add_argument(
+        "--e2e-repeats", type=_positive, default=3, help="repeats, median reported (default 3)"
+    )
+    e2e.add_argument("--plot", metavar="PNG", help="write a TTFT plot (needs matplotlib)")
     bench.set_defaults(func=cmd_bench, default_log_level="warning")
     return parser
 
@@ -234,11 +254,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``aiocache-kv bench [tree|transfer|storage|all]``."""
+    """``aiocache-kv bench [SUITE|all]``."""
     from aiocache_kv.bench import report
 
-    suites = SUITES if args.suite == "all" else (args.suite,)
+    suites = (*SUITES, "e2e") if args.suite == "all" else (args.suite,)
     results: dict[str, report.JSON] = {}
+    e2e_failed = False
     print(
         "note: timings on a shared 2-core machine are noisy; numbers are medians of repeats "
         "and ratios use baselines measured in this same run."
@@ -287,7 +308,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     explicit_backend=args.backend != "all",
                 )
             )
-    code = 1 if results.get("storage", {}).get("errors") else 0
+        elif suite == "e2e":
+            from aiocache_kv.bench import e2e
+
+            results["e2e"] = e2e.run(
+                e2e.E2EBenchOptions(
+                    prefix_lens=_flat(args.prefix_lens, e2e.E2EBenchOptions.prefix_lens),
+                    suffix=args.suffix,
+                    repeats=args.e2e_repeats,
+                    seed=args.seed,
+                    plot=args.plot,
+                    storage_dir=args.storage_dir,
+                )
+            )
+            if not results["e2e"]["identical"]:
+                e2e_failed = True
+    code = 1 if results.get("storage", {}).get("errors") or e2e_failed else 0
     if args.json:
         report.write_json(report.make_report(results), args.json)
         print(f"\nJSON report written to {args.json}")

@@ -246,6 +246,24 @@ def test_bench_storage_mooncake_tiny(tmp_path: Path) -> None:
     _check_storage_report(report, "mooncake", {"64KiB_b4", "64KiB_b16"})
 
 
+def test_bench_e2e_tiny(tmp_path: Path) -> None:
+    report = tmp_path / "e2e.json"
+    proc = run_cli(
+        "bench", "e2e", "--prefix-lens", "64,256", "--suffix", "8", "--e2e-repeats", "1",
+        "--storage-dir", str(tmp_path / "kv"), "--json", str(report),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no cache ms" in proc.stdout and "storage hit ms" in proc.stdout
+    e2e = json.loads(report.read_text())["suites"]["e2e"]
+    assert e2e["identical"] is True and set(e2e["prefix_lens"]) == {"64", "256"}
+    for row in e2e["prefix_lens"].values():
+        assert row["no_cache_ms"] > 0
+        for tier in ("device", "host", "storage"):
+            assert row[f"{tier}_ms"] > 0 and row[f"{tier}_speedup"] > 0
+    assert e2e["prefix_lens"]["256"]["storage_hit_tokens"] == 256
+    assert e2e["prefix_lens"]["256"]["host_hit_tokens"] == 256
+
+
 def test_bench_parser_defaults() -> None:
     args = build_parser().parse_args(["bench"])
     assert args.suite == "all"
