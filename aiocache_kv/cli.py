@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "suite",
         nargs="?",
-        choices=[*SUITES, "e2e", "all"],
+        choices=[*SUITES, "embedding", "e2e", "all"],
         default="all",
         help="suite (default: all)",
     )
@@ -226,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where the file backend's temp dirs go (default: TMPDIR)",
     )
+    emb = bench.add_argument_group("embedding suite (also uses --master/--metadata, --seed)")
+    emb.add_argument("--emb-mib", type=_positive, default=64, help="MiB per measurement (64)")
+    emb.add_argument("--emb-repeats", type=_positive, default=3, help="repeats (default 3)")
+    emb.add_argument("--emb-requests", type=_positive, default=60, help="two-node requests (60)")
     e2e = bench.add_argument_group("e2e suite (also uses --seed, --storage-dir)")
     e2e.add_argument(
         "--prefix-lens",
@@ -257,7 +261,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``aiocache-kv bench [SUITE|all]``."""
     from aiocache_kv.bench import report
 
-    suites = (*SUITES, "e2e") if args.suite == "all" else (args.suite,)
+    suites = (*SUITES, "embedding", "e2e") if args.suite == "all" else (args.suite,)
     results: dict[str, report.JSON] = {}
     e2e_failed = False
     print(
@@ -308,6 +312,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     explicit_backend=args.backend != "all",
                 )
             )
+        elif suite == "embedding":
+            from aiocache_kv.bench import embedding
+
+            if (args.master is None) != (args.metadata is None):
+                print("bench embedding: --master and --metadata go together", file=sys.stderr)
+                return 2
+            results["embedding"] = embedding.run(
+                embedding.EmbeddingBenchOptions(
+                    mib=args.emb_mib,
+                    repeats=args.emb_repeats,
+                    requests=args.emb_requests,
+                    seed=args.seed,
+                    master=args.master,
+                    metadata=args.metadata,
+                    explicit=args.suite == "embedding",
+                )
+            )
         elif suite == "e2e":
             from aiocache_kv.bench import e2e
 
@@ -323,7 +344,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
             if not results["e2e"]["identical"]:
                 e2e_failed = True
-    code = 1 if results.get("storage", {}).get("errors") or e2e_failed else 0
+    errors = [results.get(s, {}).get("errors") for s in ("storage", "embedding")]
+    code = 1 if any(errors) or e2e_failed else 0
     if args.json:
         report.write_json(report.make_report(results), args.json)
         print(f"\nJSON report written to {args.json}")

@@ -1,0 +1,63 @@
+"""Caller content hashes -> local identities and storage keys.
+
+The caller hashes each multimodal item by its *content* (e.g. sha256 of the image bytes) and
+passes the hash as ``str`` or ``bytes``.  A ``str`` means its UTF-8 bytes, so ``"ab12"`` and
+``b"ab12"`` are the same item.  The storage key is ``storage_key(namespace, H, "emb")`` where
+``H`` is the 256-bit BLAKE2b digest (person ``akv-emb``) of those bytes: deterministic in every
+process (never Python's ``hash()``), injective in practice for inputs of any length (no
+truncation, so two hashes that share a prefix never share a key), and the namespace tag is
+applied exactly once, here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from aiocache_kv.errors import InvalidInputError, InvalidTypeError
+from aiocache_kv.storage.keys import storage_key
+
+__all__ = ["COMPONENT", "MAX_HASH_BYTES", "canonical_hashes", "embedding_key"]
+
+COMPONENT = "emb"
+MAX_HASH_BYTES = 1024
+
+
+def canonical_hashes(hashes: Sequence[str | bytes]) -> list[bytes]:
+    """Validate caller hashes and return them as ``bytes``.
+
+    Raises:
+        InvalidTypeError: ``hashes`` is a bare ``str``/``bytes`` (not a sequence of hashes) or
+            an item is not ``str``/``bytes``.
+        InvalidInputError: an item is empty or longer than :data:`MAX_HASH_BYTES` bytes.
+    """
+    if isinstance(hashes, (str, bytes, bytearray, memoryview)):
+        raise InvalidTypeError(
+            f"hashes must be a sequence of str/bytes, got a single {type(hashes).__name__}"
+        )
+    out: list[bytes] = []
+    for i, h in enumerate(hashes):
+        if isinstance(h, bytes):
+            b = h
+        elif isinstance(h, str):
+            b = h.encode("utf-8", "surrogatepass")
+        else:
+            raise InvalidTypeError(f"hashes[{i}] must be str or bytes, got {type(h).__name__}")
+        if not b:
+            raise InvalidInputError(f"hashes[{i}] is empty")
+        if len(b) > MAX_HASH_BYTES:
+            raise InvalidInputError(
+                f"hashes[{i}] is {len(b)} bytes, max {MAX_HASH_BYTES}: {b[:32]!r}..."
+            )
+        out.append(b)
+    return out
+
+
+def embedding_key(namespace: str, h: bytes) -> str:
+    """Storage key of the entry with canonical hash ``h`` in ``namespace``.
+
+    Raises:
+        StorageKeyError: ``namespace`` is not a valid storage tag.
+    """
+    digest = hashlib.blake2b(h, digest_size=32, person=b"akv-emb").digest()
+    return storage_key(namespace, int.from_bytes(digest, "big"), COMPONENT)
