@@ -14,6 +14,8 @@ Endpoints:
   "computed_tokens", "ttft_ms", "total_ms"}``.  Token ids only: GPT-2's tokenizer would have
   to be downloaded, and this server downloads nothing (the weights are random, seeded).
 * ``GET /health`` - ``{"status": "ok", ...}`` with the cache's page counts.
+* ``POST /flush`` - waits until every copy and storage backup in flight has landed (so another
+  node can read this node's pages from storage).
 * ``GET /metrics`` - Prometheus text format: prompt tokens per tier, prefetch / load-back /
   write-through bytes and latency, storage backups, pool usage, KV events.
 
@@ -382,6 +384,20 @@ class GenerateServer:
         self.metrics.requests["bad_request"] += 1
         return web.json_response({"error": message}, status=400)
 
+    async def flush(self, request: web.Request) -> web.Response:
+        """``POST /flush``: every pending write-through and storage backup settled."""
+        assert self.cache is not None
+        t0 = time.perf_counter()
+        await self.cache.flush()
+        st = self.cache.statistics()
+        return web.json_response(
+            {
+                "flushed_ms": round((time.perf_counter() - t0) * 1e3, 3),
+                "backup_pages_ok": st.backup_pages_ok,
+                "backup_pages_failed": st.backup_pages_failed,
+            }
+        )
+
     async def health(self, request: web.Request) -> web.Response:
         """``GET /health``."""
         if self.cache is None:
@@ -417,6 +433,7 @@ def make_app(opts: ServerOptions) -> web.Application:
     app[SERVER] = server
     app.cleanup_ctx.append(server.lifespan)
     app.router.add_post("/generate", server.generate)
+    app.router.add_post("/flush", server.flush)
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", server.metrics_handler)
     return app

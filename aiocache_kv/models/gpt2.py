@@ -26,6 +26,9 @@ class GPT2Spec:
     vocab_size: int = 50257
     n_positions: int = 1024
     seed: int = 0
+    #: std of the random weights; GPT-2's own 0.02 makes a random model repeat one token,
+    #: 0.2 gives varied greedy outputs (a stronger identity check)
+    initializer_range: float = 0.2
     attn_implementation: str = "sdpa"
 
     @property
@@ -38,7 +41,7 @@ class GPT2Spec:
         """A namespace for the cache: changes whenever the weights would."""
         return (
             f"gpt2-random-L{self.n_layer}-H{self.n_head}-D{self.n_embd}-V{self.vocab_size}"
-            f"-P{self.n_positions}-s{self.seed}"
+            f"-P{self.n_positions}-i{self.initializer_range}-s{self.seed}"
         )
 
 
@@ -72,6 +75,7 @@ def build_gpt2(spec: GPT2Spec | None = None) -> Any:
         n_embd=s.n_embd,
         vocab_size=s.vocab_size,
         n_positions=s.n_positions,
+        initializer_range=s.initializer_range,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,

@@ -17,7 +17,7 @@ from aiocache_kv.models.paged import PagedKV
 from tests.e2e.conftest import random_tokens
 
 NEW = 6
-ATOL = 1e-4
+ATOL = 5e-4
 
 
 def config(model: Any, storage: akv.StorageBackend | None = None, **kw: Any) -> akv.CacheConfig:
@@ -39,7 +39,7 @@ def assert_same(model: Any, prompt: list[int], got: Generation) -> None:
     ref = reference_generate(model, prompt, NEW, keep_logits=True)
     assert got.tokens == ref.tokens
     assert got.logits is not None and ref.logits is not None
-    torch.testing.assert_close(got.logits, ref.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got.logits, ref.logits, atol=ATOL, rtol=1e-5)
 
 
 async def test_cold_then_device_hit(gpt2: Any) -> None:
