@@ -6,6 +6,7 @@ it returns, the KV events and the error hierarchy in :mod:`aiocache_kv.errors`.
 
 from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
+from aiocache_kv.distributed import AgreementError, SingleRank, TorchTPGroup, TPGroup
 from aiocache_kv.errors import (
     BlockingCallError,
     CacheClosedError,
@@ -34,6 +35,7 @@ from aiocache_kv.tree import Tier, TierState
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AgreementError",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -59,14 +61,17 @@ __all__ = [
     "PrefetchPolicy",
     "PrefetchResult",
     "PrefetchStatus",
+    "SingleRank",
     "StorageBackend",
     "StorageError",
     "StorageKeyError",
     "StorageTimeoutError",
     "StorageUnavailableError",
+    "TPGroup",
     "Tier",
     "TierState",
     "TierStatistics",
+    "TorchTPGroup",
     "TransferError",
     "WriteAck",
     "WritePolicy",

@@ -14,13 +14,14 @@ import enum
 import threading
 import time
 from array import array
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import structlog
 import torch
 
 from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
+from aiocache_kv.distributed import AckQueue, Request, Sequencer, SingleRank, TPGroup
 from aiocache_kv.errors import (
     CacheClosedError,
     CapacityError,
@@ -72,19 +73,24 @@ class OpKind(enum.Enum):
 class TransferOp:
     """One copy in flight and the nodes its completion applies to, in path order."""
 
-    __slots__ = ("evict_after", "future", "kind", "nbytes", "started", "targets")
+    __slots__ = ("error", "evict_after", "future", "kind", "nbytes", "started", "targets")
 
     def __init__(self, kind: OpKind, targets: list[Node], future: asyncio.Future[None]) -> None:
         self.kind = kind
         self.targets = targets
-        self.future = future
+        self.future = future  # set when the op is applied to the tree
         self.nbytes = 0
         self.started = time.monotonic()
         self.evict_after: Node | None = None  # write-back: the victim to demote on ack
+        self.error: BaseException | None = None  # local copy failure, if any
 
     def __repr__(self) -> str:
         state = "done" if self.future.done() else "pending"
         return f"<TransferOp {self.kind.value} targets={len(self.targets)} {state}>"
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _consume(fut: asyncio.Future[None]) -> None:
@@ -99,10 +105,24 @@ class HiCache:
     running the loop that entered the context; any other thread gets ``OwnershipError``.
     """
 
-    def __init__(self, config: CacheConfig, *, copy_engine: CopyEngine | None = None) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        *,
+        copy_engine: CopyEngine | None = None,
+        tp_group: TPGroup | None = None,
+    ) -> None:
         if not isinstance(config, CacheConfig):
             raise InvalidTypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        if tp_group is not None and not isinstance(tp_group, TPGroup):
+            raise InvalidTypeError(f"tp_group must be a TPGroup, got {type(tp_group).__name__}")
         self.config = config
+        self.tp_group: TPGroup = tp_group if tp_group is not None else SingleRank()
+        #: with more than one rank, completions are applied only through agreements
+        self._deferred = self.tp_group.world_size > 1
+        self._seq: Sequencer | None = None
+        self._writes: AckQueue[TransferOp] = AckQueue("write", self._apply_op)
+        self._loads: AckQueue[TransferOp] = AckQueue("load", self._apply_op)
         self._device = torch.device(config.device)
         self._engine = copy_engine if copy_engine is not None else default_engine(self._device)
         self._state = CacheState.NEW
@@ -189,6 +209,9 @@ class HiCache:
             self._l3 = StorageTier(self, cfg.storage)
             await self._l3.start()
         self._engine.start(self._loop)
+        if self._deferred:
+            self._seq = Sequencer(self.tp_group, self._loop)
+            self._seq.start()
         self._state = CacheState.RUNNING
         log.info(
             "cache_started",
@@ -209,10 +232,14 @@ class HiCache:
             return
         self._state = CacheState.CLOSING
         try:
+            if self._deferred:
+                await self._flush()  # every rank closes at the same point of its loop
             await self._engine.aclose()  # runs what is queued; completions reach the loop
             await self._wait_inflight()
             if self._l3 is not None:
                 await self._l3.aclose()
+            if self._seq is not None:
+                await self._seq.aclose()
         finally:
             if self._events.enabled:
                 self._events.append(AllBlocksCleared())
@@ -290,7 +317,7 @@ class HiCache:
             raise InvalidInputError(f"kv_indices out of range [0, {limit}): min {lo} max {hi}")
         p = cfg.page_size
         if p == 1:
-            out: torch.Tensor = slots
+            out: torch.Tensor = slots.clone()  # the tree keeps it; the caller may reuse theirs
             return out
         grid = slots.view(-1, p)
         first = grid[:, 0]
@@ -359,8 +386,8 @@ class HiCache:
         :meth:`match_prefix` sees them as host hits.  ``policy`` (default: the config's):
         ``wait_complete`` waits for every page (bounded by the storage deadline),
         ``timeout`` waits ``base + per_1k * tokens / 1000`` seconds (capped) and commits what
-        arrived, ``best_effort`` returns after the existence check and commits in the
-        background.  Storage faults never raise here: the result says what happened.
+        arrived, ``best_effort`` returns at once and commits in the background (with TP: at
+        a later agreement).  Storage faults never raise here: the result says what happened.
 
         Raises:
             InvalidTypeError / InvalidInputError: bad tokens or policy (nothing changed).
@@ -403,6 +430,10 @@ class HiCache:
         if to_load:
             op = self._start_load(to_load)
             waits.append(op.future)
+        if waits and self._deferred:
+            loads = self._loads
+            upto = loads.submitted
+            await self._agree(lambda: loads.wait_landed(upto))
         if waits:
             await asyncio.wait(waits)
             failed = [f.exception() for f in waits if f.exception() is not None]
@@ -461,7 +492,10 @@ class HiCache:
             except CapacityError:
                 if not self._inflight:
                     raise
-            await asyncio.wait([op.future for op in self._inflight.values()])
+            if self._deferred:
+                await self._agree_all_landed()
+            else:
+                await asyncio.wait([op.future for op in self._inflight.values()])
 
     def free(self, kv_indices: torch.Tensor) -> None:
         """Return slots from :meth:`alloc` that were not inserted (whole pages).
@@ -553,8 +587,7 @@ class HiCache:
         tree = self._tree
         alloc = self._dev_alloc
         assert alloc is not None
-        tree.root(ns, ns.tag)
-        # validate ownership before changing anything
+        # validate ownership before changing anything (not even a new namespace's root)
         existing = self._device_prefix(ns, toks, n)
         d = existing.numel()
         if not alloc.distinct(pages):
@@ -566,12 +599,16 @@ class HiCache:
                 "kv_indices name pages the caller does not hold (not from alloc(), already "
                 "inserted elsewhere, or freed)"
             )
+        tree.root(ns, ns.tag)
         out = tree.insert(ns, toks, n, pages)
+        kept = out.inserted_tokens // p  # the walk stops below a node that is still loading
         if d and not same.all():
             alloc.free([torch.from_numpy(pages[:d].numpy()[~same])])
-        if n > d:
-            alloc.set_state(pages[d:], PageState.OWNED)
-        self._counters["inserted_tokens"] += n - out.prefix_tokens
+        if kept > d:
+            alloc.set_state(pages[d:kept], PageState.OWNED)
+        if n // p > kept:
+            alloc.free([pages[kept:]])
+        self._counters["inserted_tokens"] += out.inserted_tokens - out.prefix_tokens
         if self._events.enabled:
             for node in out.adopted + out.created:
                 self._emit_stored(node, Tier.DEVICE)
@@ -580,13 +617,19 @@ class HiCache:
             op = self._backup(tree.path(out.node), OpKind.WRITE_THROUGH)
             if op is not None:
                 ack = WriteAck(op.future)
-        r = InsertResult(self, out.node, out.prefix_tokens, n, ack)
+        r = InsertResult(self, out.node, out.prefix_tokens, out.inserted_tokens, ack)
         self._handles[id(r)] = r
         return r
 
     def _device_prefix(self, ns: Namespace, toks: list[int], n: int) -> torch.Tensor:
-        """Device pages the tree holds for the leading part of ``toks[:n]`` (no mutation)."""
-        node = self._tree.root(ns)
+        """Device pages the tree holds for the leading part of ``toks[:n]`` (no mutation).
+
+        Ends after a node that is still loading, as :meth:`RadixTree.insert` does.
+        """
+        root = self._tree._roots.get(ns)
+        if root is None:
+            return torch.empty(0, dtype=torch.int64)
+        node = root
         p = self.config.page_size
         pos = 0
         parts: list[torch.Tensor] = []
@@ -599,6 +642,8 @@ class HiCache:
                 parts.append(child.device_pages)  # type: ignore[arg-type]
                 pos += len(key)
                 node = child
+                if child.device is FILLING:
+                    break
                 continue
             common = self._tree._common(key, toks, pos, min(len(key), n - pos))
             parts.append(child.device_pages[: common // p])  # type: ignore[index]
@@ -664,6 +709,9 @@ class HiCache:
     def _submit(self, op: TransferOp, job: CopyJob) -> None:
         op.nbytes = job.nbytes
         self._inflight[id(op)] = op
+        if self._deferred:
+            assert self._loop is not None
+            (self._loads if op.kind is OpKind.LOAD_BACK else self._writes).push(op, self._loop)
         self._engine.submit(job, lambda err: self._complete(op, err))
 
     def _on_split(self, head: Node, tail: Node) -> None:
@@ -676,10 +724,18 @@ class HiCache:
             self._l3.retarget(head, tail)
 
     def _complete(self, op: TransferOp, err: BaseException | None) -> None:
+        """A copy finished (on the loop): apply it now, or queue it for agreement (TP)."""
+        op.error = err
+        if not self._deferred:
+            self._apply_op(op, err is None)
+        else:
+            (self._loads if op.kind is OpKind.LOAD_BACK else self._writes).land(op, err is None)
+
+    def _apply_op(self, op: TransferOp, ok: bool) -> None:
         """Apply a finished copy to the tree (on the loop).  Every target, in path order."""
         del self._inflight[id(op)]
         tree = self._tree
-        ok = err is None
+        err = op.error if op.error is not None else "failed on another rank"
         c = self._counters
         freed: list[torch.Tensor] = []
         if op.kind is OpKind.LOAD_BACK:
@@ -744,11 +800,95 @@ class HiCache:
             CacheClosedError: the cache is not running.
         """
         self._check()
+        await self._flush()
+
+    async def _flush(self) -> None:
+        if self._deferred:
+            # one agreement per round; a round can start backups, so repeat until idle
+            assert self._seq is not None
+            while self._inflight or (self._l3 is not None and self._l3.backups_pending):
+                await self._agree_all_landed()
+            if self._seq.pending:
+                await self._agree(_nothing)
         while True:
             await self._wait_inflight()
             if self._l3 is None or not self._l3.in_flight:
                 break
             await self._l3.settle()
+
+    async def sync(self) -> None:
+        """Apply the completions every rank has (TP): call once per scheduler step.
+
+        With one rank completions apply as they land and this returns at once.
+
+        Raises:
+            CacheClosedError: the cache is not running.
+            AgreementError: the ranks can no longer agree (a collective failed).
+        """
+        self._check()
+        if self._deferred:
+            await self._agree(_nothing)
+
+    def _queues(self) -> list[AckQueue[Any]]:
+        qs: list[AckQueue[Any]] = [self._writes, self._loads]
+        if self._l3 is not None:
+            qs.append(self._l3.acks)
+        return qs
+
+    def agreement(
+        self,
+        ready: Callable[[], Awaitable[None]],
+        width: int = 0,
+        pack: Callable[[], list[int]] | None = None,
+        apply: Callable[[list[int]], None] | None = None,
+    ) -> Request:
+        """Take the next ticket for an agreement on every ack queue plus ``width`` extra ints.
+
+        ``pack`` gives the extra local values, ``apply`` receives the agreed ones.
+        """
+        assert self._seq is not None, "agreements exist only with more than one rank"
+        queues = self._queues()
+        upto = [q.submitted for q in queues]
+        widths: list[int] = []
+
+        def pack_all() -> list[int]:
+            vec: list[int] = []
+            widths.clear()
+            for q, u in zip(queues, upto, strict=True):
+                part = q.pack(u)
+                widths.append(len(part))
+                vec += part
+            extra = pack() if pack is not None else []
+            assert len(extra) == width, f"agreement extra width {len(extra)} != {width}"
+            return vec + extra
+
+        def plan(agreed: list[int]) -> None:
+            pos = 0
+            for q, w in zip(queues, widths, strict=True):
+                q.plan(agreed[pos : pos + w])
+                pos += w
+
+        def apply_all(agreed: list[int]) -> None:
+            for q in queues:
+                q.apply_next()
+            if apply is not None:
+                apply(agreed[sum(widths) :])
+
+        return self._seq.submit(Request(ready, pack_all, plan, apply_all))
+
+    async def _agree(self, ready: Callable[[], Awaitable[None]]) -> None:
+        assert self._seq is not None
+        await self._seq.settle(self.agreement(ready))
+
+    async def _agree_all_landed(self) -> None:
+        queues = self._queues()
+        upto = [q.submitted for q in queues]
+
+        async def ready() -> None:
+            for q, u in zip(queues, upto, strict=True):
+                await q.wait_landed(u)
+
+        await self._agree(ready)
 
     # ------------------------------------------------------------------ eviction
 

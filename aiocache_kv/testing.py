@@ -15,6 +15,7 @@ import builtins
 import concurrent.futures
 import io
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from aiocache_kv.errors import BlockingCallError
-from aiocache_kv.transfer.engine import CopyJob, Done
+from aiocache_kv.transfer.engine import CopyJob, Done, ThreadCopyEngine
 
 
 class ManualCopyEngine:
@@ -71,6 +72,34 @@ class ManualCopyEngine:
 
 
 _ASYNCIO_BASE = os.path.join("asyncio", "base_events.py")
+
+
+class RandomDelayEngine(ThreadCopyEngine):
+    """The real CPU copy engine with a seeded random delay before each copy.
+
+    Completions then arrive in a different order and at different times on every rank: the
+    interleavings that tensor-parallel agreement must make harmless.
+    """
+
+    def __init__(self, seed: int, max_delay: float = 0.02) -> None:
+        super().__init__("aiocache-kv-random-copy")
+        self._rng = random.Random(seed)
+        self._max_delay = max_delay
+
+    def submit(self, job: Any, done: Done) -> None:
+        """Queue ``job`` behind a random delay."""
+        delay = self._rng.uniform(0, self._max_delay)
+        super().submit(_Delayed(job, delay), done)
+
+
+class _Delayed:
+    def __init__(self, job: Any, delay: float) -> None:
+        self.job = job
+        self.delay = delay
+
+    def run(self, *, non_blocking: bool = False) -> None:
+        time.sleep(self.delay)  # on the copy worker thread, never on the loop
+        self.job.run(non_blocking=non_blocking)
 
 
 def _on_loop_thread() -> bool:
@@ -154,4 +183,4 @@ class BlockingCallDetector:
         self._saved.clear()
 
 
-__all__ = ["BlockingCallDetector", "ManualCopyEngine"]
+__all__ = ["BlockingCallDetector", "ManualCopyEngine", "RandomDelayEngine"]

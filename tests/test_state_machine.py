@@ -24,7 +24,6 @@ with ``run_until_complete`` on this thread, which is the thread that started the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -54,8 +53,7 @@ from aiocache_kv.errors import (
 )
 from aiocache_kv.handles import HandleState, InsertResult, MatchResult
 from aiocache_kv.testing import ManualCopyEngine
-from aiocache_kv.transfer import Direction
-from aiocache_kv.tree.node import FILLING, RESIDENT
+from aiocache_kv.tree.node import RESIDENT
 from tests.conftest import small_config
 from tests.reference_model import (
     EventLedger,
@@ -85,10 +83,6 @@ HOST_PAGES = 16
 MAX_LIVE = 4  # live handles; more would pin the whole device pool most of the time
 TENANTS: tuple[Tenant, ...] = (None, "tenant-b")
 MAX_RELEASED = 8
-
-# Library bugs this machine tolerates narrowly; each has a strict-xfail repro at the bottom.
-KNOWN_BUG_REJECTED_INSERT_CREATES_NAMESPACE = True
-KNOWN_BUG_FAILED_LOAD_UNDER_DEVICE_CHILD = True
 
 tokens_st = st.lists(st.integers(0, 2), min_size=1, max_size=7)
 tenant_st = st.sampled_from(TENANTS)
@@ -241,14 +235,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         return items[i % len(items)]
 
     def _fail_copy(self, j: int) -> None:
-        """Fail pending copy ``j``, unless that would trip a known library bug (then complete
-        it): a load-back failing under a device child (test_failed_load_back_under_...)."""
-        job, _ = self.engine.pending[j]
-        if KNOWN_BUG_FAILED_LOAD_UNDER_DEVICE_CHILD and job.direction is Direction.H2D:
-            tree = self.cache._tree
-            if any(n.device is FILLING and n.n_dev_children for n in tree.walk()):
-                self.engine.complete(j)
-                return
+        """Fail pending copy ``j``."""
         self.engine.fail(j)
 
     # ------------------------------------------------------------------ insert / match
@@ -514,9 +501,6 @@ class HiCacheMachine(RuleBasedStateMachine):
         with pytest.raises(exc_type):
             call()
         after = self._snapshot()
-        if insert and KNOWN_BUG_REJECTED_INSERT_CREATES_NAMESPACE:
-            # see test_rejected_insert_leaves_namespaces_unchanged below
-            after = (dataclasses.replace(after[0], namespaces=before[0].namespaces), after[1])
         assert after == before, "a rejected call changed the cache"
 
     @rule(kind=st.sampled_from(BAD_INPUTS), toks=tokens_st, tenant=tenant_st, i=index_st)
@@ -802,14 +786,10 @@ TestWriteBackP1 = WriteBackP1.TestCase
 TestWriteBackP2 = WriteBackP2.TestCase
 
 
-# ---------------------------------------------------------------------------- known bugs
-# Minimal repros of library bugs the machine found.  Strict xfail: once a bug is fixed the
-# repro passes, the suite fails, and the matching KNOWN_BUG_* tolerance above must go.
+# ---------------------------------------------------------------------------- regressions
+# Minimal repros of library bugs the machine found (now fixed).
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="rejected insert creates the namespace root first"
-)
 async def test_rejected_insert_leaves_namespaces_unchanged() -> None:
     async with akv.HiCache(small_config(), copy_engine=ManualCopyEngine()) as cache:
         slots = cache.alloc(2)
@@ -820,9 +800,6 @@ async def test_rejected_insert_leaves_namespaces_unchanged() -> None:
         assert cache.statistics() == before  # namespaces 0 -> 1
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="failed load-back under a device child"
-)
 async def test_failed_load_back_under_device_child() -> None:
     engine = ManualCopyEngine()
     async with akv.HiCache(small_config(page_size=1), copy_engine=engine) as cache:
@@ -833,9 +810,10 @@ async def test_failed_load_back_under_device_child() -> None:
         m = cache.match_prefix([0])
         task = asyncio.create_task(cache.load_back(m))
         await asyncio.sleep(0)  # load-back submitted: [0] is device FILLING
-        r2 = cache.insert([0, 0], cache.alloc(2))  # device child under the FILLING node
+        r2 = cache.insert([0, 0], cache.alloc(2))  # stops at the FILLING node
+        assert r2.inserted_len == 1 and cache.statistics().device.held_pages == 0
         cache.check_invariants()
-        engine.fail(0)  # AssertionError: device-absent node with device children
+        engine.fail(0)  # back to host-only: nothing was hung below it on device
         with pytest.raises(TransferError):
             await task
         cache.check_invariants()

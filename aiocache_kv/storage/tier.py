@@ -34,9 +34,9 @@ import structlog
 import torch
 
 from aiocache_kv.config import PrefetchPolicy
+from aiocache_kv.distributed.acks import AckQueue
 from aiocache_kv.errors import KVCacheError
-from aiocache_kv.events import BlockStored
-from aiocache_kv.storage.base import PageBuffer, StorageBackend
+from aiocache_kv.storage.base import PageBuffer, StorageBackend, leading_run
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
 from aiocache_kv.storage.keys import storage_key
@@ -83,11 +83,33 @@ class PrefetchResult:
 class BackupOp:
     """A batch of nodes whose pages are being put to storage, in page order."""
 
-    __slots__ = ("future", "targets")
+    __slots__ = ("error", "future", "results", "targets")
 
     def __init__(self, targets: list[Node], future: asyncio.Future[None]) -> None:
         self.targets = targets
-        self.future = future
+        self.future = future  # set when the verdicts are applied to the tree
+        self.results: list[bool] = []
+        self.error: str | None = None
+
+
+@dataclass(eq=False)
+class _Prefetch:
+    """One prefetch: its reservation, what storage had, what arrived, what was committed."""
+
+    rid: int
+    ns: Namespace
+    tokens: list[int]
+    cached: int  #: tokens already in the tree (the anchor's path)
+    anchor: Node
+    pages: torch.Tensor  #: reserved host pages, one per key
+    keys: list[str]
+    hashes: list[int]
+    deadline: float
+    hits: int = 0  #: leading pages storage reported present
+    run: int = 0  #: leading pages that arrived intact (local)
+    committed: int = 0  #: pages attached to the tree
+    error: str | None = None
+    failed: bool = False
 
 
 def prefetch_timeout(tokens: int, base: float, per_1k: float, cap: float) -> float:
@@ -105,7 +127,13 @@ class StorageTier:
             backend, workers=cfg.storage_workers, default_timeout=cfg.storage_timeout
         )
         self._buffers: list[PageBuffer] = []
+        group = cache.tp_group
+        #: each tensor-parallel rank stores its own shard of a page under its own key
+        self._component = (
+            COMPONENT if group.world_size == 1 else f"{COMPONENT}-tp{group.rank}-{group.world_size}"
+        )
         self._backups: dict[int, BackupOp] = {}
+        self.acks: AckQueue[BackupOp] = AckQueue("backup", self._apply_backup)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.reserved: dict[int, torch.Tensor] = {}  # prefetch id -> host pages not yet in tree
         self._ids = 0
@@ -173,7 +201,8 @@ class StorageTier:
 
     def _keys(self, ns: Namespace, hashes: list[int]) -> list[str]:
         tag = ns.tag
-        return [storage_key(tag, h, COMPONENT) for h in hashes]
+        component = self._component
+        return [storage_key(tag, h, component) for h in hashes]
 
     def _bufs(self, pages: torch.Tensor) -> list[PageBuffer]:
         b = self._buffers
@@ -185,17 +214,21 @@ class StorageTier:
         """Start putting the host copies of ``nodes`` (path order) to storage."""
         cache = self._cache
         tree = cache._tree
-        todo = [n for n in nodes if n.alive and n.host is RESIDENT and n.storage is ABSENT]
-        todo = [n for n in todo if n.backup is None]
+        todo = [
+            n
+            for n in nodes
+            if n.alive and n.host is RESIDENT and n.storage is ABSENT and n.backup is None
+        ]
         if not todo:
             return None
         pages = sum(len(n.key) for n in todo) // cache.config.page_size
-        if time.monotonic() < self._retry_after:
+        # back off after a failure (single rank only: a clock must not shape a TP tree)
+        if not cache._deferred and time.monotonic() < self._retry_after:
             self.counters["backup_skipped_pages"] += pages
             return None
-        assert cache._loop is not None
-        fut: asyncio.Future[None] = cache._loop.create_future()
-        op = BackupOp(todo, fut)
+        loop = cache._loop
+        assert loop is not None
+        op = BackupOp(todo, loop.create_future())
         keys: list[str] = []
         host: list[torch.Tensor] = []
         for node in todo:
@@ -205,47 +238,57 @@ class StorageTier:
             tree.begin_backup(node, op)
         bufs = self._bufs(torch.cat(host))
         self._backups[id(op)] = op
+        if cache._deferred:
+            self.acks.push(op, loop)
         self.counters["backup_started"] += 1
-        cache._loop.create_task(self._run_backup(op, keys, bufs))
+        loop.create_task(self._run_backup(op, keys, bufs))
         return op
 
-    async def _run_backup(self, op: BackupOp, keys: list[str], bufs: list[PageBuffer]) -> None:
-        error: str | None = None
-        try:
-            results = await self.io.put(keys, bufs)
-        except KVCacheError as exc:
-            results = [False] * len(keys)
-            error = repr(exc)
-        except BaseException:
-            self._finish_backup(op, [False] * len(keys), "cancelled")
-            raise
-        self._finish_backup(op, results, error)
+    @property
+    def backups_pending(self) -> int:
+        """Backups started and not yet applied."""
+        return len(self._backups)
 
-    def _finish_backup(self, op: BackupOp, results: list[bool], error: str | None) -> None:
-        """Apply per-page verdicts to every target, in order (on the loop)."""
+    async def _run_backup(self, op: BackupOp, keys: list[str], bufs: list[PageBuffer]) -> None:
+        try:
+            op.results = await self.io.put(keys, bufs)
+        except KVCacheError as exc:
+            op.results = [False] * len(keys)
+            op.error = repr(exc)
+        except BaseException:
+            op.results = [False] * len(keys)
+            op.error = "cancelled"
+            self._land_backup(op)
+            raise
+        self._land_backup(op)
+
+    def _land_backup(self, op: BackupOp) -> None:
+        if self._cache._deferred:
+            self.acks.land(op, all(op.results))
+        else:
+            self._apply_backup(op, True)
+
+    def _apply_backup(self, op: BackupOp, ok: bool) -> None:
+        """Apply per-page verdicts to every target, in order (on the loop).
+
+        ``ok=False`` (agreed across ranks) fails every page whatever this rank saw.
+        """
         del self._backups[id(op)]
         cache = self._cache
         tree = cache._tree
+        results = op.results if ok else [False] * len(op.results)
         p = cache.config.page_size
         i = 0
         ok_pages = 0
         for node in op.targets:
             k = len(node.key) // p
-            ok = all(results[i : i + k])
+            node_ok = all(results[i : i + k])
             i += k
-            tree.end_backup(node, ok)
-            if ok:
+            tree.end_backup(node, node_ok)
+            if node_ok:
                 ok_pages += k
                 if cache._events.enabled:
-                    cache._events.append(
-                        BlockStored(
-                            block_hashes=list(tree.block_hashes(node)),
-                            parent_block_hash=tree.parent_hash(node),
-                            token_ids=list(node.key),
-                            block_size=p,
-                            medium="STORAGE",
-                        )
-                    )
+                    cache._emit_stored(node, Tier.STORAGE)
         assert i == len(results), f"backup results {len(results)} != target pages {i}"
         failed = len(results) - ok_pages
         self.counters["backup_pages_ok"] += ok_pages
@@ -253,7 +296,7 @@ class StorageTier:
         if failed:
             self.counters["storage_errors"] += 1
             self._retry_after = time.monotonic() + cache.config.storage_retry_seconds
-            log.warning("backup_incomplete", pages=len(results), failed=failed, error=error)
+            log.warning("backup_incomplete", pages=len(results), failed=failed, error=op.error)
         if not op.future.done():
             op.future.set_result(None)
 
@@ -267,143 +310,168 @@ class StorageTier:
     async def prefetch(
         self, ns: Namespace, tokens: list[int], n: int, policy: PrefetchPolicy
     ) -> PrefetchResult:
-        """Bring the storage-resident continuation of ``tokens[:n]`` into the host tier."""
+        """Bring the storage-resident continuation of ``tokens[:n]`` into the host tier.
+
+        Everything that shapes the tree happens synchronously here (pin, host reservation)
+        or when the agreed run is committed, never at a moment chosen by I/O timing.
+        """
         cache = self._cache
         cfg = cache.config
         tree = cache._tree
         p = cfg.page_size
         anchor, cached = tree.match(ns, tokens, n, pin=True)
         self.counters["prefetch_queries"] += 1
-        handed_over = False  # once the load owns the anchor pin and the pages
-        try:
-            if n - cached < max(cfg.prefetch_threshold_tokens, p):
-                return PrefetchResult(PrefetchStatus.BELOW_THRESHOLD, cached, 0, 0)
-            prev = tree._seeds[ns] if anchor.parent is None else tree.block_hashes(anchor)[-1]
-            hashes = chain_hashes(prev, tokens[cached:n], p)
-            keys = self._keys(ns, hashes)
-            if policy is PrefetchPolicy.WAIT_COMPLETE:
-                timeout = cfg.storage_timeout * 2
-            else:
-                timeout = prefetch_timeout(
-                    n - cached,
-                    cfg.prefetch_timeout_base,
-                    cfg.prefetch_timeout_per_1k,
-                    cfg.prefetch_timeout_max,
-                )
-            deadline = time.monotonic() + timeout
-            try:
-                hits = await self.io.leading_hits(keys, timeout=timeout)
-            except KVCacheError as exc:
-                self.counters["storage_errors"] += 1
-                log.warning("prefetch_exists_failed", error=repr(exc))
-                return PrefetchResult(PrefetchStatus.FAILED, cached, 0, 0, repr(exc))
-            self.counters["prefetch_storage_hit_tokens"] += hits * p
-            if hits == 0:
-                return PrefetchResult(PrefetchStatus.MISS, cached, 0, 0)
-            assert cache.host_pool is not None
-            want = min(hits, cache.host_pool.num_pages // 2 - self.reserved_pages)
-            pages = cache._alloc_host(want) if want > 0 else None
-            if pages is None:
-                return PrefetchResult(PrefetchStatus.PARTIAL, cached, hits * p, 0, "host full")
-            self._ids += 1
-            rid = self._ids
-            self.reserved[rid] = pages
-            load = self._load(rid, ns, tokens, cached, pages, keys[:want], hashes, anchor, deadline)
-            handed_over = True
-        finally:
-            if not handed_over:
-                tree.unpin(anchor)
-        if policy is PrefetchPolicy.BEST_EFFORT:
-            task = asyncio.get_running_loop().create_task(load)
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            return PrefetchResult(PrefetchStatus.BACKGROUND, cached, hits * p, 0)
-        committed, status, error = await load
-        return PrefetchResult(status, cached, hits * p, committed, error)
+        if n - cached < max(cfg.prefetch_threshold_tokens, p):
+            tree.unpin(anchor)
+            return PrefetchResult(PrefetchStatus.BELOW_THRESHOLD, cached, 0, 0)
+        assert cache.host_pool is not None
+        want = min((n - cached) // p, cache.host_pool.num_pages // 2 - self.reserved_pages)
+        pages = cache._alloc_host(want) if want > 0 else None
+        if pages is None:
+            tree.unpin(anchor)
+            return PrefetchResult(PrefetchStatus.PARTIAL, cached, 0, 0, "host pool full")
+        prev = tree._seeds[ns] if anchor.parent is None else tree.block_hashes(anchor)[-1]
+        hashes = chain_hashes(prev, tokens[cached:n], p)  # ask for all, load what fits
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            timeout = cfg.storage_timeout * 2
+        else:
+            timeout = prefetch_timeout(
+                n - cached,
+                cfg.prefetch_timeout_base,
+                cfg.prefetch_timeout_per_1k,
+                cfg.prefetch_timeout_max,
+            )
+        self._ids += 1
+        job = _Prefetch(
+            rid=self._ids,
+            ns=ns,
+            tokens=tokens,
+            cached=cached,
+            anchor=anchor,
+            pages=pages,
+            keys=self._keys(ns, hashes),
+            hashes=hashes,
+            deadline=time.monotonic() + timeout,
+        )
+        self.reserved[job.rid] = pages
+        loop = asyncio.get_running_loop()
+        if cache._deferred:
+            # the reads run in their own task: the other ranks need this rank's answer even
+            # if the caller goes away; the agreed run is committed in ticket order
+            work = loop.create_task(self._fetch(job))
+            self._track(work)
 
-    async def _load(
-        self,
-        rid: int,
-        ns: Namespace,
-        tokens: list[int],
-        cached: int,
-        pages: torch.Tensor,
-        keys: list[str],
-        hashes: list[int],
-        anchor: Node,
-        deadline: float,
-    ) -> tuple[int, PrefetchStatus, str | None]:
-        """Read ``keys`` into ``pages`` in chunks until ``deadline``; commit the leading run."""
-        cfg = self._cache.config
-        chunk = cfg.prefetch_batch_pages
-        bufs = self._bufs(pages)
-        tasks: list[asyncio.Task[list[bool]]] = []
-        committed = 0
-        error: str | None = None
+            async def ready() -> None:
+                await asyncio.wait([work])
+                await self.io.wait_released(self._bufs(job.pages))
+
+            def apply(agreed: list[int]) -> None:
+                job.hits, job.failed = agreed[1], agreed[2] == 0  # report what all ranks had
+                self._finish(job, agreed[0])
+
+            req = cache.agreement(
+                ready, width=3, pack=lambda: [job.run, job.hits, int(not job.failed)], apply=apply
+            )
+            if policy is PrefetchPolicy.BEST_EFFORT:
+                return PrefetchResult(PrefetchStatus.BACKGROUND, cached, 0, 0)
+            assert cache._seq is not None
+            await cache._seq.settle(req)
+            return self._result(job)
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            self._track(loop.create_task(self._fetch_and_finish(job)))
+            return PrefetchResult(PrefetchStatus.BACKGROUND, cached, 0, 0)
+        await self._fetch_and_finish(job)
+        return self._result(job)
+
+    def _track(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _fetch_and_finish(self, job: _Prefetch) -> None:
         try:
-            for a in range(0, len(keys), chunk):
-                remaining = max(deadline - time.monotonic(), 0.001)
-                tasks.append(
-                    asyncio.ensure_future(
-                        self.io.get_into(
-                            keys[a : a + chunk], bufs[a : a + chunk], timeout=remaining
-                        )
-                    )
-                )
-            await asyncio.wait(tasks, timeout=max(deadline - time.monotonic(), 0.0))
-            run = 0
+            await self._fetch(job)
+        finally:  # cancelled too: commit what is known good, free the rest when released
+            self._finish(job, job.run)
+
+    def _result(self, job: _Prefetch) -> PrefetchResult:
+        p = self._cache.config.page_size
+        if job.failed and job.committed == 0:
+            status = PrefetchStatus.FAILED
+        elif job.hits == 0:
+            status = PrefetchStatus.MISS
+        elif job.committed >= job.hits:
+            status = PrefetchStatus.COMPLETE
+        else:
+            status = PrefetchStatus.PARTIAL
+        return PrefetchResult(status, job.cached, job.hits * p, job.committed * p, job.error)
+
+    async def _fetch(self, job: _Prefetch) -> None:
+        """Ask storage for the leading present keys, read them in chunks until the deadline;
+        record the leading run that arrived intact in ``job.run`` (no tree change)."""
+        timeout = max(job.deadline - time.monotonic(), 0.001)
+        try:
+            job.hits = await self.io.leading_hits(job.keys, timeout=timeout)
+        except KVCacheError as exc:
+            self.counters["storage_errors"] += 1
+            job.failed, job.error = True, repr(exc)
+            log.warning("prefetch_exists_failed", error=job.error)
+            return
+        self.counters["prefetch_storage_hit_tokens"] += job.hits * self._cache.config.page_size
+        chunk = self._cache.config.prefetch_batch_pages
+        bufs = self._bufs(job.pages)
+        load = min(job.hits, len(bufs))
+        tasks: list[asyncio.Task[list[bool]]] = []
+        try:
+            for a in range(0, load, chunk):
+                b = min(a + chunk, load)
+                remaining = max(job.deadline - time.monotonic(), 0.001)
+                coro = self.io.get_into(job.keys[a:b], bufs[a:b], timeout=remaining)
+                tasks.append(asyncio.ensure_future(coro))
+            if tasks:
+                await asyncio.wait(tasks, timeout=max(job.deadline - time.monotonic(), 0.0))
             for t in tasks:
                 if not t.done() or t.cancelled():
                     break
-                if t.exception() is not None:
-                    error = repr(t.exception())
+                failure = t.exception()
+                if failure is not None:
                     self.counters["storage_errors"] += 1
+                    job.failed, job.error = True, repr(failure)
                     break
                 flags = t.result()
-                full = True
-                for flag in flags:
-                    if not flag:
-                        full = False
-                        break
-                    run += 1
-                if not full:
+                good = leading_run(flags)
+                job.run += good
+                if good < len(flags):
                     break
-            committed = self._commit(rid, ns, tokens, cached, pages, run, hashes)
         finally:
             for t in tasks:
                 if not t.done():
                     t.cancel()
                 elif not t.cancelled():
-                    t.exception()  # retrieved: errors were counted above
-            self._cache._tree.unpin(anchor)
-            self._release_later(rid, bufs)
-        status = PrefetchStatus.COMPLETE if committed == len(keys) else PrefetchStatus.PARTIAL
-        return committed * cfg.page_size, status, error
+                    t.exception()  # retrieved: counted above
 
-    def _commit(
-        self,
-        rid: int,
-        ns: Namespace,
-        tokens: list[int],
-        cached: int,
-        pages: torch.Tensor,
-        run: int,
-        hashes: list[int],
-    ) -> int:
+    def _finish(self, job: _Prefetch, run: int) -> None:
+        """Commit the first ``run`` pages (agreed across ranks), unpin, free the rest."""
+        try:
+            job.committed = self._commit(job, min(run, job.run))
+        finally:
+            self._cache._tree.unpin(job.anchor)
+            self._release_later(job.rid, self._bufs(job.pages))
+
+    def _commit(self, job: _Prefetch, run: int) -> int:
         """Attach the first ``run`` loaded pages below the cached prefix; return pages used."""
         if run == 0:
             return 0
         cache = self._cache
         tree = cache._tree
         p = cache.config.page_size
-        end = cached + run * p
-        new = tree.attach_host_only(ns, tokens, end, cached, pages[:run])
+        end = job.cached + run * p
+        new = tree.attach_host_only(job.ns, job.tokens, end, job.cached, job.pages[:run])
         used = sum(len(n.key) for n in new) // p
         if new:  # the tail of pages[:run] now belongs to the tree
             first = run - used
-            self.reserved[rid] = torch.cat([pages[:first], pages[run:]])
+            self.reserved[job.rid] = torch.cat([job.pages[:first], job.pages[run:]])
             (node,) = new
-            node.hashes = hashes[first:run]
+            node.hashes = job.hashes[first:run]
             if cache._events.enabled:
                 cache._emit_stored(node, Tier.HOST)
         self.counters["prefetch_hit_tokens"] += used * p
@@ -411,8 +479,7 @@ class StorageTier:
 
     def _release_later(self, rid: int, bufs: list[PageBuffer]) -> None:
         """Free the prefetch's leftover host pages once no worker holds their buffers."""
-        pages = self.reserved[rid]
-        if pages.numel() == 0 or not self.io.holds(bufs):
+        if self.reserved[rid].numel() == 0 or not self.io.holds(bufs):
             self._free_reserved(rid)
             return
 
@@ -422,9 +489,7 @@ class StorageTier:
             finally:
                 self._free_reserved(rid)
 
-        task = asyncio.get_running_loop().create_task(later())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._track(asyncio.get_running_loop().create_task(later()))
 
     def _free_reserved(self, rid: int) -> None:
         pages = self.reserved.pop(rid)

@@ -57,6 +57,7 @@ class InsertOutcome:
 
     node: Node  #: last node of the inserted path (pinned if ``pin=True``)
     prefix_tokens: int  #: tokens that were already in the tree (any tier)
+    inserted_tokens: int = 0  #: tokens the tree now holds for this insert (see ``insert``)
     created: list[Node] = field(default_factory=list)  #: new nodes, root-most first
     adopted: list[Node] = field(default_factory=list)  #: host-only nodes given the new pages
 
@@ -186,7 +187,9 @@ class RadixTree:
         """Insert ``tokens[:n]`` (page-aligned) whose device pages are ``pages``.
 
         Ranges the tree already holds on device keep the tree's pages (the caller compares
-        them with ``pages`` to find duplicates); host-only ranges adopt the given pages.
+        them with ``pages`` to find duplicates); host-only ranges adopt the given pages.  The
+        walk stops after a node whose load-back is in flight: ``inserted_tokens`` says how far
+        it got, and the pages after that are not taken.
         """
         self._check_owner()
         p = self.page_size
@@ -227,7 +230,12 @@ class RadixTree:
             node = child
             pos += klen
             out.prefix_tokens = pos
+            if child.device is FILLING:
+                # still loading: nothing may hang below it on device (if the load fails, it
+                # goes back to host-only), so the rest of this insert is not cached
+                break
         out.node = node
+        out.inserted_tokens = pos
         if pin:
             self.pin(node)
         self._stamp(node, clock)

@@ -1,0 +1,83 @@
+"""Real tensor-parallel ranks (gloo on 127.0.0.1): agreement keeps trees identical.
+
+Each rank's storage holds a different number of pages and its copies complete in a different
+random order; every rank must end with the same tree, the same committed lengths and the same
+events, and no run may deadlock (bounded by the harness timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 150
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def run_ranks(world: int, tmp: Path) -> list[dict[str, Any]]:
+    port = free_port()
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tests.distributed.tp_worker",
+            "--rank",
+            str(r),
+            "--world",
+            str(world),
+            "--port",
+            str(port),
+            "--dir",
+            str(tmp),
+            cwd=str(ROOT),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for r in range(world)
+    ]
+    try:
+        outs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), TIMEOUT)
+    except TimeoutError:
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"TP ranks did not finish in {TIMEOUT}s: deadlock?") from None
+    results = []
+    for p, (out, err) in zip(procs, outs, strict=True):
+        lines = [ln for ln in out.decode().splitlines() if ln.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, f"rank failed ({p.returncode}): {err.decode()[-3000:]}"
+        results.append(json.loads(lines[-1][len("RESULT ") :]))
+    return results
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+@pytest.mark.parametrize("world", [2, 4])
+async def test_ranks_agree_on_everything(world: int, tmp_path: Path) -> None:
+    results = await run_ranks(world, tmp_path)
+    first = results[0]
+    # storage held 16, 13, 10, 7 pages on ranks 0..3: everyone commits the minimum
+    least = 16 - 3 * (world - 1)
+    assert first["prefetch"][1] == least * 2
+    for r in results[1:]:
+        for key in ("prefetch", "match_after_prefetch", "after_load", "miss", "second_load"):
+            assert r[key] == first[key], (key, r["rank"], r[key], first[key])
+        assert r["shape"] == first["shape"], f"rank {r['rank']} tree differs"
+        assert r["events"] == first["events"], f"rank {r['rank']} events differ"
+        assert r["stats"] == first["stats"]
+        assert r["collectives"] == first["collectives"]
+    assert first["miss"] == ["miss", 0]
+    assert first["after_load"] == [least * 2, 0]

@@ -1,0 +1,164 @@
+"""One tensor-parallel rank for the TP agreement tests (run as a subprocess per rank).
+
+Every rank runs the same serving script against its own HiCache, its own FileStorage (which
+holds a different number of pages on every rank) and a copy engine whose completions arrive
+in a rank-specific random order.  It prints one JSON line describing what it ended with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import aiocache_kv as akv
+from aiocache_kv.storage import storage_key
+from aiocache_kv.testing import RandomDelayEngine
+from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
+
+PAGE = 2
+PROMPT = [(7 * i) % 97 + 1 for i in range(32)]  # 16 pages
+
+
+def config(storage: akv.FileStorage, **kw: Any) -> akv.CacheConfig:
+    opts: dict[str, Any] = dict(
+        page_size=PAGE,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=4,
+        dtype=torch.float32,
+        device_pages=24,
+        host_pages=48,
+        host_memory_reserve_bytes=0,
+        storage=storage,
+        prefetch_threshold_tokens=0,
+        prefetch_policy="timeout",
+        prefetch_timeout_base=2.0,
+        prefetch_batch_pages=3,
+    )
+    opts.update(kw)
+    return akv.CacheConfig(**opts)
+
+
+def fill(cache: akv.HiCache, slots: torch.Tensor, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(cache.config.num_layers):
+        for buf in cache.device_kv(layer):
+            buf[slots] = torch.randn((slots.numel(), *buf.shape[1:]), generator=g)
+
+
+async def seed_storage(root: Path, rank: int, world: int, keep: int) -> None:
+    """Write PROMPT to this rank's store under its TP-shard keys, keep the first ``keep``."""
+    store = akv.FileStorage(root)
+    component = f"kv-tp{rank}-{world}"
+    async with akv.HiCache(config(store)) as cache:
+        assert cache._l3 is not None
+        cache._l3._component = component  # write as rank `rank` of `world` would
+        slots = cache.alloc(len(PROMPT))
+        fill(cache, slots, seed=99)
+        cache.release(cache.insert(PROMPT, slots))
+        await cache.flush()
+    ns = akv.Namespace("default")
+    hashes = chain_hashes(namespace_seed(ns.tag), PROMPT, PAGE)
+    drop = [storage_key(ns.tag, h, component) for h in hashes[keep:]]
+    fresh = akv.FileStorage(root)  # the cache closed the first handle
+    removed = await asyncio.to_thread(fresh.remove, drop)
+    assert all(removed), removed
+    await asyncio.to_thread(fresh.close)
+
+
+def shape(cache: akv.HiCache) -> list[Any]:
+    return sorted(
+        (n.key, n.device.name, n.host.name, n.storage.name, n.pins) for n in cache._tree.walk()
+    )
+
+
+def describe(ev: akv.KVEvent) -> list[Any]:
+    return [type(ev).__name__, getattr(ev, "medium", None), getattr(ev, "token_ids", None)]
+
+
+async def serve(args: argparse.Namespace) -> dict[str, Any]:
+    rank, world = args.rank, args.world
+    root = Path(args.dir) / f"rank{rank}"
+    keep = 16 - 3 * rank  # every rank's store holds a different number of pages
+    await seed_storage(root, rank, world, keep)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    group = akv.TorchTPGroup()
+    out: dict[str, Any] = {"rank": rank}
+    engine = RandomDelayEngine(seed=1000 + rank, max_delay=0.03)
+    cfg = config(akv.FileStorage(root))
+    async with akv.HiCache(cfg, copy_engine=engine, tp_group=group) as cache:
+        res = await cache.prefetch(PROMPT)
+        out["prefetch"] = [res.status.value, res.hit_tokens]
+        m = cache.match_prefix(PROMPT)
+        out["match_after_prefetch"] = [m.device_len, m.host_len]
+        await cache.load_back(m)
+        out["after_load"] = [m.device_len, m.host_len]
+        cache.release(m)
+        handles = []
+        for i in range(6):
+            tokens = PROMPT[: 4 + 2 * i] + [200 + i] * 6
+            slots = await cache.alloc_wait(len(tokens))
+            fill(cache, slots, seed=i)
+            handles.append(cache.insert(tokens, slots))
+            if len(handles) > 2:
+                cache.release(handles.pop(0))
+            if i % 2:
+                await cache.sync()
+        for h in handles:
+            cache.release(h)
+        cache.evict(10)
+        other = await cache.prefetch([300 + i for i in range(20)])  # nothing stored
+        out["miss"] = [other.status.value, other.hit_tokens]
+        m = cache.match_prefix([*PROMPT[:10], 1, 2])
+        await cache.load_back(m)
+        out["second_load"] = [m.device_len, m.host_len]
+        cache.release(m)
+        # a cancelled load_back: its agreement still happens on every rank
+        cache.evict(100)
+        m = cache.match_prefix(PROMPT)
+        task = asyncio.create_task(cache.load_back(m))
+        await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await cache.flush()
+        cache.release(m)
+        cache.check_invariants()
+        out["shape"] = shape(cache)
+        out["events"] = [describe(e) for e in cache.take_events()]
+        stats = cache.statistics()
+        out["stats"] = [stats.nodes, stats.device.free_pages, stats.host.free_pages]
+        out["collectives"] = group.calls
+    dist.destroy_process_group()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--dir", required=True)
+    args = ap.parse_args()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    result = asyncio.run(serve(args))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
