@@ -7,6 +7,7 @@ it returns, the KV events and the error hierarchy in :mod:`aiocache_kv.errors`.
 from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
 from aiocache_kv.distributed import AgreementError, SingleRank, TorchTPGroup, TPGroup
+from aiocache_kv.embedding import EmbeddingCache, InsertBatchStats
 from aiocache_kv.errors import (
     BlockingCallError,
     CacheClosedError,
@@ -45,10 +46,12 @@ __all__ = [
     "CacheStatistics",
     "CapacityError",
     "ConfigError",
+    "EmbeddingCache",
     "FileStorage",
     "HandleError",
     "HiCache",
     "HostMemoryError",
+    "InsertBatchStats",
     "InsertResult",
     "InvalidInputError",
     "InvalidTypeError",
