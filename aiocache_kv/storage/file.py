@@ -8,14 +8,23 @@ slot is the framed page (payload + integrity trailer, see :mod:`.integrity`).  T
 compared on read, so a hash collision or a misplaced file is a miss, and tests can list the
 files and read back the raw keys.
 
-Writes are atomic: the page is written to a temporary file in the same shard directory and
-moved into place with ``os.replace``; readers see the old state or the whole new file.  Stale
-temporary files (a crash mid-write) are deleted at open.
+Writes are atomic for readers: a page becomes visible (enters the in-memory index that decides
+hits) only once its file is complete.  With ``fsync="never"`` the file is written in place (one
+``open`` + ``writev`` + ``close``, no rename: ~15 us less per page on tmpfs) while the name is
+marked as being written, so no other worker writes or reads it meanwhile (a second writer of the
+same name falls back to the temporary file); with ``"data"``/``"always"`` (and for that
+fallback) the page is written to a temporary file in the same shard directory and moved into
+place with ``os.replace``.  Stale temporary files (a crash mid-write) are deleted at open; a
+page torn by a crash mid in-place write fails the integrity check at its first read (a miss,
+deleted).  Reads are one ``open`` + ``preadv`` (header, slot and one byte past the slot, which
+checks the size) + ``close``; seal and verify run on groups of ~4 MiB of pages right before
+their writes / right after their reads, while the bytes are still in cache.
 
 Durability (``fsync``):
 
-* ``"never"`` (default): no fsync.  After a power loss a page may be missing or torn; a torn
-  page fails the integrity check and is a miss.  Right for a cache.
+* ``"never"`` (default): no fsync, pages written in place.  After a power loss or a crash a
+  page may be missing or torn; a torn page fails the integrity check and is a miss.  Right for
+  a cache.
 * ``"data"``: fsync the temporary file before the rename: a page that is visible after a crash
   has its full content.
 * ``"always"``: ``"data"`` plus fsync of the shard directory after the rename: a put that
@@ -35,7 +44,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import hashlib
+import itertools
 import os
 import struct
 import tempfile
@@ -65,8 +76,33 @@ _TMP_SUFFIX = ".tmp"
 _NAME_LEN = 40  # hex digits of BLAKE2b-160
 
 
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+#: pages are sealed / verified in groups of about this many bytes, each group right before its
+#: files are written / right after they are read, so the checksum reads bytes still in cache
+_CHUNK_BYTES = 4 << 20
+
+
+@functools.lru_cache(maxsize=1 << 14)  # a prefetch hashes its keys for exists, then for reads
 def _file_name(key: str) -> str:
     return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
+
+
+def _chunks(idx: list[int], buffers: Sequence[PageBuffer]) -> list[list[int]]:
+    """Split ``idx`` into consecutive groups of about :data:`_CHUNK_BYTES` of slots."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    nbytes = 0
+    for i in idx:
+        cur.append(i)
+        nbytes += buffers[i].nbytes
+        if nbytes >= _CHUNK_BYTES:
+            out.append(cur)
+            cur = []
+            nbytes = 0
+    if cur:
+        out.append(cur)
+    return out
 
 
 class FileStorage:
@@ -97,11 +133,15 @@ class FileStorage:
         if fsync not in _FSYNC_POLICIES:
             raise ConfigError(f"fsync must be one of {_FSYNC_POLICIES}, got {fsync!r}")
         self.root = Path(path)
+        self._root_str = os.fspath(self.root)
+        self._pid = os.getpid()
+        self._seq = itertools.count()
         self.capacity_bytes = capacity_bytes
         self.fsync: FsyncPolicy = fsync
         self._lock = threading.Lock()
         self._open_lock = threading.Lock()
         self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> size
+        self._writing: set[str] = set()  # names being written in place (not yet in _lru)
         self._total = 0
         self._opened = False
         self._closed = False
@@ -240,44 +280,75 @@ class FileStorage:
         """
         integrity.check_batch(keys, buffers)
         self._ensure_open()
-        results: list[bool] = []
-        errors: list[tuple[str, str]] = []
-        too_big = 0
-        for key, buf in zip(keys, buffers, strict=True):
-            name = _file_name(key)
-            size = _FILE_HEADER.size + len(key.encode("utf-8", "surrogatepass")) + buf.nbytes
-            with self._lock:
+        n = len(keys)
+        results = [False] * n
+        names = [_file_name(k) for k in keys]
+        key_bytes = [k.encode("utf-8", "surrogatepass") for k in keys]
+        first: dict[str, int] = {}  # absent name -> the index it is written from
+        skipped = too_big = 0
+        with self._lock:
+            for i, name in enumerate(names):
                 if name in self._lru:
                     self._lru.move_to_end(name)
-                    present = True
-                else:
-                    present = False
-            if present:
-                self._stats.add(puts=1, put_skipped=1)
-                results.append(True)
-                continue
+                    results[i] = True
+                    skipped += 1
+                elif name not in first:
+                    first[name] = i
+        todo: list[int] = []
+        for i in first.values():
+            size = _FILE_HEADER.size + len(key_bytes[i]) + buffers[i].nbytes
             if self.capacity_bytes is not None and size > self.capacity_bytes:
                 too_big += 1
-                self._stats.add(puts=1, put_failed=1)
-                results.append(False)
-                continue
-            try:
-                self._write_file(key, name, buf)
-            except OSError as exc:
-                errors.append((key, f"{type(exc).__name__}: {exc}"))
-                self._stats.add(puts=1, put_failed=1)
-                results.append(False)
-                continue
-            with self._lock:
-                old = self._lru.pop(name, None)
-                if old is not None:
-                    self._total -= old
-                self._lru[name] = size
-                self._total += size
-                victims = self._pick_victims_locked()
-            self._unlink_victims(victims)
-            self._stats.add(puts=1, put_ok=1, bytes_written=buf.nbytes)
-            results.append(True)
+            else:
+                todo.append(i)
+        errors: list[tuple[str, str]] = []
+        ok = written = 0
+        for chunk in _chunks(todo, buffers):
+            integrity.seal_many([buffers[i] for i in chunk], [keys[i] for i in chunk])
+            for i in chunk:
+                name = names[i]
+                with self._lock:
+                    if name in self._lru:  # stored by another worker meanwhile
+                        self._lru.move_to_end(name)
+                        results[i] = True
+                        skipped += 1
+                        continue
+                    in_place = self.fsync == "never" and name not in self._writing
+                    if in_place:
+                        self._writing.add(name)
+                try:
+                    size = self._write_file(key_bytes[i], name, buffers[i], in_place)
+                except OSError as exc:
+                    if in_place:
+                        with self._lock:
+                            self._writing.discard(name)
+                    errors.append((keys[i], f"{type(exc).__name__}: {exc}"))
+                    continue
+                with self._lock:
+                    if in_place:
+                        self._writing.discard(name)
+                    old = self._lru.pop(name, None)
+                    if old is not None:
+                        self._total -= old
+                    self._lru[name] = size
+                    self._total += size
+                    victims = self._pick_victims_locked()
+                self._unlink_victims(victims)
+                ok += 1
+                written += buffers[i].nbytes
+                results[i] = True
+        for i, name in enumerate(names):  # duplicates ride along with their first occurrence
+            j = first.get(name, i)
+            if j != i and results[j]:
+                results[i] = True
+                skipped += 1
+        self._stats.add(
+            puts=n,
+            put_ok=ok,
+            put_skipped=skipped,
+            put_failed=n - ok - skipped,
+            bytes_written=written,
+        )
         if errors or too_big:
             log.warning(
                 "storage.file.put_failed",
@@ -289,23 +360,36 @@ class FileStorage:
             )
         return results
 
-    def _write_file(self, key: str, name: str, buf: PageBuffer) -> None:
-        integrity.seal(buf, key)
-        shard = self.root / name[:2]
-        key_bytes = key.encode("utf-8", "surrogatepass")
-        fd, tmp = tempfile.mkstemp(dir=shard, prefix=f".{name}-", suffix=_TMP_SUFFIX)
+    def _write_file(self, key_bytes: bytes, name: str, buf: PageBuffer, in_place: bool) -> int:
+        """Write a sealed slot, in place or via a temporary file + rename (see module doc);
+        return the file size.  On error nothing is left behind."""
+        shard = f"{self._root_str}/{name[:2]}"
+        final = f"{shard}/{name}{_SUFFIX}"
+        if in_place:
+            tmp = final
+        else:
+            tmp = f"{shard}/.{name}-{self._pid}-{threading.get_ident():x}-{next(self._seq)}"
+            tmp += _TMP_SUFFIX
+        header = _FILE_HEADER.pack(_FILE_MAGIC, len(key_bytes)) + key_bytes
+        total = len(header) + buf.nbytes
+        fd = os.open(tmp, _WRITE_FLAGS, 0o644)
         try:
-            with os.fdopen(fd, "wb", buffering=0) as f:
-                f.write(_FILE_HEADER.pack(_FILE_MAGIC, len(key_bytes)) + key_bytes)
-                view = buf.view
-                while view:
-                    n = f.write(view)
+            try:
+                done = os.writev(fd, [header, buf.view])
+                while done < total:  # short write: finish from where it stopped
+                    if done < len(header):
+                        n = os.writev(fd, [header[done:], buf.view])
+                    else:
+                        n = os.write(fd, buf.view[done - len(header) :])
                     if not n:
                         raise OSError(f"short write to {tmp}")
-                    view = view[n:]
+                    done += n
                 if self.fsync != "never":
-                    os.fsync(f.fileno())
-            os.replace(tmp, shard / (name + _SUFFIX))
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            if not in_place:
+                os.replace(tmp, final)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -316,6 +400,7 @@ class FileStorage:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
+        return total
 
     def _pick_victims_locked(self) -> list[str]:
         victims: list[str] = []
@@ -370,40 +455,55 @@ class FileStorage:
         """
         integrity.check_batch(keys, buffers)
         self._ensure_open()
-        results: list[bool] = []
+        n = len(keys)
+        results = [False] * n
+        names = [_file_name(k) for k in keys]
+        with self._lock:
+            todo = [i for i, name in enumerate(names) if name in self._lru]
+        misses = n - len(todo)
+        hits = read_bytes = 0
         corrupt: list[tuple[str, integrity.Verdict]] = []
         io_errors: list[str] = []
-        for key, buf in zip(keys, buffers, strict=True):
-            name = _file_name(key)
+        for chunk in _chunks(todo, buffers):
+            read: list[int] = []  # read in full with the right header and size: checksum them
+            for i in chunk:
+                try:
+                    verdict = self._read_file(keys[i], names[i], buffers[i])
+                except FileNotFoundError:
+                    self._forget(names[i])
+                    misses += 1
+                    continue
+                except OSError as exc:
+                    io_errors.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                if verdict is None:
+                    read.append(i)
+                else:
+                    corrupt.append((keys[i], verdict))
+                    self._drop(names[i])
+            verdicts = integrity.verify_many([buffers[i] for i in read], [keys[i] for i in read])
+            good: list[str] = []
+            for i, verdict in zip(read, verdicts, strict=True):
+                if verdict is integrity.Verdict.OK:
+                    results[i] = True
+                    good.append(names[i])
+                    hits += 1
+                    read_bytes += buffers[i].nbytes
+                else:
+                    corrupt.append((keys[i], verdict))
+                    self._drop(names[i])
             with self._lock:
-                present = name in self._lru
-            if not present:
-                self._stats.add(gets=1, misses=1)
-                results.append(False)
-                continue
-            try:
-                verdict = self._read_file(key, name, buf)
-            except FileNotFoundError:
-                self._forget(name)
-                self._stats.add(gets=1, misses=1)
-                results.append(False)
-                continue
-            except OSError as exc:
-                io_errors.append(f"{type(exc).__name__}: {exc}")
-                self._stats.add(gets=1, get_failed=1)
-                results.append(False)
-                continue
-            if verdict is integrity.Verdict.OK:
-                with self._lock:
+                for name in good:
                     if name in self._lru:
                         self._lru.move_to_end(name)
-                self._stats.add(gets=1, hits=1, bytes_read=buf.nbytes)
-                results.append(True)
-            else:
-                corrupt.append((key, verdict))
-                self.remove([key])
-                self._stats.add(gets=1, corrupt=1)
-                results.append(False)
+        self._stats.add(
+            gets=n,
+            hits=hits,
+            misses=misses,
+            corrupt=len(corrupt),
+            get_failed=len(io_errors),
+            bytes_read=read_bytes,
+        )
         integrity.log_failures(f"file:{self.root}", corrupt)
         if io_errors:
             log.warning(
@@ -414,29 +514,52 @@ class FileStorage:
             )
         return results
 
-    def _read_file(self, key: str, name: str, buf: PageBuffer) -> integrity.Verdict:
-        path = self.root / name[:2] / (name + _SUFFIX)
+    def _read_file(self, key: str, name: str, buf: PageBuffer) -> integrity.Verdict | None:
+        """Read the file of ``key`` into ``buf`` with one ``preadv`` (header, slot, one byte to
+        detect a longer file); a failing verdict, or ``None`` when the checksum is next."""
+        path = f"{self._root_str}/{name[:2]}/{name}{_SUFFIX}"
         key_bytes = key.encode("utf-8", "surrogatepass")
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            header = f.read(_FILE_HEADER.size)
-            if len(header) != _FILE_HEADER.size:
-                return integrity.Verdict.BAD_LENGTH
-            magic, key_len = _FILE_HEADER.unpack(header)
-            if magic != _FILE_MAGIC:
-                return integrity.Verdict.BAD_MAGIC
-            if key_len != len(key_bytes) or f.read(key_len) != key_bytes:
-                return integrity.Verdict.BAD_KEY
-            if size - _FILE_HEADER.size - key_len != buf.nbytes:
-                return integrity.Verdict.BAD_LENGTH
-            view = buf.view
-            got = 0
-            while got < buf.nbytes:
-                n = f.readinto(view[got:])
+        header = bytearray(_FILE_HEADER.size + len(key_bytes))
+        extra = bytearray(1)
+        want = len(header) + buf.nbytes
+        fd = os.open(path, _READ_FLAGS)
+        try:
+            got = os.preadv(fd, [header, buf.view, extra], 0)
+            while got < want:  # short read: continue until EOF (a truncated file)
+                if got < len(header):
+                    n = os.preadv(fd, [memoryview(header)[got:], buf.view, extra], got)
+                else:
+                    n = os.preadv(fd, [buf.view[got - len(header) :], extra], got)
                 if not n:
-                    return integrity.Verdict.BAD_LENGTH  # truncated under us
+                    break
                 got += n
-        return integrity.verify(buf, key)
+        finally:
+            os.close(fd)
+        if got < _FILE_HEADER.size:
+            return integrity.Verdict.BAD_LENGTH
+        magic, key_len = _FILE_HEADER.unpack_from(header)
+        if magic != _FILE_MAGIC:
+            return integrity.Verdict.BAD_MAGIC
+        if (
+            key_len != len(key_bytes)
+            or got < len(header)
+            or header[_FILE_HEADER.size :] != key_bytes
+        ):
+            return integrity.Verdict.BAD_KEY
+        if got != want:  # shorter (truncated) or longer (another slot size) than the slot
+            return integrity.Verdict.BAD_LENGTH
+        return None
+
+    def _drop(self, name: str) -> None:
+        """Forget and delete a corrupt page so that a later put can store it again."""
+        with self._lock:
+            size = self._lru.pop(name, None)
+            if size is not None:
+                self._total -= size
+        if size is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{self._root_str}/{name[:2]}/{name}{_SUFFIX}")
+            self._stats.add(removed=1)
 
     def _forget(self, name: str) -> None:
         with self._lock:

@@ -29,16 +29,33 @@ key fields), not a cryptographic MAC.
 
 A page that fails any check is reported as a miss by the backends (never as data), counted in
 ``StorageStats.corrupt``, and logged once per batch with :func:`log_failures`.
+
+Batches.  :func:`seal_many` / :func:`verify_many` compute the same checksums as :func:`seal` /
+:func:`verify` for a whole batch of slots with a few numpy ops instead of several torch ops per
+page (:func:`checksums`): the slots of a batch are usually rows of one host pool, equally spaced
+in one storage, so they are summed through one strided int64 view (``rows x blocks x 2048``).
+Slots that are not (other storages, a sparse set of rows) are covered by runs of equally spaced
+rows; unaligned slots fall back to the per-page :func:`checksum`.  Per page only the 40-byte
+trailer is packed/parsed in Python (~1-2 us).  Measured (one thread, 64 KiB pages): the per-page
+path ~3 GB/s (~20 us of op overhead per page), a batch of 16 pages ~11 GB/s, of 128 pages
+~17-25 GB/s.  numpy rather than torch: a batch is one heavy reduction, which releases the GIL,
+plus tiny ops that keep it; torch releases and re-takes the GIL around each of its ~10 ops, and
+a storage worker re-taking it waits behind the event loop and the other worker (measured in the
+cache path: ~560 -> ~210 us per 16-page seal).  The format is unchanged (``FORMAT_VERSION`` 1).
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
+import math
 import struct
 import zlib
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
@@ -53,23 +70,35 @@ __all__ = [
     "Verdict",
     "check_batch",
     "checksum",
+    "checksums",
     "log_failures",
     "payload_nbytes",
     "seal",
+    "seal_many",
     "verify",
+    "verify_many",
 ]
 
 MAGIC = b"AKVP"
 FORMAT_VERSION = 1
 ALGO_BLOCK_FLETCHER64 = 1
 _TRAILER = struct.Struct("<4sHHQQQII")
+_HEAD = struct.Struct("<4sHHQQQI")  # the trailer without its own crc
+_CRC = struct.Struct("<I")
 #: Bytes the host pool must reserve at the end of every page slot.
 FRAME_OVERHEAD = _TRAILER.size
 assert FRAME_OVERHEAD == 40, "trailer layout changed: FRAME_OVERHEAD is part of the contract"
 
 _BLOCK_WORDS = 2048  # 16 KiB blocks (512..8192 words measured: 2048+ is fastest)
 _WEIGHTS = torch.arange(1, (1 << 16) + 1, dtype=torch.int64)  # block weights, up to 1 GiB
+_NP_WEIGHTS = _WEIGHTS.numpy()
 _MASK64 = (1 << 64) - 1
+#: batches of at least this many bytes are reduced by torch (10-50% faster from 4 MiB on, one
+#: thread, measured), smaller ones by numpy (fewer ops, ~20 us less per call, no GIL round trips)
+_TORCH_MIN_BYTES = 2 << 20
+#: a set of rows is summed through one strided view over its span if at least this share of the
+#: span's rows are wanted (else: one view per run of consecutive rows)
+_DENSE = 0.5
 
 log = structlog.get_logger(__name__)
 
@@ -152,6 +181,143 @@ def checksum(data: torch.Tensor) -> tuple[int, int]:
     return s1 & _MASK64, s2 & _MASK64
 
 
+class _Words:
+    """``rows x nwords`` int64 words, rows ``stride`` bytes apart from ``ptr``, as a numpy
+    array (``np.asarray(words)``).  The caller checks the bounds; ``owner`` (a tensor of the
+    storage) keeps the memory alive as long as the array."""
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, owner: torch.Tensor, ptr: int, rows: int, nwords: int, stride: int):
+        self.owner = owner
+        self.__array_interface__ = {
+            "data": (ptr, False),  # (address, read-only flag): writable, so torch can view it
+            "shape": (rows, nwords),
+            "strides": (stride, 8),
+            "typestr": "<i8",
+            "version": 3,
+        }
+
+
+def _sum_rows(words: np.ndarray[Any, Any]) -> list[list[int]]:
+    """``[S1, S2]`` (signed int64) of every row of a ``rows x nwords`` int64 array.
+
+    numpy for the small ops: one batch is one heavy reduction (the GIL is released inside it)
+    plus tiny ops that keep the GIL; torch would release and re-take the GIL around each of its
+    ~10 ops, and a storage worker re-taking it waits behind the loop and the other worker.  The
+    heavy reduction itself runs in torch from :data:`_TORCH_MIN_BYTES` on.
+    Integer overflow wraps (mod 2**64), as the format wants.
+    """
+    rows, nwords = words.shape
+    nblocks = nwords // _BLOCK_WORDS
+    body = nblocks * _BLOCK_WORDS
+    if nblocks:
+        if rows * body * 8 >= _TORCH_MIN_BYTES:  # torch's reduction is faster on big batches
+            view = torch.from_numpy(words[:, :body]).view(rows, nblocks, _BLOCK_WORDS)
+            blocks = view.sum(dim=2).numpy()
+        else:
+            blocks = words[:, :body].reshape(rows, nblocks, _BLOCK_WORDS).sum(axis=2)
+        s1 = blocks.sum(axis=1)
+        s2 = (blocks * _np_weights(nblocks)).sum(axis=1)
+    else:
+        s1 = s2 = np.zeros(rows, dtype=np.int64)
+    if nwords > body:
+        tail = words[:, body:].sum(axis=1)
+        s1 = s1 + tail
+        s2 = s2 + (nblocks + 1) * tail
+    out: list[list[int]] = np.stack((s1, s2), axis=1).tolist()
+    return out
+
+
+def _np_weights(nblocks: int) -> np.ndarray[Any, Any]:
+    if nblocks <= _NP_WEIGHTS.size:
+        return _NP_WEIGHTS[:nblocks]
+    return np.arange(1, nblocks + 1, dtype=np.int64)
+
+
+def _runs(ptrs: list[int]) -> list[tuple[int, int, int]]:
+    """Cover sorted distinct ``ptrs`` with ``(first, stride, rows)`` arithmetic progressions:
+    one over the whole span when it is dense enough, else maximal runs of equal steps."""
+    if len(ptrs) == 1:
+        return [(ptrs[0], 8, 1)]
+    step = 0
+    for a, b in itertools.pairwise(ptrs):
+        step = math.gcd(step, b - a)
+    span = (ptrs[-1] - ptrs[0]) // step + 1
+    if len(ptrs) >= _DENSE * span:
+        return [(ptrs[0], step, span)]
+    runs: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(ptrs):
+        if i + 1 == len(ptrs):
+            runs.append((ptrs[i], 8, 1))
+            break
+        d = ptrs[i + 1] - ptrs[i]
+        j = i + 1
+        while j + 1 < len(ptrs) and ptrs[j + 1] - ptrs[j] == d:
+            j += 1
+        runs.append((ptrs[i], d, j - i + 1))
+        i = j + 1
+    return runs
+
+
+def checksums(buffers: Sequence[PageBuffer], nbytes: int) -> list[tuple[int, int]]:
+    """:func:`checksum` of the first ``nbytes`` of every buffer, batched (see module doc).
+
+    Equal to ``[checksum(b.tensor[:nbytes]) for b in buffers]``.
+
+    Raises:
+        InvalidInputError: a buffer is shorter than ``nbytes``.
+    """
+    for b in buffers:
+        if b.nbytes < nbytes:
+            raise InvalidInputError(f"buffer of {b.nbytes} bytes is shorter than {nbytes}")
+    out: list[tuple[int, int] | None] = [None] * len(buffers)
+    nwords = nbytes // 8
+    if nwords and len(buffers) > 1:
+        order = sorted(
+            (b.ptr, i) for i, b in enumerate(buffers) if b.ptr % 8 == 0
+        )  # unaligned slots: per page below
+        k = 0
+        while k < len(order):
+            owner = buffers[order[k][1]].tensor
+            storage = owner.untyped_storage()
+            base = int(storage.data_ptr())
+            end = base + int(storage.nbytes())
+            if base % 8:
+                k += 1
+                continue
+            members: dict[int, list[int]] = {}  # ptr -> buffer indices (duplicates share)
+            while k < len(order) and base <= order[k][0] and order[k][0] + nbytes <= end:
+                members.setdefault(order[k][0], []).append(order[k][1])
+                k += 1
+            if not members:  # a buffer outside its own storage's range: cannot happen
+                k += 1
+                continue
+            for first, stride, rows in _runs(list(members)):
+                words = _Words(owner, first, rows, nwords, stride)
+                sums = _sum_rows(np.asarray(words))
+                for r, (s1, s2) in enumerate(sums):
+                    for i in members.get(first + r * stride, ()):
+                        out[i] = (s1 & _MASK64, s2 & _MASK64)
+        if nbytes % 8:
+            pos = nwords // _BLOCK_WORDS + 2
+            for i, b in enumerate(buffers):
+                got = out[i]
+                if got is not None:
+                    extra = int.from_bytes(b.view[nwords * 8 : nbytes], "little") + 1
+                    out[i] = ((got[0] + extra) & _MASK64, (got[1] + pos * extra) & _MASK64)
+    return [
+        got if got is not None else checksum(b.tensor[:nbytes])
+        for got, b in zip(out, buffers, strict=True)
+    ]
+
+
+def _trailer(n: int, s1: int, s2: int, key: str) -> bytes:
+    head = _HEAD.pack(MAGIC, FORMAT_VERSION, ALGO_BLOCK_FLETCHER64, n, s1, s2, _key_crc(key))
+    return head + _CRC.pack(zlib.crc32(head))
+
+
 def seal(buffer: PageBuffer, key: str) -> None:
     """Write the trailer for ``buffer``'s payload and ``key`` into the slot's last bytes.
 
@@ -160,24 +326,47 @@ def seal(buffer: PageBuffer, key: str) -> None:
     """
     n = payload_nbytes(buffer.nbytes)
     s1, s2 = checksum(buffer.tensor[:n])
-    head = struct.pack(
-        "<4sHHQQQI", MAGIC, FORMAT_VERSION, ALGO_BLOCK_FLETCHER64, n, s1, s2, _key_crc(key)
-    )
-    buffer.view[n:] = head + struct.pack("<I", zlib.crc32(head))
+    buffer.view[n:] = _trailer(n, s1, s2, key)
 
 
-def verify(buffer: PageBuffer, key: str, nbytes_read: int | None = None) -> Verdict:
-    """Check the frame in ``buffer`` (``nbytes_read`` = object size, default: the slot size)."""
+def _by_size(buffers: Sequence[PageBuffer], idx: Sequence[int]) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i in idx:
+        groups.setdefault(buffers[i].nbytes, []).append(i)
+    return groups
+
+
+def seal_many(buffers: Sequence[PageBuffer], keys: Sequence[str]) -> None:
+    """:func:`seal` every ``buffers[i]`` for ``keys[i]``, the checksums batched.
+
+    Raises:
+        InvalidInputError: lengths differ, or a slot is not larger than :data:`FRAME_OVERHEAD`.
+    """
+    if len(buffers) != len(keys):
+        raise InvalidInputError(f"{len(keys)} keys but {len(buffers)} buffers")
+    for b in buffers:
+        payload_nbytes(b.nbytes)
+    for size, idx in _by_size(buffers, range(len(buffers))).items():
+        n = size - FRAME_OVERHEAD
+        sums = checksums([buffers[i] for i in idx], n)
+        for i, (s1, s2) in zip(idx, sums, strict=True):
+            buffers[i].view[n:] = _trailer(n, s1, s2, keys[i])
+
+
+def _check_trailer(
+    buffer: PageBuffer, key: str, nbytes_read: int | None
+) -> Verdict | tuple[int, int]:
+    """Every check but the checksum: a failing :class:`Verdict`, or the stored ``(S1, S2)``."""
     if nbytes_read is None:
         nbytes_read = buffer.nbytes
     if nbytes_read != buffer.nbytes or buffer.nbytes <= FRAME_OVERHEAD:
         return Verdict.BAD_LENGTH
     n = buffer.nbytes - FRAME_OVERHEAD
-    trailer = bytes(buffer.view[n:])
-    magic, version, algo, length, s1, s2, key_crc, trailer_crc = _TRAILER.unpack(trailer)
+    view = buffer.view
+    magic, version, algo, length, s1, s2, key_crc, trailer_crc = _TRAILER.unpack_from(view, n)
     if magic != MAGIC:
         return Verdict.BAD_MAGIC
-    if zlib.crc32(trailer[:-4]) != trailer_crc:
+    if zlib.crc32(view[n : n + _HEAD.size]) != trailer_crc:
         return Verdict.BAD_TRAILER
     if version != FORMAT_VERSION or algo != ALGO_BLOCK_FLETCHER64:
         return Verdict.BAD_VERSION
@@ -185,9 +374,49 @@ def verify(buffer: PageBuffer, key: str, nbytes_read: int | None = None) -> Verd
         return Verdict.BAD_LENGTH
     if key_crc != _key_crc(key):
         return Verdict.BAD_KEY
-    if checksum(buffer.tensor[:n]) != (s1, s2):
+    return s1, s2
+
+
+def verify(buffer: PageBuffer, key: str, nbytes_read: int | None = None) -> Verdict:
+    """Check the frame in ``buffer`` (``nbytes_read`` = object size, default: the slot size)."""
+    stored = _check_trailer(buffer, key, nbytes_read)
+    if isinstance(stored, Verdict):
+        return stored
+    if checksum(buffer.tensor[: buffer.nbytes - FRAME_OVERHEAD]) != stored:
         return Verdict.BAD_CHECKSUM
     return Verdict.OK
+
+
+def verify_many(
+    buffers: Sequence[PageBuffer],
+    keys: Sequence[str],
+    nbytes_read: Sequence[int | None] | None = None,
+) -> list[Verdict]:
+    """:func:`verify` every ``buffers[i]`` against ``keys[i]``, the checksums batched.
+
+    Raises:
+        InvalidInputError: lengths differ.
+    """
+    if nbytes_read is None:
+        nbytes_read = [None] * len(buffers)
+    if not len(buffers) == len(keys) == len(nbytes_read):
+        raise InvalidInputError(
+            f"{len(keys)} keys, {len(buffers)} buffers, {len(nbytes_read)} sizes"
+        )
+    verdicts: list[Verdict] = [Verdict.OK] * len(buffers)
+    stored: dict[int, tuple[int, int]] = {}
+    for i, (buf, key, got) in enumerate(zip(buffers, keys, nbytes_read, strict=True)):
+        res = _check_trailer(buf, key, got)
+        if isinstance(res, Verdict):
+            verdicts[i] = res
+        else:
+            stored[i] = res
+    for size, idx in _by_size(buffers, list(stored)).items():
+        sums = checksums([buffers[i] for i in idx], size - FRAME_OVERHEAD)
+        for i, sum_ in zip(idx, sums, strict=True):
+            if sum_ != stored[i]:
+                verdicts[i] = Verdict.BAD_CHECKSUM
+    return verdicts
 
 
 def log_failures(backend: str, failures: Sequence[tuple[str, Verdict]]) -> None:

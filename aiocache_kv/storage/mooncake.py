@@ -20,9 +20,15 @@ The client's own ``MC_*`` variables are read by the C++ client at :meth:`open`:
 is an IP literal, :meth:`open` sets it to that address so a loopback deployment stays on
 loopback).  ``MC_STORE_CLIENT_SETUP_RETRIES`` bounds ``setup`` when no master answers.
 
-Semantics.  ``put`` first asks ``batch_is_exist`` and does not re-send present keys (a Mooncake
+Semantics.  ``put`` asks ``batch_is_exist`` and does not re-send present keys (a Mooncake
 ``put`` on an existing key returns 0 and keeps the old value anyway); the rest are sealed
-(trailer written into each slot) and sent with one zero-copy ``batch_put_from``.  Return codes:
+(trailer written into each slot, one batched checksum) and sent with one zero-copy
+``batch_put_from``.  The existence check runs on a helper thread while the calling thread seals
+every distinct key of the batch: the cache only backs up pages storage does not have, so the
+seal is rarely wasted, and the check (0.1-0.4 ms per call, a third of a 16 x 64 KiB put) no
+longer adds to the seal.  The pre-check is kept (rather than relying on put's keep-the-old-value
+behaviour) because it is what tells ``put_ok`` from ``put_skipped`` and ``bytes_written``.
+``get_into`` verifies the whole batch with one batched checksum right after the read.  Return codes:
 ``-704`` = missing (a miss); ``-900``/``-901``/``-800`` = unavailable (master dead, master hung,
 data holder dead); ``-200`` = no space: the failed keys are retried once after
 ``no_space_retry_delay`` seconds (the master evicts in the meantime), then reported as
@@ -35,6 +41,7 @@ counted as corrupt, and removed from the store so a later put can replace it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ipaddress
 import os
 import re
@@ -72,6 +79,9 @@ _DEFAULT_METADATA = "http://127.0.0.1:8080/metadata"
 _DEFAULT_HOSTNAME = "127.0.0.1"
 _DEFAULT_GLOBAL_SEGMENT = 1 << 30
 _DEFAULT_LOCAL_BUFFER = 16 << 20
+
+#: helper threads for RPCs overlapped with the checksum (one per concurrent put is enough)
+_HELPER_THREADS = 4
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -170,6 +180,8 @@ class MooncakeStorage:
         self._reg_lock = threading.Lock()
         self._warned_unregistered = False
         self._stats = StatsCounter()
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
+        self._helper_lock = threading.Lock()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("open" if self._store is not None else "new")
@@ -245,6 +257,10 @@ class MooncakeStorage:
                 return
             self._closed = True
             store, self._store = self._store, None
+        with self._helper_lock:
+            helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.shutdown(wait=False)
         if store is None:
             return
         with self._reg_lock:
@@ -301,6 +317,21 @@ class MooncakeStorage:
         """Frozen snapshot of the counters."""
         return self._stats.snapshot()
 
+    def _submit(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any] | None:
+        """Run ``fn(*args)`` on a helper thread (RPCs overlapped with the checksum); ``None``
+        when closed (the caller then runs it inline)."""
+        with self._helper_lock:
+            if self._closed:
+                return None
+            if self._helper is None:
+                self._helper = concurrent.futures.ThreadPoolExecutor(
+                    _HELPER_THREADS, thread_name_prefix="aiocache-kv-mooncake-rpc"
+                )
+            try:
+                return self._helper.submit(fn, *args)
+            except RuntimeError:  # shut down
+                return None
+
     # -- calls -------------------------------------------------------------------------------
 
     def _call(self, what: str, fn: Any, *args: Any) -> list[int]:
@@ -351,7 +382,17 @@ class MooncakeStorage:
         store = self._client()
         self._stats.add(puts=n)
         results = [False] * n
-        exist = self._call("batch_is_exist", store.batch_is_exist, list(keys))
+        pending = self._submit(self._call, "batch_is_exist", store.batch_is_exist, list(keys))
+        sealed: set[int] = set()
+        if pending is not None:
+            # Seal every distinct key while the existence check is in flight: the cache only
+            # backs up pages storage does not have, so the work is rarely wasted, and the
+            # check (~0.1-0.3 ms per call) no longer adds to the seal.
+            sealed = set({key: i for i, key in reversed(list(enumerate(keys)))}.values())
+            integrity.seal_many([buffers[i] for i in sealed], [keys[i] for i in sealed])
+            exist = pending.result()
+        else:
+            exist = self._call("batch_is_exist", store.batch_is_exist, list(keys))
         if all(c < 0 for c in exist):
             self._stats.add(put_failed=n, unavailable=n)
             raise StorageUnavailableError(f"mooncake batch_is_exist failed for all {n} keys")
@@ -363,8 +404,8 @@ class MooncakeStorage:
                 first[key] = i
         skipped = sum(results)
         todo = list(first.values())
-        for i in todo:
-            integrity.seal(buffers[i], keys[i])
+        unsealed = [i for i in todo if i not in sealed]
+        integrity.seal_many([buffers[i] for i in unsealed], [keys[i] for i in unsealed])
         self._check_registered([buffers[i] for i in todo])
         codes: dict[int, int] = {}
         retries = 0
@@ -445,16 +486,21 @@ class MooncakeStorage:
         read_bytes = 0
         corrupt: list[tuple[str, integrity.Verdict]] = []
         failures: dict[int, int] = {}
-        for i, (key, buf, code) in enumerate(zip(keys, buffers, codes, strict=True)):
+        read = [i for i, code in enumerate(codes) if code > 0]
+        verdicts = integrity.verify_many(
+            [buffers[i] for i in read], [keys[i] for i in read], [codes[i] for i in read]
+        )
+        for i, verdict in zip(read, verdicts, strict=True):
+            if verdict is integrity.Verdict.OK:
+                results[i] = True
+                hits += 1
+                read_bytes += codes[i]
+            else:
+                corrupt.append((keys[i], verdict))
+        for key, code in zip(keys, codes, strict=True):
             if code > 0:
-                verdict = integrity.verify(buf, key, nbytes_read=code)
-                if verdict is integrity.Verdict.OK:
-                    results[i] = True
-                    hits += 1
-                    read_bytes += code
-                else:
-                    corrupt.append((key, verdict))
-            elif code == CODE_MISSING:
+                continue
+            if code == CODE_MISSING:
                 misses += 1
             elif code == CODE_BUFFER_SIZE:
                 corrupt.append((key, integrity.Verdict.BAD_LENGTH))

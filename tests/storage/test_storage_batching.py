@@ -1,0 +1,299 @@
+"""The batched backend paths: FileStorage in-place writes / preadv reads / chunked checksums,
+MooncakeStorage's existence check overlapped with the seal, StorageIO's worker threads."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiocache_kv.errors import ConfigError, StorageUnavailableError
+from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, MooncakeStorage, PageBuffer, StorageIO
+from aiocache_kv.storage import file as file_mod
+from aiocache_kv.storage.integrity import Verdict, verify
+
+PAGE = 4096
+SLOT = PAGE + FRAME_OVERHEAD
+
+
+def pool(n: int, seed: int = 0, slot: int = SLOT) -> list[PageBuffer]:
+    """``n`` slots as rows of one tensor, rows rounded up to 64 bytes (like the host pool)."""
+    stride = -(-slot // 64) * 64
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, stride), dtype=torch.uint8, generator=g)
+    return [PageBuffer.from_tensor(raw[i, :slot]) for i in range(n)]
+
+
+def empty(n: int, slot: int = SLOT) -> list[PageBuffer]:
+    return pool(n, seed=99, slot=slot)  # garbage, not zeros: a read must overwrite it all
+
+
+def payload(buf: PageBuffer) -> bytes:
+    return bytes(buf.view[: buf.nbytes - FRAME_OVERHEAD])
+
+
+def keys_for(n: int, tag: str = "t") -> list[str]:
+    return [f"{tag}/{i:016x}/kv" for i in range(n)]
+
+
+# -- FileStorage ------------------------------------------------------------------------------
+
+
+def test_chunked_batches_detect_corruption_per_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(file_mod, "_CHUNK_BYTES", 3 * SLOT)  # several chunks per call
+    fs = FileStorage(tmp_path)
+    keys, src = keys_for(10), pool(10, seed=1)
+    assert fs.put(keys, src) == [True] * 10
+    for i in (2, 7):
+        path = fs.path_of(keys[i])
+        data = bytearray(path.read_bytes())
+        data[-FRAME_OVERHEAD - 100] ^= 0x01  # one payload bit
+        path.write_bytes(bytes(data))
+    dst = empty(10)
+    got = fs.get_into(keys, dst)
+    assert got == [i not in (2, 7) for i in range(10)]
+    assert all(payload(dst[i]) == payload(src[i]) for i in range(10) if got[i])
+    assert fs.statistics().corrupt == 2
+    assert fs.exists(keys) == got  # corrupt pages were dropped
+
+
+def test_writes_leave_no_temporary_files(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    fs.put(keys_for(20), pool(20))
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert len(list(tmp_path.rglob("*.kv"))) == 20
+
+
+def test_second_writer_of_a_name_uses_a_temporary_file(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    fs.open()
+    [key] = keys_for(1)
+    name = fs.path_of(key).stem
+    fs._writing.add(name)  # another worker is writing this name in place
+    [src] = pool(1, seed=4)
+    assert fs.put([key], [src]) == [True]
+    fs._writing.discard(name)
+    assert not list(tmp_path.rglob("*.tmp"))
+    dst = empty(1)
+    assert fs.get_into([key], dst) == [True] and payload(dst[0]) == payload(src)
+
+
+def test_concurrent_puts_of_the_same_keys_store_valid_pages(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    keys = keys_for(40)
+
+    def work(w: int) -> list[bool]:
+        return fs.put(keys, pool(40, seed=w))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(work, range(4)))
+    assert all(all(r) for r in results)
+    st = fs.statistics()
+    assert st.put_ok + st.put_skipped == 4 * 40 and st.put_failed == 0
+    assert fs.get_into(keys, empty(40)) == [True] * 40
+    assert fs.statistics().corrupt == 0
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert fs.total_bytes() == sum(p.stat().st_size for p in tmp_path.rglob("*.kv"))
+
+
+def test_torn_file_after_a_crash_is_a_miss_and_is_deleted(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    keys = keys_for(3)
+    fs.put(keys, pool(3))
+    path = fs.path_of(keys[1])
+    with open(path, "r+b") as f:  # a crash in the middle of an in-place write
+        f.truncate(path.stat().st_size // 2)
+    fs.close()
+    again = FileStorage(tmp_path)
+    assert again.exists(keys) == [True] * 3  # indexed at open, like any file
+    assert again.get_into(keys, empty(3)) == [True, False, True]
+    assert again.statistics().corrupt == 1
+    assert not path.exists() and again.exists(keys) == [True, False, True]
+
+
+def test_longer_file_and_foreign_header_are_misses(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    keys = keys_for(3)
+    fs.put(keys, pool(3))
+    with open(fs.path_of(keys[0]), "ab") as f:
+        f.write(b"x")  # one byte too many: the slot would not be the stored object
+    other = fs.path_of(keys[1])
+    data = bytearray(other.read_bytes())
+    data[0:4] = b"XXXX"
+    other.write_bytes(bytes(data))
+    assert fs.get_into(keys, empty(3)) == [False, False, True]
+    assert fs.statistics().corrupt == 2
+
+
+def test_duplicate_keys_in_one_put(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    [a, b] = keys_for(2)
+    assert fs.put([a, b, a], pool(3, seed=2)) == [True, True, True]
+    st = fs.statistics()
+    assert (st.puts, st.put_ok, st.put_skipped, st.put_failed) == (3, 2, 1, 0)
+    assert len(list(tmp_path.rglob("*.kv"))) == 2
+
+
+def test_large_pages_round_trip(tmp_path: Path) -> None:
+    slot = (1 << 20) + FRAME_OVERHEAD  # bigger than a checksum block, several per chunk
+    fs = FileStorage(tmp_path)
+    keys, src = keys_for(6), pool(6, seed=3, slot=slot)
+    assert fs.put(keys, src) == [True] * 6
+    dst = empty(6, slot=slot)
+    assert fs.get_into(keys, dst) == [True] * 6
+    assert [payload(b) for b in dst] == [payload(b) for b in src]
+
+
+# -- MooncakeStorage (scripted client: the call sequence, not the store) ----------------------
+
+
+class Client:
+    """A stand-in for ``MooncakeDistributedStore`` that stores objects in a dict."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        self.calls.append(("exist", list(keys)))
+        return [int(k in self.objects) for k in keys]
+
+    def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        self.calls.append(("put", list(keys)))
+        for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
+            if key not in self.objects:  # Mooncake keeps the old value
+                self.objects[key] = _read(ptr, size)
+        return [0] * len(keys)
+
+    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        codes = []
+        for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
+            blob = self.objects.get(key)
+            if blob is None:
+                codes.append(-704)
+            elif len(blob) > size:
+                codes.append(-600)
+            else:
+                _write(ptr, blob)
+                codes.append(len(blob))
+        return codes
+
+    def batch_remove(self, keys: list[str], force: bool) -> list[int]:
+        return [0 if self.objects.pop(k, None) is not None else -704 for k in keys]
+
+
+_BUFFERS: dict[int, PageBuffer] = {}
+
+
+def _read(ptr: int, size: int) -> bytes:
+    return bytes(_BUFFERS[ptr].view[:size])
+
+
+def _write(ptr: int, blob: bytes) -> None:
+    _BUFFERS[ptr].view[: len(blob)] = blob
+
+
+def track(bufs: list[PageBuffer]) -> list[PageBuffer]:
+    for b in bufs:
+        _BUFFERS[b.ptr] = b
+    return bufs
+
+
+def scripted(client: Client) -> MooncakeStorage:
+    s = MooncakeStorage(master="127.0.0.1:1", no_space_retry_delay=0.0)
+    s._store = client
+    return s
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mooncake_put_overlaps_exist_with_seal(
+    overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = Client()
+    s = scripted(client)
+    if not overlap:
+        monkeypatch.setattr(s, "_submit", lambda *a: None)  # the inline path (closed helper)
+    keys = keys_for(6)
+    first = track(pool(6, seed=1))
+    assert s.put(keys[:2], first[:2]) == [True, True]
+    second = track(pool(6, seed=2))
+    assert s.put([*keys, keys[3]], [*second, second[0]]) == [True] * 7
+    assert client.calls[-1] == ("put", keys[2:])  # present keys and duplicates not re-sent
+    st = s.statistics()
+    assert (st.put_ok, st.put_skipped, st.bytes_written) == (6, 3, 6 * SLOT)
+    for i in range(2, 6):
+        assert verify(second[i], keys[i]) is Verdict.OK  # what was sent carries its trailer
+    dst = track(empty(6))
+    assert s.get_into(keys, dst) == [True] * 6
+    assert [payload(b) for b in dst[:2]] == [payload(b) for b in first[:2]]
+    assert [payload(b) for b in dst[2:]] == [payload(b) for b in second[2:6]]
+
+
+def test_mooncake_batch_corruption_is_per_key() -> None:
+    client = Client()
+    s = scripted(client)
+    keys = keys_for(5)
+    assert s.put(keys, track(pool(5, seed=3))) == [True] * 5
+    blob = bytearray(client.objects[keys[2]])
+    blob[10] ^= 0x04
+    client.objects[keys[2]] = bytes(blob)
+    client.objects[keys[4]] = client.objects[keys[4]][:-1]  # short object
+    got = s.get_into(keys, track(empty(5)))
+    assert got == [True, True, False, True, False]
+    assert s.statistics().corrupt == 2
+    assert keys[2] not in client.objects and keys[4] not in client.objects  # removed
+
+
+def test_mooncake_helper_stops_at_close() -> None:
+    client = Client()
+    client.close = lambda: None  # type: ignore[attr-defined]
+    client.unregister_buffer = lambda ptr: 0  # type: ignore[attr-defined]
+    s = scripted(client)
+    assert s.put(keys_for(1), track(pool(1))) == [True]
+    assert s._helper is not None
+    s.close()
+    assert s._helper is None and s._submit(len, []) is None
+    with pytest.raises(StorageUnavailableError):
+        s.put(keys_for(1), pool(1))
+
+
+# -- StorageIO workers ------------------------------------------------------------------------
+
+
+class ThreadsProbe:
+    """A backend method that reports torch's intra-op thread count on the worker."""
+
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+
+@pytest.mark.parametrize("threads", [1, None])
+def test_workers_cap_intra_op_threads(threads: int | None) -> None:
+    probe = ThreadsProbe()
+    before = torch.get_num_threads()
+
+    async def main() -> int:
+        io = StorageIO(FileStorage(os.devnull + ".unused"), workers=1, intra_op_threads=threads)
+        try:
+            got: int = await io.call("threads", probe.threads)
+            return got
+        finally:
+            await io.aclose()
+
+    got = asyncio.run(main())
+    if threads == 1:
+        assert got == 1
+    else:
+        assert got >= 1  # torch's default for a new thread
+    assert torch.get_num_threads() == before  # the caller's thread is untouched
+
+
+def test_intra_op_threads_must_be_positive() -> None:
+    with pytest.raises(ConfigError):
+        StorageIO(FileStorage("/nonexistent-unused"), intra_op_threads=0)
