@@ -5,6 +5,7 @@ it returns, the KV events and the error hierarchy in :mod:`aiocache_kv.errors`.
 """
 
 from aiocache_kv.cache import HiCache
+from aiocache_kv.components import Component, HitPolicy, Indexer, MambaState, SlidingWindow
 from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
 from aiocache_kv.distributed import AgreementError, SingleRank, TorchTPGroup, TPGroup
 from aiocache_kv.embedding import EmbeddingCache, InsertBatchStats
@@ -45,18 +46,22 @@ __all__ = [
     "CacheConfig",
     "CacheStatistics",
     "CapacityError",
+    "Component",
     "ConfigError",
     "EmbeddingCache",
     "FileStorage",
     "HandleError",
     "HiCache",
+    "HitPolicy",
     "HostMemoryError",
+    "Indexer",
     "InsertBatchStats",
     "InsertResult",
     "InvalidInputError",
     "InvalidTypeError",
     "KVCacheError",
     "KVEvent",
+    "MambaState",
     "MatchResult",
     "MooncakeStorage",
     "Namespace",
@@ -65,6 +70,7 @@ __all__ = [
     "PrefetchResult",
     "PrefetchStatus",
     "SingleRank",
+    "SlidingWindow",
     "StorageBackend",
     "StorageError",
     "StorageKeyError",

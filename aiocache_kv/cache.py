@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 import torch
 
+from aiocache_kv.components import usable_end
 from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
 from aiocache_kv.distributed import AckQueue, Request, Sequencer, SingleRank, TPGroup
 from aiocache_kv.errors import (
@@ -43,6 +44,7 @@ from aiocache_kv.pools import (
     available_host_bytes,
     host_slot_bytes,
 )
+from aiocache_kv.pools.sidecar import SidecarPools
 from aiocache_kv.stats import CacheStatistics, TierStatistics
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
 from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
@@ -156,6 +158,13 @@ class HiCache:
         self._dev_alloc: PageAllocator | None = None
         self._host_alloc: PageAllocator | None = None
         self._l3: StorageTier | None = None
+        self._sidecars: list[SidecarPools] = []
+        #: trailing-window components: (name, window pages)
+        self._trailing = [
+            (c.name, c.window_pages(config.page_size))
+            for c in config.components
+            if c.window_pages(config.page_size)
+        ]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -172,10 +181,13 @@ class HiCache:
         pin = self._device.type == "cuda" and torch.cuda.is_available()
         extra = FRAME_OVERHEAD if cfg.storage is not None else 0
         host_bytes = cfg.host_pages * host_slot_bytes(cfg.page_bytes, extra)
+        host_bytes += sum(
+            SidecarPools.host_bytes(c, cfg.host_pages, extra) for c in cfg.components
+        )  # every pool is admitted together
         available = await asyncio.to_thread(available_host_bytes)
         admit_host_bytes(host_bytes, cfg.host_memory_reserve_bytes, available)
 
-        def build() -> tuple[DeviceKVPool, HostKVPool | None]:
+        def build() -> tuple[DeviceKVPool, HostKVPool | None, list[SidecarPools]]:
             dev = DeviceKVPool(
                 cfg.device_pages,
                 cfg.num_layers,
@@ -197,9 +209,20 @@ class HiCache:
                 if cfg.host_pages
                 else None
             )
-            return dev, host
+            sidecars = [
+                SidecarPools(
+                    c,
+                    cfg.device_pages,
+                    cfg.host_pages,
+                    self._device,
+                    extra_bytes=extra,
+                    pin_memory=pin,
+                )
+                for c in cfg.components
+            ]
+            return dev, host, sidecars
 
-        self.device_pool, self.host_pool = await asyncio.to_thread(build)
+        self.device_pool, self.host_pool, self._sidecars = await asyncio.to_thread(build)
         self._dev_alloc = PageAllocator(cfg.device_pages, "device")
         self._host_alloc = PageAllocator(cfg.host_pages, "host") if cfg.host_pages else None
         self._loop = asyncio.get_running_loop()
@@ -454,7 +477,15 @@ class HiCache:
             off += k
         self._counters["load_back_started"] += 1
         self._submit(
-            op, CopyJob(Direction.H2D, self.device_pool.buffer, self.host_pool.pages, src, dst)
+            op,
+            CopyJob(
+                Direction.H2D,
+                self.device_pool.buffer,
+                self.host_pool.pages,
+                src,
+                dst,
+                self._sidecar_pairs(),
+            ),
         )
         return op
 
@@ -548,6 +579,49 @@ class HiCache:
             )
         assert self.device_pool is not None
         return self.device_pool.kv(layer)
+
+    def sidecar(self, name: str) -> torch.Tensor:
+        """Device buffer of sidecar component ``name``: ``[device_pages, *page_shape]``.
+
+        The model writes a page's sidecar state at the page ids of the slots ``alloc`` gave
+        (``slot // page_size``) and reads it at ``m.device_pages``.
+
+        Raises:
+            InvalidInputError: no component of that name.
+        """
+        self._check()
+        for sc in self._sidecars:
+            if sc.component.name == name:
+                buf: torch.Tensor = sc.device
+                return buf
+        names = [sc.component.name for sc in self._sidecars]
+        raise InvalidInputError(f"no sidecar component {name!r}; configured: {names}")
+
+    def _sidecar_pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        return tuple((sc.device, sc.host) for sc in self._sidecars)
+
+    def _usable_path(self, path: list[Node]) -> list[Node]:
+        """Cut ``path`` where every trailing-window component still has its whole window."""
+        if not self._trailing or not any(n.invalid for n in path):
+            return path
+        p = self.config.page_size
+        sizes = [len(n.key) // p for n in path]
+        total = sum(sizes)
+        trailing = []
+        for name, window in self._trailing:
+            valid: list[bool] = []
+            for node, k in zip(path, sizes, strict=True):
+                valid += [name not in node.invalid] * k
+            trailing.append((window, valid, 0))
+        end = usable_end(total, trailing, total)
+        out: list[Node] = []
+        acc = 0
+        for node, k in zip(path, sizes, strict=True):
+            if acc + k > end:
+                break
+            out.append(node)
+            acc += k
+        return out
 
     def insert(
         self,
@@ -696,7 +770,15 @@ class HiCache:
             off += k
         self._counters["write_through_started"] += 1
         self._submit(
-            op, CopyJob(Direction.D2H, self.device_pool.buffer, self.host_pool.pages, src, dst)
+            op,
+            CopyJob(
+                Direction.D2H,
+                self.device_pool.buffer,
+                self.host_pool.pages,
+                src,
+                dst,
+                self._sidecar_pairs(),
+            ),
         )
         return op
 

@@ -136,6 +136,15 @@ class CacheConfig:
                 )
             if self.host_pages == 0:
                 raise ConfigError("a storage tier needs host_pages > 0")
+        from aiocache_kv.components import Component
+
+        comps = tuple(self.components)
+        if not all(isinstance(c, Component) for c in comps):
+            raise ConfigError("components must be Component instances (SlidingWindow, ...)")
+        names = [c.name for c in comps]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"component names must be unique, got {names}")
+        object.__setattr__(self, "components", comps)
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"namespace must be a non-empty str, got {self.namespace!r}")
         policy = WritePolicy(self.write_policy)

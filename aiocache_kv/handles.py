@@ -49,7 +49,7 @@ class MatchResult(_Handle):
     __slots__ = ()
 
     def _split(self) -> tuple[list[Node], list[Node]]:
-        path = self._path()
+        path = self._cache._usable_path(self._path())
         i = 0
         while i < len(path) and path[i].device is RESIDENT:
             i += 1
@@ -60,8 +60,8 @@ class MatchResult(_Handle):
 
     @property
     def matched_len(self) -> int:
-        """Tokens matched in any tier."""
-        return sum(len(n.key) for n in self._path())
+        """Tokens matched in any tier (and usable for every component)."""
+        return sum(len(n.key) for n in self._cache._usable_path(self._path()))
 
     @property
     def device_len(self) -> int:

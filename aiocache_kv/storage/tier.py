@@ -27,12 +27,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 
+from aiocache_kv.components import HitPolicy, feasible_ends
 from aiocache_kv.config import PrefetchPolicy
 from aiocache_kv.distributed.acks import AckQueue
 from aiocache_kv.errors import KVCacheError
@@ -83,11 +84,13 @@ class PrefetchResult:
 class BackupOp:
     """A batch of nodes whose pages are being put to storage, in page order."""
 
-    __slots__ = ("error", "future", "results", "targets")
+    __slots__ = ("entry_pages", "error", "future", "results", "targets")
 
     def __init__(self, targets: list[Node], future: asyncio.Future[None]) -> None:
         self.targets = targets
         self.future = future  # set when the verdicts are applied to the tree
+        #: per stored key (KV and sidecars), the index of its page in the op's page order
+        self.entry_pages: list[int] = []
         self.results: list[bool] = []
         self.error: str | None = None
 
@@ -101,12 +104,15 @@ class _Prefetch:
     tokens: list[int]
     cached: int  #: tokens already in the tree (the anchor's path)
     anchor: Node
-    pages: torch.Tensor  #: reserved host pages, one per key
-    keys: list[str]
+    pages: torch.Tensor  #: reserved host pages (their slots in every pool)
+    keys: list[list[str]]  #: per pool, one key per page after ``cached``
     hashes: list[int]
     deadline: float
-    hits: int = 0  #: leading pages storage reported present
-    run: int = 0  #: leading pages that arrived intact (local)
+    #: per trailing component: pages before ``cached`` that count for its window, and how
+    #: many of those the tree holds (consecutive, ending at ``cached``)
+    before: list[tuple[int, int]] = field(default_factory=list)
+    hits: int = 0  #: leading pages present for the KV and every ALL_PAGES component
+    loaded: list[list[bool]] = field(default_factory=list)  #: per pool, page arrived intact
     committed: int = 0  #: pages attached to the tree
     error: str | None = None
     failed: bool = False
@@ -126,12 +132,21 @@ class StorageTier:
         self.io = StorageIO(
             backend, workers=cfg.storage_workers, default_timeout=cfg.storage_timeout
         )
-        self._buffers: list[PageBuffer] = []
+        #: per pool (KV first, then each sidecar component): one buffer view per host page
+        self._buffers: list[list[PageBuffer]] = []
         group = cache.tp_group
-        #: each tensor-parallel rank stores its own shard of a page under its own key
-        self._component = (
-            COMPONENT if group.world_size == 1 else f"{COMPONENT}-tp{group.rank}-{group.world_size}"
-        )
+        #: each tensor-parallel rank stores its own shard of a page under its own keys
+        shard = "" if group.world_size == 1 else f"-tp{group.rank}-{group.world_size}"
+        names = [COMPONENT, *(c.name for c in cache.config.components)]
+        self._suffixes = [name + shard for name in names]
+        self._component = self._suffixes[0]
+        page_size = cache.config.page_size
+        #: trailing-window components: (pool index, name, window pages)
+        self._trailing = [
+            (i + 1, c.name, c.window_pages(page_size))
+            for i, c in enumerate(cache.config.components)
+            if c.window_pages(page_size)
+        ]
         self._backups: dict[int, BackupOp] = {}
         self.acks: AckQueue[BackupOp] = AckQueue("backup", self._apply_backup)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -164,12 +179,16 @@ class StorageTier:
         pool = self._cache.host_pool
         assert pool is not None, "a storage tier needs a host pool"
         await self.io.open()
-        await self.io.register_buffer(pool.raw)
-        nbytes = pool.page_bytes + FRAME_OVERHEAD
-        raw = pool.raw
+        raws = [(pool.raw, pool.page_bytes)]
+        raws += [(sc.host_raw, sc.page_bytes) for sc in self._cache._sidecars]
+        for raw, _ in raws:
+            await self.io.register_buffer(raw)
 
-        def views() -> list[PageBuffer]:
-            return [PageBuffer.from_tensor(raw[i, :nbytes]) for i in range(raw.shape[0])]
+        def views() -> list[list[PageBuffer]]:
+            return [
+                [PageBuffer.from_tensor(raw[i, : nbytes + FRAME_OVERHEAD]) for i in range(len(raw))]
+                for raw, nbytes in raws
+            ]
 
         self._buffers = await asyncio.to_thread(views)
 
@@ -199,14 +218,19 @@ class StorageTier:
 
     # ------------------------------------------------------------------ keys
 
-    def _keys(self, ns: Namespace, hashes: list[int]) -> list[str]:
+    def _keys(self, ns: Namespace, hashes: list[int], pool: int = 0) -> list[str]:
         tag = ns.tag
-        component = self._component
-        return [storage_key(tag, h, component) for h in hashes]
+        suffix = self._suffixes[pool]
+        return [storage_key(tag, h, suffix) for h in hashes]
 
-    def _bufs(self, pages: torch.Tensor) -> list[PageBuffer]:
-        b = self._buffers
+    def _bufs(self, pages: torch.Tensor, pool: int = 0) -> list[PageBuffer]:
+        b = self._buffers[pool]
         return [b[i] for i in pages.tolist()]
+
+    @property
+    def pools(self) -> int:
+        """KV plus sidecar components."""
+        return len(self._suffixes)
 
     # ------------------------------------------------------------------ backup
 
@@ -230,13 +254,20 @@ class StorageTier:
         assert loop is not None
         op = BackupOp(todo, loop.create_future())
         keys: list[str] = []
-        host: list[torch.Tensor] = []
+        bufs: list[PageBuffer] = []
+        base = 0
         for node in todo:
-            keys += self._keys(node.ns, tree.block_hashes(node))
+            hashes = tree.block_hashes(node)
             assert node.host_pages is not None
-            host.append(node.host_pages)
+            k = len(hashes)
+            for pool in range(self.pools):
+                if pool and cache.config.components[pool - 1].name in node.invalid:
+                    continue  # never store a page this node does not have
+                keys += self._keys(node.ns, hashes, pool)
+                bufs += self._bufs(node.host_pages, pool)
+                op.entry_pages += range(base, base + k)
+            base += k
             tree.begin_backup(node, op)
-        bufs = self._bufs(torch.cat(host))
         self._backups[id(op)] = op
         if cache._deferred:
             self.acks.push(op, loop)
@@ -276,27 +307,31 @@ class StorageTier:
         del self._backups[id(op)]
         cache = self._cache
         tree = cache._tree
-        results = op.results if ok else [False] * len(op.results)
         p = cache.config.page_size
+        pages = sum(len(node.key) for node in op.targets) // p
+        page_ok = [ok] * pages  # a page is stored when every pool's key for it is
+        for j, good in zip(op.entry_pages, op.results, strict=True):
+            if not good:
+                page_ok[j] = False
         i = 0
         ok_pages = 0
-        for node in op.targets:
+        for node in op.targets:  # split heads were inserted in path order: pages line up
             k = len(node.key) // p
-            node_ok = all(results[i : i + k])
+            node_ok = all(page_ok[i : i + k])
             i += k
             tree.end_backup(node, node_ok)
             if node_ok:
                 ok_pages += k
                 if cache._events.enabled:
                     cache._emit_stored(node, Tier.STORAGE)
-        assert i == len(results), f"backup results {len(results)} != target pages {i}"
-        failed = len(results) - ok_pages
+        assert i == pages, f"backup covers {pages} pages but targets {i}"
+        failed = pages - ok_pages
         self.counters["backup_pages_ok"] += ok_pages
         self.counters["backup_pages_failed"] += failed
         if failed:
             self.counters["storage_errors"] += 1
             self._retry_after = time.monotonic() + cache.config.storage_retry_seconds
-            log.warning("backup_incomplete", pages=len(results), failed=failed, error=op.error)
+            log.warning("backup_incomplete", pages=pages, failed=failed, error=op.error)
         if not op.future.done():
             op.future.set_result(None)
 
@@ -313,7 +348,7 @@ class StorageTier:
         """Bring the storage-resident continuation of ``tokens[:n]`` into the host tier.
 
         Everything that shapes the tree happens synchronously here (pin, host reservation)
-        or when the agreed run is committed, never at a moment chosen by I/O timing.
+        or when the agreed end is committed, never at a moment chosen by I/O timing.
         """
         cache = self._cache
         cfg = cache.config
@@ -349,29 +384,45 @@ class StorageTier:
             cached=cached,
             anchor=anchor,
             pages=pages,
-            keys=self._keys(ns, hashes),
+            keys=[self._keys(ns, hashes, pool) for pool in range(self.pools)],
             hashes=hashes,
             deadline=time.monotonic() + timeout,
+            before=self._valid_before(anchor, cached // p),
         )
         self.reserved[job.rid] = pages
         loop = asyncio.get_running_loop()
         if cache._deferred:
             # the reads run in their own task: the other ranks need this rank's answer even
-            # if the caller goes away; the agreed run is committed in ticket order
+            # if the caller goes away; the agreed end is committed in ticket order
             work = loop.create_task(self._fetch(job))
             self._track(work)
 
             async def ready() -> None:
                 await asyncio.wait([work])
-                await self.io.wait_released(self._bufs(job.pages))
+                for pool in range(self.pools):
+                    await self.io.wait_released(self._bufs(job.pages, pool))
+
+            width = (n - cached) // p  # the same on every rank: the tree shapes agree
+
+            def pad(flags: list[bool]) -> list[int]:
+                return [int(f) for f in flags] + [0] * (width - len(flags))
+
+            def pack() -> list[int]:
+                vec = [job.hits, int(not job.failed), *pad(self._feasible(job))]
+                for pool, _, _ in self._trailing:  # which sidecar pages every rank holds
+                    vec += pad(job.loaded[pool] if job.loaded else [])
+                return vec
 
             def apply(agreed: list[int]) -> None:
-                job.hits, job.failed = agreed[1], agreed[2] == 0  # report what all ranks had
-                self._finish(job, agreed[0])
+                job.hits, job.failed = agreed[0], agreed[1] == 0  # what every rank had
+                end = max((e + 1 for e, f in enumerate(agreed[2 : 2 + width]) if f), default=0)
+                for k, (pool, _, _) in enumerate(self._trailing):
+                    held = agreed[2 + width * (k + 1) : 2 + width * (k + 2)]
+                    job.loaded[pool] = [bool(f) for f in held[: len(job.loaded[pool])]]
+                self._finish(job, end)
 
-            req = cache.agreement(
-                ready, width=3, pack=lambda: [job.run, job.hits, int(not job.failed)], apply=apply
-            )
+            extra = 2 + width * (1 + len(self._trailing))
+            req = cache.agreement(ready, width=extra, pack=pack, apply=apply)
             if policy is PrefetchPolicy.BEST_EFFORT:
                 return PrefetchResult(PrefetchStatus.BACKGROUND, cached, 0, 0)
             assert cache._seq is not None
@@ -383,6 +434,39 @@ class StorageTier:
         await self._fetch_and_finish(job)
         return self._result(job)
 
+    def _valid_before(self, anchor: Node, cached_pages: int) -> list[tuple[int, int]]:
+        """Per trailing component: (pages before the prefetch that its window may need,
+        how many of those the tree's path holds, consecutive up to the anchor)."""
+        out = []
+        path = self._cache._tree.path(anchor)
+        p = self._cache.config.page_size
+        for _, name, window in self._trailing:
+            need = min(window, cached_pages)
+            have = 0
+            for node in reversed(path):
+                if have >= need or name in node.invalid:
+                    break
+                have += len(node.key) // p
+            out.append((need, min(have, need)))
+        return out
+
+    def _feasible(self, job: _Prefetch) -> list[bool]:
+        """Per end (pages after ``cached``): could this rank commit a prefix ending there?"""
+        if not job.loaded:
+            return []
+        limit = len(job.loaded[0])
+        all_pools = [0] + [
+            i + 1
+            for i, c in enumerate(self._cache.config.components)
+            if not c.window_pages(self._cache.config.page_size)
+        ]
+        all_run = min(leading_run(job.loaded[i]) for i in all_pools)
+        trailing = []
+        for (pool, _, window), (need, have) in zip(self._trailing, job.before, strict=True):
+            valid = [False] * (need - have) + [True] * have + job.loaded[pool]
+            trailing.append((window, valid, need))
+        return feasible_ends(all_run, trailing, limit)
+
     def _track(self, task: asyncio.Task[Any]) -> None:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -391,7 +475,8 @@ class StorageTier:
         try:
             await self._fetch(job)
         finally:  # cancelled too: commit what is known good, free the rest when released
-            self._finish(job, job.run)
+            flags = self._feasible(job)
+            self._finish(job, max((e + 1 for e, f in enumerate(flags) if f), default=0))
 
     def _result(self, job: _Prefetch) -> PrefetchResult:
         p = self._cache.config.page_size
@@ -406,76 +491,129 @@ class StorageTier:
         return PrefetchResult(status, job.cached, job.hits * p, job.committed * p, job.error)
 
     async def _fetch(self, job: _Prefetch) -> None:
-        """Ask storage for the leading present keys, read them in chunks until the deadline;
-        record the leading run that arrived intact in ``job.run`` (no tree change)."""
+        """One existence check over every pool's keys, then chunked reads until the deadline;
+        record per pool which pages arrived intact (no tree change)."""
+        pools = self.pools
+        total = len(job.keys[0])
+        fits = job.pages.numel()  # pages reserved: at most half the host pool in flight
+        job.loaded = [[False] * fits for _ in range(pools)]
         timeout = max(job.deadline - time.monotonic(), 0.001)
+        flat = [k for keys in job.keys for k in keys]
         try:
-            job.hits = await self.io.leading_hits(job.keys, timeout=timeout)
+            present = await self.io.exists(flat, timeout=timeout)
         except KVCacheError as exc:
             self.counters["storage_errors"] += 1
             job.failed, job.error = True, repr(exc)
             log.warning("prefetch_exists_failed", error=job.error)
             return
+        by_pool = [present[i * total : (i + 1) * total] for i in range(pools)]
+        comps = self._cache.config.components
+        all_pools = [0] + [
+            i + 1 for i, c in enumerate(comps) if c.hit_policy is HitPolicy.ALL_PAGES
+        ]
+        job.hits = min(leading_run(by_pool[i]) for i in all_pools)
         self.counters["prefetch_storage_hit_tokens"] += job.hits * self._cache.config.page_size
+        # what to read: the leading run for KV/ALL pools, present pages inside it for the rest
+        plan: list[tuple[int, int]] = [
+            (pool, j)
+            for pool in range(pools)
+            for j in range(min(job.hits, fits))
+            if by_pool[pool][j]
+        ]
         chunk = self._cache.config.prefetch_batch_pages
-        bufs = self._bufs(job.pages)
-        load = min(job.hits, len(bufs))
-        tasks: list[asyncio.Task[list[bool]]] = []
+        tasks: list[tuple[list[tuple[int, int]], asyncio.Task[list[bool]]]] = []
         try:
-            for a in range(0, load, chunk):
-                b = min(a + chunk, load)
+            for a in range(0, len(plan), chunk):
+                part = plan[a : a + chunk]
+                keys = [job.keys[pool][j] for pool, j in part]
+                bufs = [self._buffers[pool][int(job.pages[j])] for pool, j in part]
                 remaining = max(job.deadline - time.monotonic(), 0.001)
-                coro = self.io.get_into(job.keys[a:b], bufs[a:b], timeout=remaining)
-                tasks.append(asyncio.ensure_future(coro))
+                task = asyncio.ensure_future(self.io.get_into(keys, bufs, timeout=remaining))
+                tasks.append((part, task))
             if tasks:
-                await asyncio.wait(tasks, timeout=max(job.deadline - time.monotonic(), 0.0))
-            for t in tasks:
+                await asyncio.wait(
+                    [t for _, t in tasks], timeout=max(job.deadline - time.monotonic(), 0.0)
+                )
+            for part, t in tasks:
                 if not t.done() or t.cancelled():
-                    break
+                    continue
                 failure = t.exception()
                 if failure is not None:
                     self.counters["storage_errors"] += 1
                     job.failed, job.error = True, repr(failure)
-                    break
-                flags = t.result()
-                good = leading_run(flags)
-                job.run += good
-                if good < len(flags):
-                    break
+                    continue
+                for (pool, j), good in zip(part, t.result(), strict=True):
+                    job.loaded[pool][j] = good
         finally:
-            for t in tasks:
+            for _, t in tasks:
                 if not t.done():
                     t.cancel()
                 elif not t.cancelled():
                     t.exception()  # retrieved: counted above
 
-    def _finish(self, job: _Prefetch, run: int) -> None:
-        """Commit the first ``run`` pages (agreed across ranks), unpin, free the rest."""
+    def _finish(self, job: _Prefetch, end: int) -> None:
+        """Commit the first ``end`` pages (agreed across ranks), unpin, free the rest."""
         try:
-            job.committed = self._commit(job, min(run, job.run))
+            job.committed = self._commit(job, end)
         finally:
             self._cache._tree.unpin(job.anchor)
-            self._release_later(job.rid, self._bufs(job.pages))
+            bufs = [b for pool in range(self.pools) for b in self._bufs(job.pages, pool)]
+            self._release_later(job.rid, bufs)
 
-    def _commit(self, job: _Prefetch, run: int) -> int:
-        """Attach the first ``run`` loaded pages below the cached prefix; return pages used."""
-        if run == 0:
+    def _commit(self, job: _Prefetch, end: int) -> int:
+        """Attach the first ``end`` loaded pages below the cached prefix; return pages used.
+
+        A trailing component's pages that did not arrive make the nodes that lack them
+        ``invalid`` for it (split where that changes), so no prefix ends inside its window.
+        """
+        if end == 0:
             return 0
         cache = self._cache
         tree = cache._tree
         p = cache.config.page_size
-        end = job.cached + run * p
-        new = tree.attach_host_only(job.ns, job.tokens, end, job.cached, job.pages[:run])
+        new = tree.attach_host_only(
+            job.ns, job.tokens, job.cached + end * p, job.cached, job.pages[:end]
+        )
         used = sum(len(n.key) for n in new) // p
-        if new:  # the tail of pages[:run] now belongs to the tree
-            first = run - used
-            self.reserved[job.rid] = torch.cat([job.pages[:first], job.pages[run:]])
+        if new:  # the tail of pages[:end] now belongs to the tree
+            first = end - used
+            self.reserved[job.rid] = torch.cat([job.pages[:first], job.pages[end:]])
             (node,) = new
-            node.hashes = job.hashes[first:run]
-            if cache._events.enabled:
-                cache._emit_stored(node, Tier.HOST)
+            node.hashes = job.hashes[first:end]
+            pieces = self._segments(node, first, end, job)
+            for piece, lo, hi in pieces:
+                piece.invalid = frozenset(
+                    name for pool, name, _ in self._trailing if not all(job.loaded[pool][lo:hi])
+                )
+                if cache._events.enabled:
+                    cache._emit_stored(piece, Tier.HOST)
         self.counters["prefetch_hit_tokens"] += used * p
         return used
+
+    def _segments(
+        self, node: Node, first: int, end: int, job: _Prefetch
+    ) -> list[tuple[Node, int, int]]:
+        """Split ``node`` (pages ``first..end`` of the prefetch) where any trailing
+        component's loaded flags change; return ``(piece, lo, hi)`` root-most first."""
+        cuts = sorted(
+            {
+                j
+                for pool, _, _ in self._trailing
+                for j in range(first + 1, end)
+                if job.loaded[pool][j] != job.loaded[pool][j - 1]
+            }
+        )
+        tree = self._cache._tree
+        p = self._cache.config.page_size
+        pieces: list[tuple[Node, int, int]] = []
+        lo = first
+        tail = node
+        for cut in cuts:
+            head = tree._split(tail, (cut - lo) * p)
+            pieces.append((head, lo, cut))
+            lo = cut
+        pieces.append((tail, lo, end))
+        return pieces
 
     def _release_later(self, rid: int, bufs: list[PageBuffer]) -> None:
         """Free the prefetch's leftover host pages once no worker holds their buffers."""

@@ -61,3 +61,17 @@ def host_to_device(
             host[s : s + r].permute(1, 2, 0, 3), non_blocking=non_blocking
         )
     return src.numel() * host[0].numel() * host.element_size()
+
+
+def copy_page_first(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    *,
+    non_blocking: bool = False,
+) -> int:
+    """Copy pages between two page-first buffers (sidecars); return bytes copied."""
+    for s, d, r in page_runs(src_pages, dst_pages):
+        dst[d : d + r].copy_(src[s : s + r], non_blocking=non_blocking)
+    return src_pages.numel() * src[0].numel() * src.element_size()

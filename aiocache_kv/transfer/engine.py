@@ -23,7 +23,7 @@ from typing import Protocol
 import structlog
 import torch
 
-from aiocache_kv.transfer.copy import device_to_host, host_to_device
+from aiocache_kv.transfer.copy import copy_page_first, device_to_host, host_to_device
 
 log = structlog.get_logger(__name__)
 
@@ -46,18 +46,27 @@ class CopyJob:
     host: torch.Tensor  #: ``[pages, layers, 2, elems]``
     src: torch.Tensor
     dst: torch.Tensor
+    #: sidecar components: ``(device buffer, host buffer)`` pairs, both page-first
+    sidecars: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     @property
     def nbytes(self) -> int:
         """Bytes this job moves."""
-        return self.src.numel() * self.host[0].numel() * self.host.element_size()
+        per_page = self.host[0].numel() * self.host.element_size()
+        per_page += sum(h[0].numel() * h.element_size() for _, h in self.sidecars)
+        return self.src.numel() * per_page
 
     def run(self, *, non_blocking: bool = False) -> None:
         """Do the copy on the calling thread (or enqueue it on the current CUDA stream)."""
+        nb = non_blocking
         if self.direction is Direction.D2H:
-            device_to_host(self.device, self.host, self.src, self.dst, non_blocking=non_blocking)
+            device_to_host(self.device, self.host, self.src, self.dst, non_blocking=nb)
+            for dev, host in self.sidecars:
+                copy_page_first(dev, host, self.src, self.dst, non_blocking=nb)
         else:
-            host_to_device(self.host, self.device, self.src, self.dst, non_blocking=non_blocking)
+            host_to_device(self.host, self.device, self.src, self.dst, non_blocking=nb)
+            for dev, host in self.sidecars:
+                copy_page_first(host, dev, self.src, self.dst, non_blocking=nb)
 
 
 class CopyEngine(Protocol):

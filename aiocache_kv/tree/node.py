@@ -55,6 +55,7 @@ class Node:
         "hit_count",
         "host",
         "host_pages",
+        "invalid",
         "key",
         "last_access",
         "n_dev_children",
@@ -82,6 +83,9 @@ class Node:
         self.op: Any = None  # the in-flight device<->host transfer touching this node
         self.storage = ABSENT  # presence in L3 as far as this cache wrote or read it
         self.backup: Any = None  # the in-flight host->storage backup reading this node
+        #: trailing-window components whose pages this node lacks (it came from storage
+        #: without them); a prefix may not end where such a page is inside the window
+        self.invalid: frozenset[str] = frozenset()
         self.alive = True
 
     @property

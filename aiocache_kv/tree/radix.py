@@ -252,6 +252,7 @@ class RadixTree:
         head.device = child.device
         head.host = child.host
         head.storage = child.storage
+        head.invalid = child.invalid
         head.pins = child.pins
         head.last_access = child.last_access
         head.hit_count = child.hit_count

@@ -28,7 +28,7 @@ def free_port() -> int:
         return port
 
 
-async def run_ranks(world: int, tmp: Path) -> list[dict[str, Any]]:
+async def run_ranks(world: int, tmp: Path, *extra: str) -> list[dict[str, Any]]:
     port = free_port()
     procs = [
         await asyncio.create_subprocess_exec(
@@ -43,6 +43,7 @@ async def run_ranks(world: int, tmp: Path) -> list[dict[str, Any]]:
             str(port),
             "--dir",
             str(tmp),
+            *extra,
             cwd=str(ROOT),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -55,6 +56,7 @@ async def run_ranks(world: int, tmp: Path) -> list[dict[str, Any]]:
     except TimeoutError:
         for p in procs:
             p.kill()
+            await p.wait()
         raise AssertionError(f"TP ranks did not finish in {TIMEOUT}s: deadlock?") from None
     results = []
     for p, (out, err) in zip(procs, outs, strict=True):
@@ -62,6 +64,31 @@ async def run_ranks(world: int, tmp: Path) -> list[dict[str, Any]]:
         assert p.returncode == 0 and lines, f"rank failed ({p.returncode}): {err.decode()[-3000:]}"
         results.append(json.loads(lines[-1][len("RESULT ") :]))
     return results
+
+
+KEYS = ("prefetch", "match_after_prefetch", "short_match", "after_load", "miss", "second_load")
+
+
+def assert_identical(results: list[dict[str, Any]]) -> None:
+    first = results[0]
+    for r in results[1:]:
+        for key in KEYS:
+            assert r[key] == first[key], (key, r["rank"], r[key], first[key])
+        assert r["shape"] == first["shape"], f"rank {r['rank']} tree differs"
+        assert r["events"] == first["events"], f"rank {r['rank']} events differ"
+        assert r["stats"] == first["stats"]
+        assert r["collectives"] == first["collectives"]
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+async def test_hybrid_ranks_agree_on_sidecar_windows(tmp_path: Path) -> None:
+    results = await run_ranks(4, tmp_path, "--hybrid")
+    assert_identical(results)
+    first = results[0]
+    assert first["prefetch"][1] == 32  # the window at the end is whole on every rank
+    # ranks 1-3 lack SWA pages 13, 11, 9: with a 2-page window, a 14-page prompt can only
+    # end at page 9 - on every rank, because the holes are agreed
+    assert first["short_match"] == 2 * 9
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
@@ -73,7 +100,7 @@ async def test_ranks_agree_on_everything(world: int, tmp_path: Path) -> None:
     least = 16 - 3 * (world - 1)
     assert first["prefetch"][1] == least * 2
     for r in results[1:]:
-        for key in ("prefetch", "match_after_prefetch", "after_load", "miss", "second_load"):
+        for key in KEYS:
             assert r[key] == first[key], (key, r["rank"], r[key], first[key])
         assert r["shape"] == first["shape"], f"rank {r['rank']} tree differs"
         assert r["events"] == first["events"], f"rank {r['rank']} events differ"

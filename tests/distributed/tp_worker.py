@@ -28,8 +28,17 @@ PAGE = 2
 PROMPT = [(7 * i) % 97 + 1 for i in range(32)]  # 16 pages
 
 
-def config(storage: akv.FileStorage, **kw: Any) -> akv.CacheConfig:
+COMPONENTS = (
+    akv.SlidingWindow(
+        4, num_layers=1, num_kv_heads=1, head_dim=4, page_size=PAGE, dtype=torch.float32
+    ),
+    akv.MambaState((3,), page_size=PAGE),
+)
+
+
+def config(storage: akv.FileStorage, hybrid: bool = False, **kw: Any) -> akv.CacheConfig:
     opts: dict[str, Any] = dict(
+        components=COMPONENTS if hybrid else (),
         page_size=PAGE,
         num_layers=2,
         num_kv_heads=2,
@@ -55,13 +64,22 @@ def fill(cache: akv.HiCache, slots: torch.Tensor, seed: int) -> None:
             buf[slots] = torch.randn((slots.numel(), *buf.shape[1:]), generator=g)
 
 
-async def seed_storage(root: Path, rank: int, world: int, keep: int) -> None:
-    """Write PROMPT to this rank's store under its TP-shard keys, keep the first ``keep``."""
+async def seed_storage(
+    root: Path, rank: int, world: int, keep: int, hybrid: bool, swa_hole: int | None
+) -> None:
+    """Write PROMPT to this rank's store under its TP-shard keys, keep the first ``keep``
+    KV pages, and (hybrid) drop SWA page ``swa_hole``."""
     store = akv.FileStorage(root)
     component = f"kv-tp{rank}-{world}"
-    async with akv.HiCache(config(store)) as cache:
+    async with akv.HiCache(config(store, hybrid)) as cache:
         assert cache._l3 is not None
-        cache._l3._component = component  # write as rank `rank` of `world` would
+        # write as rank `rank` of `world` would
+        names = ("kv", "swa", "mamba")[: cache._l3.pools]
+        cache._l3._suffixes = [f"{n}-tp{rank}-{world}" for n in names]
+        if hybrid:
+            for comp in COMPONENTS:
+                buf = cache.sidecar(comp.name)
+                buf.copy_(torch.arange(buf.numel(), dtype=buf.dtype).view(buf.shape))
         slots = cache.alloc(len(PROMPT))
         fill(cache, slots, seed=99)
         cache.release(cache.insert(PROMPT, slots))
@@ -69,6 +87,8 @@ async def seed_storage(root: Path, rank: int, world: int, keep: int) -> None:
     ns = akv.Namespace("default")
     hashes = chain_hashes(namespace_seed(ns.tag), PROMPT, PAGE)
     drop = [storage_key(ns.tag, h, component) for h in hashes[keep:]]
+    if swa_hole is not None:
+        drop.append(storage_key(ns.tag, hashes[swa_hole], f"swa-tp{rank}-{world}"))
     fresh = akv.FileStorage(root)  # the cache closed the first handle
     removed = await asyncio.to_thread(fresh.remove, drop)
     assert all(removed), removed
@@ -88,8 +108,11 @@ def describe(ev: akv.KVEvent) -> list[Any]:
 async def serve(args: argparse.Namespace) -> dict[str, Any]:
     rank, world = args.rank, args.world
     root = Path(args.dir) / f"rank{rank}"
-    keep = 16 - 3 * rank  # every rank's store holds a different number of pages
-    await seed_storage(root, rank, world, keep)
+    if args.hybrid:  # same KV everywhere, a SWA hole at a different page on every rank
+        keep, hole = 16, (None if rank == 0 else 15 - 2 * rank)
+    else:  # every rank's store holds a different number of pages
+        keep, hole = 16 - 3 * rank, None
+    await seed_storage(root, rank, world, keep, args.hybrid, hole)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{args.port}",
@@ -100,12 +123,15 @@ async def serve(args: argparse.Namespace) -> dict[str, Any]:
     group = akv.TorchTPGroup()
     out: dict[str, Any] = {"rank": rank}
     engine = RandomDelayEngine(seed=1000 + rank, max_delay=0.03)
-    cfg = config(akv.FileStorage(root))
+    cfg = config(akv.FileStorage(root), args.hybrid)
     async with akv.HiCache(cfg, copy_engine=engine, tp_group=group) as cache:
         res = await cache.prefetch(PROMPT)
         out["prefetch"] = [res.status.value, res.hit_tokens]
         m = cache.match_prefix(PROMPT)
         out["match_after_prefetch"] = [m.device_len, m.host_len]
+        short = cache.match_prefix(PROMPT[:28])  # ends where a rank may have a SWA hole
+        out["short_match"] = short.matched_len
+        cache.release(short)
         await cache.load_back(m)
         out["after_load"] = [m.device_len, m.host_len]
         cache.release(m)
@@ -154,6 +180,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--dir", required=True)
+    ap.add_argument("--hybrid", action="store_true")
     args = ap.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     result = asyncio.run(serve(args))

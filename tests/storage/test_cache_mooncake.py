@@ -157,7 +157,9 @@ async def test_master_hung_is_bounded_and_loop_stays_live(fault_master: MasterPr
             res = await cache.prefetch(prompt())
             waited = time.perf_counter() - t0
             tick.cancel()
-            assert res.status is PrefetchStatus.FAILED and res.hit_tokens == 0
+            # a stalled master answers nothing in time (FAILED) or "absent" (MISS): no hits
+            assert res.status in (PrefetchStatus.FAILED, PrefetchStatus.MISS)
+            assert res.hit_tokens == 0
             assert waited < cfg.prefetch_timeout_max + 1.0
             assert lags and max(lags) < 0.5, f"loop blocked: max lag {max(lags):.3f}s"
         finally:
