@@ -126,7 +126,11 @@ class HiCache:
         self._writes: AckQueue[TransferOp] = AckQueue("write", self._apply_op)
         self._loads: AckQueue[TransferOp] = AckQueue("load", self._apply_op)
         self._device = torch.device(config.device)
-        self._engine = copy_engine if copy_engine is not None else default_engine(self._device)
+        self._engine = (
+            copy_engine
+            if copy_engine is not None
+            else default_engine(self._device, config.copy_threads)
+        )
         self._state = CacheState.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
         self._owner: int | None = None

@@ -54,6 +54,8 @@ class CacheConfig:
     enable_kv_events: bool = True
     host_memory_reserve_bytes: int = 10 * GiB
     components: tuple[Any, ...] = field(default_factory=tuple)
+    #: CPU copy worker: torch intra-op threads (None: torch's default; 1 favours loop latency)
+    copy_threads: int | None = None
     #: storage tier: worker threads, per-call deadline (s), back-off after a failed backup (s)
     storage_workers: int = 2
     storage_timeout: float = 5.0
@@ -105,6 +107,12 @@ class CacheConfig:
                 f"prefetch_policy must be one of {[p.value for p in PrefetchPolicy]}, "
                 f"got {self.prefetch_policy!r}"
             ) from None
+        if self.copy_threads is not None and (
+            type(self.copy_threads) is not int or self.copy_threads < 1
+        ):
+            raise ConfigError(
+                f"copy_threads must be None or an int >= 1, got {self.copy_threads!r}"
+            )
         for name in ("storage_workers", "prefetch_batch_pages"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
