@@ -106,8 +106,16 @@ class LoopbackMaster:
         """The HTTP metadata server URL (``MooncakeStorage(metadata_server=...)``)."""
         return f"http://{LOOPBACK}:{self.http}/metadata"
 
-    def start(self, timeout: float = 30.0) -> None:
+    @property
+    def pid(self) -> int:
+        """The master's pid (the ``mooncake_master`` script ``exec``s the binary)."""
+        assert self.proc is not None, "master not started"
+        return self.proc.pid
+
+    def start(self, timeout: float = 30.0, *, same_ports: bool = False) -> None:
         """Start the master and wait until it serves RPC and ``/health``.
+
+        ``same_ports`` restarts it where it was (clients reconnect on their own).
 
         Raises:
             MooncakeNotInstalledError: no ``mooncake_master`` binary.
@@ -118,7 +126,8 @@ class LoopbackMaster:
         if self.logdir is None:
             self.logdir = Path(tempfile.mkdtemp(prefix="aiocache-kv-mooncake-"))
         for _ in range(3):  # a free port can be taken before the master binds it
-            self.rpc, self.http, self.metrics = _free_port(), _free_port(), _free_port()
+            if not same_ports:
+                self.rpc, self.http, self.metrics = _free_port(), _free_port(), _free_port()
             with open(self.logdir / f"master-{self.rpc}.log", "ab") as logf:
                 self.proc = subprocess.Popen(
                     [
@@ -138,7 +147,9 @@ class LoopbackMaster:
                 )
             if self._ready(timeout):
                 return
-            self._kill()
+            self.kill()
+            if same_ports:
+                time.sleep(0.5)  # the old sockets may linger briefly
         raise StorageUnavailableError(f"mooncake_master did not start; see logs in {self.logdir}")
 
     def _ready(self, timeout: float) -> bool:
@@ -156,10 +167,19 @@ class LoopbackMaster:
             time.sleep(0.05)
         return False
 
-    def _kill(self) -> None:
+    def kill(self) -> None:
+        """SIGKILL (fault injection): the master's state is lost."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def stop(self) -> None:
+        """SIGSTOP (a hung master)."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def cont(self) -> None:
+        """SIGCONT after :meth:`stop`."""
+        os.kill(self.pid, signal.SIGCONT)
 
     def terminate(self) -> None:
         """SIGTERM (exits in ~1 s), SIGKILL after 10 s; removes a log dir it created."""

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from aiocache_kv.bench.mooncake_master import LoopbackMaster
 
 LOOPBACK = "127.0.0.1"
 RPC_TIMEOUT_MS = 1500
@@ -57,92 +55,12 @@ def free_port() -> int:
         return port
 
 
-class MasterProc:
-    """A ``mooncake_master`` child bound to 127.0.0.1 that can be killed, stopped, restarted."""
+class MasterProc(LoopbackMaster):
+    """The package's loopback master, with a test-owned log directory."""
 
     def __init__(self, exe: str, logdir: Path) -> None:
-        self.exe = exe
-        self.logdir = logdir
-        self.rpc = self.http = self.metrics = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def rpc_addr(self) -> str:
-        return f"{LOOPBACK}:{self.rpc}"
-
-    @property
-    def metadata_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.http}/metadata"
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None, "master not started"
-        return self.proc.pid
-
-    def start(self, *, same_ports: bool = False) -> None:
-        for _ in range(3):  # a free port can be taken before the master binds it
-            if not same_ports:
-                self.rpc, self.http, self.metrics = free_port(), free_port(), free_port()
-            with open(self.logdir / f"master-{self.rpc}.log", "ab") as logf:
-                self.proc = subprocess.Popen(
-                    [
-                        self.exe,
-                        f"--rpc_address={LOOPBACK}",
-                        f"--rpc_port={self.rpc}",
-                        "--enable_http_metadata_server=true",
-                        f"--http_metadata_server_host={LOOPBACK}",
-                        f"--http_metadata_server_port={self.http}",
-                        f"--metrics_host={LOOPBACK}",
-                        f"--metrics_port={self.metrics}",
-                        "--enable_metric_reporting=false",
-                    ],
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            if self._ready():
-                return
-            self.kill()
-            if same_ports:
-                time.sleep(0.5)  # the old sockets may linger briefly
-        pytest.fail(f"mooncake_master did not start, see {self.logdir}")
-
-    def _ready(self, timeout: float = 30.0) -> bool:
-        assert self.proc is not None
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and self.proc.poll() is None:
-            try:
-                socket.create_connection((LOOPBACK, self.rpc), timeout=0.2).close()
-                url = f"http://{LOOPBACK}:{self.http}/health"
-                with urllib.request.urlopen(url, timeout=0.5) as r:
-                    if r.status == 200:
-                        return True
-            except OSError:
-                pass
-            time.sleep(0.05)
-        return False
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> None:
-        os.kill(self.pid, signal.SIGSTOP)
-
-    def cont(self) -> None:
-        os.kill(self.pid, signal.SIGCONT)
-
-    def terminate(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.kill(self.pid, signal.SIGCONT)  # a stopped master cannot handle SIGTERM
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        del exe  # located again by start(); kept for the fixtures' call shape
+        super().__init__(logdir)
 
 
 @pytest.fixture(scope="session")
