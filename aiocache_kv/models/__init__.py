@@ -14,15 +14,33 @@ from __future__ import annotations
 
 from aiocache_kv.models.generate import CachedLM, Generation, reference_generate
 from aiocache_kv.models.gpt2 import GPT2Spec, build_gpt2, cache_config_for, kv_shape
+from aiocache_kv.models.hybrid import (
+    HybridLayout,
+    HybridLM,
+    HybridSpec,
+    PagedHybridKV,
+    build_gemma3,
+    hybrid_cache_config,
+    hybrid_layout,
+    reference_generate_hybrid,
+)
 from aiocache_kv.models.paged import PagedKV
 
 __all__ = [
     "CachedLM",
     "GPT2Spec",
     "Generation",
+    "HybridLM",
+    "HybridLayout",
+    "HybridSpec",
+    "PagedHybridKV",
     "PagedKV",
+    "build_gemma3",
     "build_gpt2",
     "cache_config_for",
+    "hybrid_cache_config",
+    "hybrid_layout",
     "kv_shape",
     "reference_generate",
+    "reference_generate_hybrid",
 ]

@@ -1,0 +1,612 @@
+"""A hybrid sliding-window / full-attention model over the cache: full KV in the pool, SWA
+KV in a :func:`~aiocache_kv.SlidingWindow` sidecar.
+
+Any ``transformers`` decoder whose config has ``layer_types`` made of ``"full_attention"`` and
+``"sliding_attention"`` plus a ``sliding_window`` should fit (Gemma 2/3, Cohere 2, Qwen 2 or
+Mistral with sliding layers, ...; only Gemma 3 is tested); :func:`build_gemma3` builds a small
+Gemma 3 text model with seeded random weights (nothing is downloaded).
+
+Layer mapping (:class:`HybridLayout`):
+
+* full-attention layer ``layers.full[j]`` keeps its K/V in the KV pool, layer ``j`` of
+  ``HiCache.device_kv(j)`` (so the cache's ``num_layers`` is the number of full layers);
+* sliding layer ``layers.sliding[s]`` keeps its K/V in the sidecar ``swa`` at page slot
+  ``[page, s, 0 (K) | 1 (V), slot % page_size]`` of a buffer ``[device_pages, swa_layers, 2,
+  page_size, kv_heads, head_dim]`` - the same page ids as the KV pool (``slot // page_size``).
+
+Only the window is ever read back.  A sliding layer running queries at positions
+``[filled, filled + n)`` gathers the rows of positions ``[filled - window + 1, filled + n)``
+and nothing earlier (``get_mask_sizes`` reports that offset, as ``transformers``' own
+``DynamicSlidingWindowLayer`` does).  Pages that came back from storage without their SWA part
+hold garbage (possibly NaN, which a mask cannot cancel: ``NaN * 0`` is NaN); they lie before the
+window by the component's hit policy, so they are never gathered.
+
+Where the reused prefix ends matters: the cache guarantees the window only at the end of a match,
+so :class:`HybridLM` matches exactly the part it will reuse (the prompt's whole pages except the
+one holding its last token) rather than cutting a longer match short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from aiocache_kv.cache import HiCache
+from aiocache_kv.components import Component, HitPolicy, SlidingWindow
+from aiocache_kv.config import CacheConfig
+from aiocache_kv.errors import CapacityError, ConfigError, InvalidInputError
+from aiocache_kv.models.generate import Generation, Runner, _check_request, run_inline
+
+log = structlog.get_logger(__name__)
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+SWA = "swa"  #: default name of the sliding-window sidecar
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class HybridSpec:
+    """Size and seed of a random-weight Gemma 3 text model (defaults: 6 layers, 2 of them
+    full attention, a 10-token window)."""
+
+    layer_types: tuple[str, ...] = (SLIDING, FULL, SLIDING, SLIDING, FULL, SLIDING)
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    vocab_size: int = 1024
+    max_positions: int = 512
+    sliding_window: int = 10
+    seed: int = 0
+    #: large enough for varied greedy outputs (with untied embeddings)
+    initializer_range: float = 0.2
+    attn_implementation: str = "sdpa"
+
+    @property
+    def name(self) -> str:
+        """A namespace for the cache: changes whenever the weights would."""
+        kinds = "".join("f" if t == FULL else "s" for t in self.layer_types)
+        return (
+            f"gemma3-random-{kinds}-D{self.hidden_size}-I{self.intermediate_size}"
+            f"-H{self.num_heads}x{self.num_kv_heads}x{self.head_dim}-V{self.vocab_size}"
+            f"-W{self.sliding_window}-i{self.initializer_range}-s{self.seed}"
+        )
+
+
+def build_gemma3(spec: HybridSpec | None = None) -> Any:
+    """A ``Gemma3ForCausalLM`` in eval mode with weights drawn under ``torch.manual_seed``.
+
+    Raises:
+        ConfigError: a layer type other than full / sliding attention.
+    """
+    s = spec if spec is not None else HybridSpec()
+    bad = sorted(set(s.layer_types) - {FULL, SLIDING})
+    if bad or not s.layer_types:
+        raise ConfigError(f"layer_types must be {FULL!r} / {SLIDING!r}, got {s.layer_types!r}")
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=len(s.layer_types),
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        max_position_embeddings=s.max_positions,
+        sliding_window=s.sliding_window,
+        layer_types=list(s.layer_types),
+        query_pre_attn_scalar=s.head_dim,
+        initializer_range=s.initializer_range,
+        tie_word_embeddings=False,  # tied random embeddings make greedy decoding repeat
+        attention_dropout=0.0,
+        use_cache=True,
+    )
+    config._attn_implementation = s.attn_implementation
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(s.seed)
+        model = Gemma3ForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(state)
+    model.eval()  # type: ignore[no-untyped-call]
+    model.requires_grad_(False)
+    return model
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """Which model layers go where, and the per-token K/V shape."""
+
+    full: tuple[int, ...]  #: model layer of KV-pool layer ``j``
+    sliding: tuple[int, ...]  #: model layer of sidecar slot ``s``
+    window: int  #: ``sliding_window``: a query at ``q`` sees keys ``> q - window``
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def num_layers(self) -> int:
+        """Model layers."""
+        return len(self.full) + len(self.sliding)
+
+
+def hybrid_layout(model: Any) -> HybridLayout:
+    """Read the layer mapping from a ``transformers`` model's config.
+
+    Raises:
+        ConfigError: no ``layer_types``, a layer type other than full / sliding attention,
+            sliding layers without a ``sliding_window``, or no full-attention layer.
+    """
+    cfg = getattr(model.config, "get_text_config", lambda: model.config)()
+    types = list(getattr(cfg, "layer_types", None) or [])
+    if not types:
+        raise ConfigError("the model config has no layer_types")
+    bad = sorted(set(types) - {FULL, SLIDING})
+    if bad:
+        raise ConfigError(f"unsupported layer types {bad}: only {FULL!r} and {SLIDING!r}")
+    full = tuple(i for i, t in enumerate(types) if t == FULL)
+    sliding = tuple(i for i, t in enumerate(types) if t == SLIDING)
+    if not full:
+        raise ConfigError("the model has no full-attention layer for the KV pool")
+    window = int(getattr(cfg, "sliding_window", None) or 0)
+    if sliding and window < 1:
+        raise ConfigError("sliding layers without a sliding_window")
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return HybridLayout(
+        full=full,
+        sliding=sliding,
+        window=window,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        dtype=next(model.parameters()).dtype,
+    )
+
+
+def swa_component(layout: HybridLayout, page_size: int, name: str = SWA) -> Component:
+    """The sidecar of the sliding layers: their K/V, the trailing ``window`` tokens needed."""
+    return SlidingWindow(
+        layout.window,
+        num_layers=len(layout.sliding),
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        page_size=page_size,
+        dtype=layout.dtype,
+        name=name,
+    )
+
+
+def hybrid_cache_config(model: Any, **options: Any) -> CacheConfig:
+    """A :class:`CacheConfig` for ``model``: the full layers' KV shape and the SWA sidecar.
+
+    ``options`` set the rest (``page_size`` included); shape options and ``components`` may be
+    given only if they agree with the model.
+
+    Raises:
+        ConfigError: an option contradicts the model, or is invalid.
+    """
+    layout = hybrid_layout(model)
+    page_size = options.get("page_size", CacheConfig.page_size)
+    if type(page_size) is not int or page_size < 1:
+        raise ConfigError(f"page_size must be a positive int, got {page_size!r}")
+    comps = (swa_component(layout, page_size),) if layout.sliding else ()
+    fixed: dict[str, Any] = {
+        "num_layers": len(layout.full),
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "dtype": layout.dtype,
+        "components": comps,
+    }
+    for key, value in fixed.items():
+        if key in options:
+            given = tuple(options[key]) if key == "components" else options[key]
+            if given != value:
+                raise ConfigError(f"{key}={options[key]!r} does not match the model ({value!r})")
+    return CacheConfig(**{**options, **fixed})
+
+
+def check_cache(layout: HybridLayout, config: CacheConfig) -> None:
+    """Raise ``ConfigError`` unless ``config`` can hold ``layout``'s K/V.
+
+    The KV pool must have one layer per full-attention layer; the components must be exactly
+    one sliding-window sidecar named ``swa`` (when the model has sliding layers) whose pages
+    hold every sliding layer and whose window covers the model's.
+    """
+    got = (config.num_layers, config.num_kv_heads, config.head_dim, config.dtype)
+    want = (len(layout.full), layout.num_kv_heads, layout.head_dim, layout.dtype)
+    if got != want:
+        raise ConfigError(
+            f"cache KV shape (layers, heads, head_dim, dtype) {got} does not match the "
+            f"model's full-attention layers {want}"
+        )
+    names = [c.name for c in config.components]
+    if not layout.sliding:
+        if names:
+            raise ConfigError(f"the model has no sliding layers; unexpected components {names}")
+        return
+    if names != [SWA]:
+        raise ConfigError(f"the cache needs exactly one component {SWA!r}, got {names}")
+    (comp,) = config.components
+    shape = (
+        len(layout.sliding),
+        2,
+        config.page_size,
+        layout.num_kv_heads,
+        layout.head_dim,
+    )
+    if (
+        comp.page_shape != shape
+        or comp.dtype != layout.dtype
+        or comp.hit_policy is not HitPolicy.TRAILING_PAGES
+        or comp.window_tokens < layout.window - 1  # a query sees window - 1 earlier keys
+    ):
+        raise ConfigError(
+            f"component {comp!r} does not hold the model's sliding layers: want page_shape "
+            f"{shape}, dtype {layout.dtype}, a trailing window >= {layout.window - 1} tokens"
+        )
+
+
+# --------------------------------------------------------------------------- paged cache
+
+
+class _Layer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+    """One attention layer's view of a :class:`PagedHybridKV`."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: PagedHybridKV, slot: int, sliding: bool) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._owner = owner
+        self._slot = slot  # KV-pool layer, or sidecar slot for a sliding layer
+        self.is_sliding = sliding
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate: the pools exist already."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new K/V to the pool; return the K/V this step attends over."""
+        owner = self._owner
+        if self.is_sliding:
+            return owner._update_sliding(self._slot, key_states, value_states)
+        return owner._update_full(self._slot, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """KV length and offset of the next attention (the window start for sliding layers)."""
+        start = self._owner.window_start() if self.is_sliding else 0
+        return self._owner.filled + query_length - start, start
+
+    def get_seq_length(self) -> int:
+        """Positions already filled."""
+        return self._owner.filled
+
+    def get_max_length(self) -> int:
+        """The rows this sequence was given."""
+        return int(self._owner.rows.numel())
+
+    def reset(self) -> None:
+        """Forget the filled rows (the pools keep their data)."""
+        self._owner.filled = 0
+
+
+class PagedHybridKV(Cache):
+    """K/V of one sequence (batch 1) in pool rows ``rows``; the first ``filled`` are valid.
+
+    ``views`` are ``[cache.device_kv(j) for j in range(len(layout.full))]`` and ``swa`` is
+    ``cache.sidecar("swa")`` (``None`` without sliding layers); take them on the loop thread.
+    For rows ``< filled`` only the full layers' K/V and the sliding layers' last
+    ``window - 1`` positions need to be valid.
+
+    Raises:
+        InvalidInputError: bad ``rows`` / ``filled``, or buffers of the wrong shape.
+    """
+
+    def __init__(
+        self,
+        layout: HybridLayout,
+        views: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        swa: torch.Tensor | None,
+        page_size: int,
+        rows: torch.Tensor,
+        filled: int = 0,
+    ) -> None:
+        if rows.dim() != 1 or rows.dtype != torch.int64:
+            raise InvalidInputError(f"rows must be 1-D int64, got {rows.dtype} {tuple(rows.shape)}")
+        if not 0 <= filled <= rows.numel():
+            raise InvalidInputError(f"filled must be in [0, {rows.numel()}], got {filled}")
+        if len(views) != len(layout.full):
+            raise InvalidInputError(
+                f"{len(views)} KV-pool views for {len(layout.full)} full-attention layers"
+            )
+        if layout.sliding:
+            want = (len(layout.sliding), 2, page_size, layout.num_kv_heads, layout.head_dim)
+            if swa is None or tuple(swa.shape[1:]) != want:
+                got = None if swa is None else tuple(swa.shape[1:])
+                raise InvalidInputError(f"sidecar pages must be {want}, got {got}")
+        self.layout = layout
+        self.views = list(views)
+        self.swa = swa
+        self.page_size = page_size
+        self.rows = rows.to(self.views[0][0].device)
+        self.filled = filled
+        kinds: dict[int, tuple[int, bool]] = {m: (j, False) for j, m in enumerate(layout.full)}
+        kinds.update({m: (s, True) for s, m in enumerate(layout.sliding)})
+        super().__init__(layers=[_Layer(self, *kinds[m]) for m in range(layout.num_layers)])
+
+    def window_start(self) -> int:
+        """First position a sliding layer reads for queries starting at ``filled``."""
+        return max(0, self.filled - self.layout.window + 1)
+
+    def _rows_for(self, key_states: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if key_states.shape[0] != 1:
+            raise InvalidInputError(f"PagedHybridKV serves batch 1, got {key_states.shape[0]}")
+        end = self.filled + key_states.shape[2]
+        if end > self.rows.numel():
+            raise CapacityError(f"sequence needs {end} KV rows, {self.rows.numel()} were allocated")
+        return self.rows[self.filled : end], end
+
+    def _update_full(
+        self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        new, end = self._rows_for(key_states)
+        k_pool, v_pool = self.views[layer]
+        # [1, heads, n, dim] -> [n, heads, dim], the pool's row layout
+        k_pool.index_copy_(0, new, key_states[0].transpose(0, 1).to(k_pool.dtype))
+        v_pool.index_copy_(0, new, value_states[0].transpose(0, 1).to(v_pool.dtype))
+        rows = self.rows[:end]
+        k = k_pool.index_select(0, rows).permute(1, 0, 2).unsqueeze(0)
+        v = v_pool.index_select(0, rows).permute(1, 0, 2).unsqueeze(0)
+        return k.to(key_states.dtype), v.to(value_states.dtype)
+
+    def _update_sliding(
+        self, slot: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        new, end = self._rows_for(key_states)
+        assert self.swa is not None
+        p = self.page_size
+        k_buf = self.swa[:, slot, 0]  # [device_pages, page_size, heads, dim] views
+        v_buf = self.swa[:, slot, 1]
+        k_buf[new // p, new % p] = key_states[0].transpose(0, 1).to(k_buf.dtype)
+        v_buf[new // p, new % p] = value_states[0].transpose(0, 1).to(v_buf.dtype)
+        # the window only: rows before it may be garbage from storage (see the module doc)
+        rows = self.rows[self.window_start() : end]
+        k = k_buf[rows // p, rows % p].permute(1, 0, 2).unsqueeze(0)
+        v = v_buf[rows // p, rows % p].permute(1, 0, 2).unsqueeze(0)
+        return k.to(key_states.dtype), v.to(value_states.dtype)
+
+    def forward(self, model: Any, tokens: Sequence[int]) -> torch.Tensor:
+        """Run ``model`` on ``tokens`` (the next positions); return the last position's logits."""
+        n = len(tokens)
+        if n < 1:
+            raise InvalidInputError("forward needs at least one token")
+        device = self.rows.device
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+        pos = torch.arange(self.filled, self.filled + n, device=device)[None]
+        with torch.no_grad():
+            out = model(
+                input_ids=ids,
+                past_key_values=self,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        self.filled += n
+        logits: torch.Tensor = out.logits[0, -1]
+        return logits
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def _max_positions(model: Any) -> int:
+    cfg = model.config
+    return int(getattr(cfg, "max_position_embeddings", None) or cfg.n_positions)
+
+
+def reference_generate_hybrid(
+    model: Any, prompt: Sequence[int], max_new_tokens: int, *, keep_logits: bool = False
+) -> Generation:
+    """Greedy generation with ``transformers``' own ``DynamicCache`` (sliding layers keep
+    their window) and no prefix cache: the baseline for the identity check."""
+    from transformers import DynamicCache
+
+    toks = _check_request(prompt, max_new_tokens, _max_positions(model))
+    t0 = time.perf_counter()
+    kv = DynamicCache(config=model.config)
+    out: list[int] = []
+    kept: list[torch.Tensor] = []
+    ttft = 0.0
+    with torch.no_grad():
+        ids = torch.tensor([toks], dtype=torch.long)
+        for step in range(max_new_tokens):
+            res = model(input_ids=ids, past_key_values=kv, use_cache=True, logits_to_keep=1)
+            logits = res.logits[0, -1]
+            tok = int(torch.argmax(logits).item())
+            if step == 0:
+                ttft = time.perf_counter() - t0
+            out.append(tok)
+            if keep_logits:
+                kept.append(logits.clone())
+            ids = torch.tensor([[tok]], dtype=torch.long)
+    return Generation(
+        prompt_len=len(toks),
+        tokens=out,
+        ttft=ttft,
+        total=time.perf_counter() - t0,
+        computed=len(toks),
+        logits=torch.stack(kept) if keep_logits else None,
+    )
+
+
+class HybridLM:
+    """A hybrid SWA / full-attention model whose K/V live in ``cache`` (pool + sidecar).
+
+    The same serving loop as :class:`~aiocache_kv.models.CachedLM` (prefetch, match, load back,
+    alloc, prefill the suffix, decode, insert), except that it matches only the prefix it will
+    reuse, so the sliding window is whole exactly where the reuse ends.
+
+    Raises:
+        ConfigError: the cache's KV shape or components do not match the model.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        cache: HiCache,
+        *,
+        runner: Runner | None = None,
+        tenant: str | None = None,
+        await_backup: bool = True,
+        yield_every: int = 1,
+    ) -> None:
+        self.layout = hybrid_layout(model)
+        check_cache(self.layout, cache.config)
+        self.model = model
+        self.cache = cache
+        self.runner: Runner = runner if runner is not None else run_inline
+        self.tenant = tenant
+        self.await_backup = await_backup
+        self.yield_every = max(1, yield_every)
+        self.max_positions = _max_positions(model)
+
+    async def generate(
+        self, prompt: Sequence[int], max_new_tokens: int, *, keep_logits: bool = False
+    ) -> Generation:
+        """Greedy-generate ``max_new_tokens`` after ``prompt``, reusing and filling the cache.
+
+        Raises:
+            InvalidInputError: empty prompt, bad ``max_new_tokens``, too long for the model.
+            CapacityError: the device pool cannot hold the request (nothing leaks).
+        """
+        toks = _check_request(prompt, max_new_tokens, self.max_positions)
+        cache = self.cache
+        p = cache.config.page_size
+        t0 = time.perf_counter()
+        # the reusable part: whole pages, never the last prompt token (its logits are needed).
+        # Matching exactly this (not the whole prompt) puts the end the cache checks - where
+        # the sliding window must be whole - where the reuse ends.  (A prompt of <= one page
+        # matches nothing: its aligned length is 0.)
+        head = toks[: max((len(toks) - 1) // p * p, 1)]
+        hit_storage = 0
+        prefetch_s = load_back_s = backup_s = 0.0
+        if cache.config.storage is not None:
+            res = await cache.prefetch(head, tenant=self.tenant)
+            hit_storage = res.hit_tokens
+            prefetch_s = time.perf_counter() - t0
+        m = cache.match_prefix(head, tenant=self.tenant)
+        try:
+            hit_device = m.device_len
+            hit_storage = min(hit_storage, m.host_len)
+            hit_host = m.host_len - hit_storage
+            if m.host_len:
+                t1 = time.perf_counter()
+                await cache.load_back(m)
+                load_back_s = time.perf_counter() - t1
+            prefix_rows = m.device_indices
+            reused = prefix_rows.numel()
+            n_kv = len(toks) + max_new_tokens - 1  # positions whose K/V get written
+            own = await cache.alloc_wait(n_kv - reused)
+            try:
+                gen = await self._run(toks, prefix_rows, own, max_new_tokens, t0, keep_logits)
+                kv_toks = toks + gen.tokens[:-1]
+                rows = torch.cat([prefix_rows, own])[: len(kv_toks)]
+            except BaseException:
+                cache.free(own)
+                raise
+            r = cache.insert(kv_toks, rows, tenant=self.tenant)
+            aligned = len(kv_toks) // p * p
+            if aligned - reused < own.numel():  # slots past the last whole page stay ours
+                cache.free(own[aligned - reused :])
+            try:
+                if self.await_backup and r.write_through is not None:
+                    t1 = time.perf_counter()
+                    await r.write_through
+                    backup_s = time.perf_counter() - t1
+            finally:
+                cache.release(r)
+        finally:
+            cache.release(m)
+        gen.total = time.perf_counter() - t0
+        gen.hit_device, gen.hit_host, gen.hit_storage = hit_device, hit_host, hit_storage
+        gen.reused = reused
+        gen.prefetch_s, gen.load_back_s, gen.backup_s = prefetch_s, load_back_s, backup_s
+        log.debug(
+            "generated_hybrid",
+            prompt=len(toks),
+            device=hit_device,
+            host=hit_host,
+            storage=hit_storage,
+            computed=gen.computed,
+        )
+        return gen
+
+    async def _run(
+        self,
+        toks: list[int],
+        prefix_rows: torch.Tensor,
+        own: torch.Tensor,
+        max_new_tokens: int,
+        t0: float,
+        keep_logits: bool,
+    ) -> Generation:
+        cache = self.cache
+        layout = self.layout
+        views = [cache.device_kv(j) for j in range(len(layout.full))]
+        swa = cache.sidecar(SWA) if layout.sliding else None
+        reused = prefix_rows.numel()
+        seq = PagedHybridKV(
+            layout, views, swa, cache.config.page_size, torch.cat([prefix_rows, own]), reused
+        )
+        model = self.model
+        suffix = toks[reused:]
+        logits = await self.runner(lambda: seq.forward(model, suffix))
+        tok = int(torch.argmax(logits).item())
+        ttft = time.perf_counter() - t0
+        out = [tok]
+        kept = [logits.clone()] if keep_logits else []
+        for step in range(1, max_new_tokens):
+            if step % self.yield_every == 0:
+                await asyncio.sleep(0)  # let other requests on the loop make progress
+            last = [tok]
+            logits = await self.runner(lambda: seq.forward(model, last))  # noqa: B023
+            tok = int(torch.argmax(logits).item())
+            out.append(tok)
+            if keep_logits:
+                kept.append(logits.clone())
+        return Generation(
+            prompt_len=len(toks),
+            tokens=out,
+            ttft=ttft,
+            total=0.0,
+            computed=len(suffix),
+            logits=torch.stack(kept) if keep_logits else None,
+        )
+
+
+__all__ = [
+    "HybridLM",
+    "HybridLayout",
+    "HybridSpec",
+    "PagedHybridKV",
+    "build_gemma3",
+    "check_cache",
+    "hybrid_cache_config",
+    "hybrid_layout",
+    "reference_generate_hybrid",
+    "swa_component",
+]
