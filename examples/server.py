@@ -6,6 +6,7 @@ Run::
     python examples/server.py --port 8000     # binds 127.0.0.1; FileStorage in a temp dir
     curl -s localhost:8000/generate -d '{"tokens": [1, 2, 3], "max_new_tokens": 8}'
     curl -s localhost:8000/metrics
+    python examples/server.py --kv-events tcp://127.0.0.1:5557   # + KV events (vLLM ZMQ format)
 
 Endpoints:
 
@@ -54,9 +55,11 @@ from aiocache_kv import (
     FileStorage,
     HiCache,
     KVCacheError,
+    KVEvent,
     MooncakeStorage,
     StorageBackend,
 )
+from aiocache_kv.events import ZmqEventPublisher
 from aiocache_kv.models import CachedLM, GPT2Spec, build_gpt2, cache_config_for
 from aiocache_kv.models.generate import Generation
 
@@ -81,6 +84,7 @@ class ServerOptions:
     metadata: str | None = None
     max_new_tokens: int = 256  #: upper bound a request may ask for
     model_thread: bool = True  #: forward passes on a worker thread (else inline on the loop)
+    kv_events: str | None = None  #: ZMQ PUB endpoint for KV events (vLLM format), or off
 
 
 class Histogram:
@@ -297,6 +301,10 @@ class GenerateServer:
         model = await asyncio.to_thread(build_gpt2, o.model)
         async with contextlib.AsyncExitStack() as stack:
             make_storage = await stack.enter_async_context(self._storage())
+            publisher = None
+            if o.kv_events:  # closed after the cache, so the last events go out
+                publisher = ZmqEventPublisher(o.kv_events)
+                await stack.enter_async_context(publisher)
             cfg = cache_config_for(
                 model,
                 page_size=o.page_size,
@@ -318,7 +326,9 @@ class GenerateServer:
                 stack.callback(self._executor.shutdown, wait=False)
                 runner = self._run_in_model_thread
             self.lm = CachedLM(model, self.cache, runner=runner)
-            drain = asyncio.get_running_loop().create_task(self._drain_events(self.cache))
+            drain = asyncio.get_running_loop().create_task(
+                self._drain_events(self.cache, publisher)
+            )
             log.info("server_ready", model=o.model.name, storage=o.storage, page_size=o.page_size)
             try:
                 yield
@@ -331,8 +341,15 @@ class GenerateServer:
         assert self._executor is not None
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
-    async def _drain_events(self, cache: HiCache) -> None:
+    async def _drain_events(self, cache: HiCache, publisher: ZmqEventPublisher | None) -> None:
+        if publisher is not None:  # the one consumer of the log: counts, then publishes
+            await publisher.run(cache, on_batch=self._count_events)
+            return
         async for ev in cache.events():
+            self._count_events([ev])
+
+    def _count_events(self, events: list[KVEvent]) -> None:
+        for ev in events:
             if isinstance(ev, (BlockStored, BlockRemoved)):
                 self.metrics.events[(type(ev).__name__, ev.medium)] += 1
             else:
@@ -460,6 +477,12 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
     p.add_argument(
         "--inline-model", action="store_true", help="run forward passes on the loop thread"
     )
+    p.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="publish KV events in vLLM's ZMQ format, e.g. tcp://127.0.0.1:5557 "
+        "(needs pip install -e .[events])",
+    )
     a = p.parse_args(argv)
     return ServerOptions(
         host=a.host,
@@ -480,6 +503,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
         metadata=a.metadata,
         max_new_tokens=a.max_new_tokens,
         model_thread=not a.inline_model,
+        kv_events=a.kv_events,
     )
 
 

@@ -2,5 +2,14 @@
 
 from aiocache_kv.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from aiocache_kv.events.log import EventLog
+from aiocache_kv.events.zmq import MissingDependencyError, ZmqEventPublisher
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventLog", "KVEvent"]
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventLog",
+    "KVEvent",
+    "MissingDependencyError",
+    "ZmqEventPublisher",
+]

@@ -1,0 +1,337 @@
+"""Publish KV events over ZeroMQ in vLLM's wire format (``vllm/distributed/kv_events.py``).
+
+Needs the ``events`` extra (``pip install 'aiocache_kv[events]'``: pyzmq and msgpack); both are
+imported when a :class:`ZmqEventPublisher` is created, not when this module is.
+
+Wire format (what a vLLM KV-event subscriber decodes):
+
+* PUB socket, one 3-frame message per batch: ``[topic, seq, payload]``.  ``topic`` is the UTF-8
+  topic, ``seq`` the batch number as an 8-byte big-endian unsigned int (0, 1, 2, ...),
+  ``payload`` the msgpack of the batch.
+* A batch is the array ``[ts, [event, ...], data_parallel_rank]`` (``ts`` a float64 of
+  ``time.time()``, the rank ``nil`` when ``None``: msgspec ignores ``omit_defaults`` for
+  ``array_like`` structs, so vLLM always sends three elements).
+* ``event_encoding="array"`` (default; vLLM's ``array_like=True, tag=True`` event structs):
+  each event is an array led by its class name, every field in vLLM's declaration order -
+  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+  lora_name]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``
+  (``lora_name`` is always ``nil``).  msgspec decoders of older vLLM schemas ignore trailing
+  elements they do not know; those of newer ones default the trailing fields added since
+  (``extra_keys``, ``group_idx``, ...).
+* ``event_encoding="map"``: the tagged maps vLLM sends since it dropped ``array_like`` on the
+  events (vllm-project/vllm#42892): ``{"type": "BlockStored", "block_hashes": ..., ...}``,
+  same fields, defaulted ones omitted; the batch stays an array.
+* Replay (optional ROUTER socket): a request ``[identity, b"", start_seq]`` (what a REQ or
+  DEALER client sends, ``start_seq`` 8-byte big-endian) is answered with one
+  ``[identity, b"", seq, payload]`` per buffered batch with ``seq >= start_seq``, oldest
+  first, then the end marker ``[identity, b"", (-1 as 8-byte signed big-endian), b""]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import structlog
+
+from aiocache_kv.errors import KVCacheError
+from aiocache_kv.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+if TYPE_CHECKING:
+    import zmq.asyncio
+
+log = structlog.get_logger("aiocache_kv.events.zmq")
+
+EventEncoding = Literal["array", "map"]
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The ``seq`` frame that ends a replay answer (its payload frame is empty)."""
+
+_INSTALL_HINT = "pip install 'aiocache_kv[events]'"
+
+
+class EventSource(Protocol):
+    """What :meth:`ZmqEventPublisher.run` drains (:class:`~aiocache_kv.HiCache`)."""
+
+    def events(self) -> AsyncIterator[KVEvent]: ...
+
+    def take_events(self) -> list[KVEvent]: ...
+
+
+class MissingDependencyError(KVCacheError, ImportError):
+    """An optional dependency of the KV-event publisher (pyzmq, msgpack) is not installed."""
+
+
+def _require(module: str, package: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"ZmqEventPublisher needs {package} ({module!r} could not be imported: {exc}); "
+            f"install the events extra: {_INSTALL_HINT}"
+        ) from exc
+
+
+def encode_event(event: KVEvent, encoding: EventEncoding = "array") -> list[Any] | dict[str, Any]:
+    """``event`` as the msgpack-ready value vLLM's msgspec encoder produces for it."""
+    if isinstance(event, BlockStored):
+        fields: list[tuple[str, Any]] = [
+            ("block_hashes", list(event.block_hashes)),
+            ("parent_block_hash", event.parent_block_hash),
+            ("token_ids", list(event.token_ids)),
+            ("block_size", event.block_size),
+            ("lora_id", event.lora_id),
+            ("medium", event.medium),
+            ("lora_name", None),
+        ]
+    elif isinstance(event, BlockRemoved):
+        fields = [("block_hashes", list(event.block_hashes)), ("medium", event.medium)]
+    elif isinstance(event, AllBlocksCleared):
+        fields = []
+    else:
+        raise TypeError(f"not a KV event: {event!r}")
+    tag = type(event).__name__
+    if encoding == "array":
+        return [tag, *(value for _, value in fields)]
+    return {"type": tag, **dict(fields)}
+
+
+def encode_batch(
+    events: Sequence[KVEvent],
+    ts: float,
+    data_parallel_rank: int | None = None,
+    encoding: EventEncoding = "array",
+) -> bytes:
+    """The msgpack payload of one batch (``[ts, [events...], data_parallel_rank]``)."""
+    return _pack(_require("msgpack", "msgpack"), events, ts, data_parallel_rank, encoding)
+
+
+def _pack(
+    msgpack: Any,
+    events: Sequence[KVEvent],
+    ts: float,
+    data_parallel_rank: int | None,
+    encoding: EventEncoding,
+) -> bytes:
+    body = [float(ts), [encode_event(ev, encoding) for ev in events], data_parallel_rank]
+    payload: bytes = msgpack.packb(body, use_bin_type=True)
+    return payload
+
+
+class ZmqEventPublisher:
+    """Publishes batches of KV events on a ZeroMQ PUB socket, vLLM-compatible.
+
+    Everything runs on the event loop through ``zmq.asyncio``: a PUB socket never blocks (it
+    drops messages beyond ``hwm`` for a slow subscriber), and replay requests are served by a
+    task of their own.  ``endpoint`` (and ``replay_endpoint``) are bound; a ``*`` port binds a
+    free one (see :attr:`endpoint` after :meth:`start`).
+
+    Use::
+
+        async with ZmqEventPublisher("tcp://127.0.0.1:5557") as pub:
+            task = asyncio.create_task(pub.run(cache))   # until the cache closes
+            ...
+    """
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://127.0.0.1:5557",
+        topic: str = "kv-events",
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        data_parallel_rank: int | None = None,
+        *,
+        hwm: int = 100_000,
+        event_encoding: EventEncoding = "array",
+    ) -> None:
+        if buffer_steps < 0:
+            raise ValueError(f"buffer_steps must be >= 0, got {buffer_steps}")
+        if event_encoding not in ("array", "map"):
+            raise ValueError(f"event_encoding must be 'array' or 'map', got {event_encoding!r}")
+        self._zmq = _require("zmq", "pyzmq")
+        self._zmq_asyncio = _require("zmq.asyncio", "pyzmq")
+        self._msgpack = _require("msgpack", "msgpack")
+        self._endpoint = endpoint
+        self._replay_endpoint = replay_endpoint
+        self.topic = topic
+        self._topic_bytes = topic.encode("utf-8")
+        self.data_parallel_rank = data_parallel_rank
+        self.event_encoding: EventEncoding = event_encoding
+        self._hwm = hwm
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._next_seq = 0
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        self._replay_task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._closed = asyncio.Event()
+        self.batches_published = 0
+        self.events_published = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def endpoint(self) -> str:
+        """The PUB address (the bound one once started, so a ``*`` port is resolved)."""
+        if self._pub is not None:
+            return str(self._pub.getsockopt_string(self._zmq.LAST_ENDPOINT))
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The replay ROUTER address (bound one once started), or ``None``."""
+        if self._replay is not None:
+            return str(self._replay.getsockopt_string(self._zmq.LAST_ENDPOINT))
+        return self._replay_endpoint
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch will carry."""
+        return self._next_seq
+
+    async def start(self) -> None:
+        """Bind the PUB (and replay) sockets; start serving replay requests."""
+        if self._closed.is_set():
+            raise RuntimeError("ZmqEventPublisher is closed")
+        if self._ctx is not None:
+            return
+        zmq = self._zmq
+        self._ctx = self._zmq_asyncio.Context()
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.SNDHWM, self._hwm)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(self._endpoint)
+            if self._replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(self._replay_endpoint)
+                self._replay_task = asyncio.get_running_loop().create_task(
+                    self._serve_replay(self._replay), name="zmq-kv-events-replay"
+                )
+        except BaseException:
+            self._close_sockets()
+            raise
+        log.info("kv_events_publisher_started", endpoint=self.endpoint, topic=self.topic)
+
+    async def aclose(self) -> None:
+        """Stop serving replay, end :meth:`run`, close the sockets.  Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replay_task
+            self._replay_task = None
+        async with self._lock:  # a publish in progress finishes first
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._replay = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def __aenter__(self) -> ZmqEventPublisher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ publishing
+
+    async def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> int:
+        """Send ``events`` as one batch; return its sequence number.  Never blocks the loop."""
+        payload = _pack(
+            self._msgpack,
+            events,
+            time.time() if ts is None else ts,
+            self.data_parallel_rank,
+            self.event_encoding,
+        )
+        async with self._lock:
+            if self._closed.is_set():
+                raise RuntimeError("ZmqEventPublisher is closed")
+            if self._pub is None:
+                raise RuntimeError("ZmqEventPublisher is not started (await start() first)")
+            seq = self._next_seq
+            self._next_seq += 1
+            await self._pub.send_multipart((self._topic_bytes, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+            self.batches_published += 1
+            self.events_published += len(events)
+        return seq
+
+    async def run(
+        self, cache: EventSource, on_batch: Callable[[list[KVEvent]], None] | None = None
+    ) -> None:
+        """Publish the events of ``cache`` as they happen until it or this publisher closes.
+
+        Every event appended to the cache's log by the time this task wakes goes into one batch
+        (so a batch is what one loop tick produced).  ``on_batch`` sees each batch before it is
+        sent (e.g. to count events: this task is then the log's only consumer).  Events not yet
+        taken when the publisher closes stay in the cache's log.
+        """
+        if self._pub is None:
+            await self.start()
+        stream = cache.events()
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
+            while True:
+                nxt = asyncio.ensure_future(_next_event(stream))
+                await asyncio.wait((nxt, closed), return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    nxt.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await nxt
+                    return
+                try:
+                    first = nxt.result()
+                except StopAsyncIteration:
+                    return
+                batch = [first, *cache.take_events()]
+                if on_batch is not None:
+                    on_batch(batch)
+                if self._closed.is_set():
+                    return
+                await self.publish(batch)
+        finally:
+            closed.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await closed
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    # ------------------------------------------------------------------ replay
+
+    async def _serve_replay(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 3:
+                log.warning("kv_events_bad_replay_request", frames=len(frames))
+                continue
+            identity, _, start_bytes = frames
+            start = int.from_bytes(start_bytes, "big")
+            try:
+                # a snapshot: publish() may append while a send is awaited
+                for seq, payload in [item for item in self._buffer if item[0] >= start]:
+                    await sock.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+                await sock.send_multipart((identity, b"", END_SEQ, b""))
+            except self._zmq.ZMQError as exc:
+                log.warning("kv_events_replay_failed", error=str(exc))
+
+
+async def _next_event(stream: AsyncIterator[KVEvent]) -> KVEvent:
+    return await stream.__anext__()
