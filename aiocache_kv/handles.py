@@ -44,7 +44,12 @@ class _Handle:
 
 
 class MatchResult(_Handle):
-    """The cached prefix of a prompt.  Release it with ``cache.release(m)``."""
+    """The cached prefix of a prompt.  Release it with ``cache.release(m)``.
+
+    With trailing-window components (SWA, Mamba state) the match is cut where every window is
+    complete at its end.  Reuse exactly this prefix: to reuse less, match the shorter prefix
+    again - a window is only guaranteed complete at the end of a match.
+    """
 
     __slots__ = ()
 
