@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -43,3 +44,18 @@ def small_config(**overrides: object) -> akv.CacheConfig:
 def engine() -> ManualCopyEngine:
     """A copy engine completed by hand."""
     return ManualCopyEngine()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """In CI (``CI=true``) a skip is a failure, except for CUDA-only tests on a CPU machine."""
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        report.skipped
+        and os.environ.get("CI", "").lower() == "true"
+        and item.get_closest_marker("cuda") is None
+        and not hasattr(report, "wasxfail")
+    ):
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI (a missing dependency must fail): {report.longrepr}"

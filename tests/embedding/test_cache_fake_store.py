@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from aiocache_kv.embedding import EmbeddingCache, InsertBatchStats, embedding_key
+from aiocache_kv.embedding.keys import canonical_hashes
 
 from .fakes import FakeClient, FakeMooncakeStorage
 
@@ -230,11 +231,14 @@ async def test_many_tasks_on_overlapping_hashes(ns: str) -> None:
     rng = random.Random(3)
     async with node(client, ns, pool=6 * 512) as a, node(client, ns, pool=4 * 512) as b:
 
+        pushed: dict[int, set[str]] = {id(a): set(), id(b): set()}
+
         async def worker(cache: EmbeddingCache, seed: int) -> None:
             r = random.Random(seed)
             for _ in range(15):
                 pick = r.sample(hashes, r.randint(1, 4))
                 if r.random() < 0.5:
+                    pushed[id(cache)].update(pick)
                     st = await cache.insert_batch(pick, [want[h] for h in pick])
                     assert st.new + st.local_hit + st.skipped == len(pick)
                 else:
@@ -251,8 +255,13 @@ async def test_many_tasks_on_overlapping_hashes(ns: str) -> None:
             s = cache.statistics()
             assert s.pinned == 0 and s.filling == 0 and s.lookup == 0
         assert all(n == 1 for n in client.puts_per_key.values())
-        # every key's bytes went out exactly once, whatever the interleaving
+        # within a node a key's bytes go out once; two nodes may both find a key absent and
+        # both send it (the store's existence check is not a lock), never more than that
         sizes = sum(len(v) for v in client.objects.values())
         assert a._store is not None and b._store is not None
         sent = a._store.statistics().bytes_written + b._store.statistics().bytes_written
-        assert sent == sizes
+        both = pushed[id(a)] & pushed[id(b)]
+        racy = sum(
+            len(client.objects[embedding_key(ns, h)]) for h in canonical_hashes(sorted(both))
+        )
+        assert sizes <= sent <= sizes + racy
