@@ -825,7 +825,8 @@ class HiCache:
         c = self._counters
         freed: list[torch.Tensor] = []
         if op.kind is OpKind.LOAD_BACK:
-            for node in op.targets:
+            # a failed load rolls back children first: device presence stays prefix-closed
+            for node in op.targets if ok else reversed(op.targets):
                 pages = tree.end_device_fill(node, ok)
                 if pages is not None:
                     freed.append(pages)

@@ -164,3 +164,24 @@ async def test_close_settles_copies_in_flight() -> None:
         cache.release(r)
         assert engine.pending
     assert not engine.pending and cache.statistics().write_through_done == 1
+
+
+async def test_failed_load_back_of_several_nodes_rolls_back_children_first(
+    engine: ManualCopyEngine,
+) -> None:
+    async with akv.HiCache(small_config(), copy_engine=engine) as cache:
+        for r in (insert(cache, TOKENS[:4]), insert(cache, TOKENS)):  # two nodes on one path
+            cache.release(r)
+        engine.complete_all()
+        await cache.flush()
+        cache.evict(100)
+        m = cache.match_prefix(TOKENS)
+        assert len(cache._tree.path(m.node)) == 2 and m.host_len == 6
+        task = asyncio.create_task(cache.load_back(m))
+        await asyncio.sleep(0)
+        engine.fail(0)  # one copy for both nodes
+        with pytest.raises(akv.TransferError):
+            await task
+        assert (m.device_len, m.host_len) == (0, 6)
+        cache.release(m)
+        assert_all_free(cache)
