@@ -168,7 +168,8 @@ async def test_a_pinned_entry_is_not_evicted_for_a_newcomer(ns: str) -> None:
         assert set(a._entries) == {b"p", b"q"}  # old was the only possible victim
         client.gates["batch_put_from"].set()
         assert (await t1).new == 1 and (await t2).new == 1
-        assert a.lru_order() == [b"p", b"q"]
+        # both pushes ran on the two workers at once: they unpin in whichever order they end
+        assert sorted(a.lru_order()) == [b"p", b"q"]
         a.check_invariants()
 
 
