@@ -179,8 +179,11 @@ async def test_corrupt_page_is_a_miss_and_only_the_leading_run_commits(tmp_path:
         data = bytearray(await asyncio.to_thread(path.read_bytes))
         data[len(data) // 2] ^= 0xFF
         await asyncio.to_thread(path.write_bytes, bytes(data))
+        cache.take_events()
         res = await cache.prefetch(PROMPT)
         assert res.status is PrefetchStatus.PARTIAL and res.hit_tokens == 6
+        removed = [e for e in cache.take_events() if isinstance(e, akv.BlockRemoved)]
+        assert removed == [akv.BlockRemoved([hashes[3]], "STORAGE")]  # the corrupt page
         stats = cache.statistics()
         assert stats.prefetch_pages_discarded == 5 and stats.prefetch_reserved_pages == 0
         assert cache.config.storage.statistics().corrupt == 1  # type: ignore[union-attr]

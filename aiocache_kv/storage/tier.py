@@ -37,6 +37,7 @@ from aiocache_kv.components import HitPolicy, feasible_ends
 from aiocache_kv.config import PrefetchPolicy
 from aiocache_kv.distributed.acks import AckQueue
 from aiocache_kv.errors import KVCacheError
+from aiocache_kv.events import BlockRemoved
 from aiocache_kv.storage.base import PageBuffer, StorageBackend, leading_run
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
@@ -116,6 +117,9 @@ class _Prefetch:
     committed: int = 0  #: pages attached to the tree
     error: str | None = None
     failed: bool = False
+    #: pages storage listed but could not deliver intact (gone or corrupt: the backend drops
+    #: a corrupt page), reported as STORAGE ``BlockRemoved``
+    vanished: list[int] = field(default_factory=list)
 
 
 def prefetch_timeout(tokens: int, base: float, per_1k: float, cap: float) -> float:
@@ -544,6 +548,8 @@ class StorageTier:
                     continue
                 for (pool, j), good in zip(part, t.result(), strict=True):
                     job.loaded[pool][j] = good
+                    if not good and pool == 0:
+                        job.vanished.append(j)
         finally:
             for _, t in tasks:
                 if not t.done():
@@ -555,6 +561,11 @@ class StorageTier:
         """Commit the first ``end`` pages (agreed across ranks), unpin, free the rest."""
         try:
             job.committed = self._commit(job, end)
+            cache = self._cache
+            # per-rank facts about a rank's own store: not published where ranks must agree
+            if job.vanished and cache._events.enabled and not cache._deferred:
+                gone = [job.hashes[j] for j in sorted(job.vanished)]
+                cache._events.append(BlockRemoved(gone, Tier.STORAGE.medium))
         finally:
             self._cache._tree.unpin(job.anchor)
             bufs = [b for pool in range(self.pools) for b in self._bufs(job.pages, pool)]
