@@ -172,13 +172,17 @@ class CachedLM:
         cache = self.cache
         p = cache.config.page_size
         t0 = time.perf_counter()
+        # the reusable part: whole pages, never the last prompt token (its logits give the
+        # first reply token)
+        reusable = (len(toks) - 1) // p * p
+        wanted = self._match_tokens(toks, reusable)
         hit_storage = 0
         prefetch_s = load_back_s = backup_s = 0.0
         if cache.config.storage is not None:
-            res = await cache.prefetch(toks, tenant=self.tenant)
+            res = await cache.prefetch(wanted, tenant=self.tenant)
             hit_storage = res.hit_tokens
             prefetch_s = time.perf_counter() - t0
-        m = cache.match_prefix(toks, tenant=self.tenant)
+        m = cache.match_prefix(wanted, tenant=self.tenant)
         try:
             hit_device = m.device_len
             hit_storage = min(hit_storage, m.host_len)
@@ -187,16 +191,14 @@ class CachedLM:
                 t1 = time.perf_counter()
                 await cache.load_back(m)
                 load_back_s = time.perf_counter() - t1
-            # always run at least the prompt's last token: its logits give the first reply token
-            reused = min(m.device_len, (len(toks) - 1) // p * p)
+            reused = min(m.device_len, reusable)
+            prefix_rows = m.device_indices[:reused]
             n_kv = len(toks) + max_new_tokens - 1  # positions whose K/V get written
             own = await cache.alloc_wait(n_kv - reused)
             try:
-                gen = await self._run(
-                    toks, m.device_indices[:reused], own, max_new_tokens, t0, keep_logits
-                )
+                gen = await self._run(toks, prefix_rows, own, max_new_tokens, t0, keep_logits)
                 kv_toks = toks + gen.tokens[:-1]
-                rows = torch.cat([m.device_indices[:reused], own])[: len(kv_toks)]
+                rows = torch.cat([prefix_rows, own])[: len(kv_toks)]
             except BaseException:
                 cache.free(own)
                 raise
@@ -228,6 +230,18 @@ class CachedLM:
         )
         return gen
 
+    def _match_tokens(self, toks: list[int], reusable: int) -> list[int]:
+        """What to match and prefetch: the whole prompt (hits are reported in full; only the
+        reusable part is used)."""
+        del reusable
+        return toks
+
+    def _sequence(self, rows: torch.Tensor, filled: int) -> Any:
+        """The model-side view of one request's KV rows (the first ``filled`` are cached)."""
+        cache = self.cache
+        views = [cache.device_kv(layer) for layer in range(cache.config.num_layers)]
+        return PagedKV(views, rows, filled=filled)
+
     async def _run(
         self,
         toks: list[int],
@@ -237,10 +251,8 @@ class CachedLM:
         t0: float,
         keep_logits: bool,
     ) -> Generation:
-        cache = self.cache
         reused = prefix_rows.numel()
-        views = [cache.device_kv(layer) for layer in range(cache.config.num_layers)]
-        seq = PagedKV(views, torch.cat([prefix_rows, own]), filled=reused)
+        seq = self._sequence(torch.cat([prefix_rows, own]), reused)
         model = self.model
         suffix = toks[reused:]
         logits = await self.runner(lambda: seq.forward(model, suffix))

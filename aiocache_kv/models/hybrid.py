@@ -28,7 +28,6 @@ one holding its last token) rather than cutting a longer match short.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from aiocache_kv.cache import HiCache
 from aiocache_kv.components import Component, HitPolicy, SlidingWindow
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.errors import CapacityError, ConfigError, InvalidInputError
-from aiocache_kv.models.generate import Generation, Runner, _check_request, run_inline
+from aiocache_kv.models.generate import CachedLM, Generation, Runner, _check_request, run_inline
 
 log = structlog.get_logger(__name__)
 
@@ -453,12 +452,11 @@ def reference_generate_hybrid(
     )
 
 
-class HybridLM:
+class HybridLM(CachedLM):
     """A hybrid SWA / full-attention model whose K/V live in ``cache`` (pool + sidecar).
 
-    The same serving loop as :class:`~aiocache_kv.models.CachedLM` (prefetch, match, load back,
-    alloc, prefill the suffix, decode, insert), except that it matches only the prefix it will
-    reuse, so the sliding window is whole exactly where the reuse ends.
+    The serving loop of :class:`~aiocache_kv.models.CachedLM`; only the model-side view of a
+    request's KV differs (full layers in the KV pool, sliding layers in the ``swa`` sidecar).
 
     Raises:
         ConfigError: the cache's KV shape or components do not match the model.
@@ -484,118 +482,18 @@ class HybridLM:
         self.yield_every = max(1, yield_every)
         self.max_positions = _max_positions(model)
 
-    async def generate(
-        self, prompt: Sequence[int], max_new_tokens: int, *, keep_logits: bool = False
-    ) -> Generation:
-        """Greedy-generate ``max_new_tokens`` after ``prompt``, reusing and filling the cache.
+    def _match_tokens(self, toks: list[int], reusable: int) -> list[int]:
+        # exactly the reusable part: the cache guarantees a whole sliding window only at the
+        # end of a match, so the match must end where the reuse ends (a prompt of <= one page
+        # matches nothing: its aligned length is 0)
+        return toks[: max(reusable, 1)]
 
-        Raises:
-            InvalidInputError: empty prompt, bad ``max_new_tokens``, too long for the model.
-            CapacityError: the device pool cannot hold the request (nothing leaks).
-        """
-        toks = _check_request(prompt, max_new_tokens, self.max_positions)
-        cache = self.cache
-        p = cache.config.page_size
-        t0 = time.perf_counter()
-        # the reusable part: whole pages, never the last prompt token (its logits are needed).
-        # Matching exactly this (not the whole prompt) puts the end the cache checks - where
-        # the sliding window must be whole - where the reuse ends.  (A prompt of <= one page
-        # matches nothing: its aligned length is 0.)
-        head = toks[: max((len(toks) - 1) // p * p, 1)]
-        hit_storage = 0
-        prefetch_s = load_back_s = backup_s = 0.0
-        if cache.config.storage is not None:
-            res = await cache.prefetch(head, tenant=self.tenant)
-            hit_storage = res.hit_tokens
-            prefetch_s = time.perf_counter() - t0
-        m = cache.match_prefix(head, tenant=self.tenant)
-        try:
-            hit_device = m.device_len
-            hit_storage = min(hit_storage, m.host_len)
-            hit_host = m.host_len - hit_storage
-            if m.host_len:
-                t1 = time.perf_counter()
-                await cache.load_back(m)
-                load_back_s = time.perf_counter() - t1
-            prefix_rows = m.device_indices
-            reused = prefix_rows.numel()
-            n_kv = len(toks) + max_new_tokens - 1  # positions whose K/V get written
-            own = await cache.alloc_wait(n_kv - reused)
-            try:
-                gen = await self._run(toks, prefix_rows, own, max_new_tokens, t0, keep_logits)
-                kv_toks = toks + gen.tokens[:-1]
-                rows = torch.cat([prefix_rows, own])[: len(kv_toks)]
-            except BaseException:
-                cache.free(own)
-                raise
-            r = cache.insert(kv_toks, rows, tenant=self.tenant)
-            aligned = len(kv_toks) // p * p
-            if aligned - reused < own.numel():  # slots past the last whole page stay ours
-                cache.free(own[aligned - reused :])
-            try:
-                if self.await_backup and r.write_through is not None:
-                    t1 = time.perf_counter()
-                    await r.write_through
-                    backup_s = time.perf_counter() - t1
-            finally:
-                cache.release(r)
-        finally:
-            cache.release(m)
-        gen.total = time.perf_counter() - t0
-        gen.hit_device, gen.hit_host, gen.hit_storage = hit_device, hit_host, hit_storage
-        gen.reused = reused
-        gen.prefetch_s, gen.load_back_s, gen.backup_s = prefetch_s, load_back_s, backup_s
-        log.debug(
-            "generated_hybrid",
-            prompt=len(toks),
-            device=hit_device,
-            host=hit_host,
-            storage=hit_storage,
-            computed=gen.computed,
-        )
-        return gen
-
-    async def _run(
-        self,
-        toks: list[int],
-        prefix_rows: torch.Tensor,
-        own: torch.Tensor,
-        max_new_tokens: int,
-        t0: float,
-        keep_logits: bool,
-    ) -> Generation:
+    def _sequence(self, rows: torch.Tensor, filled: int) -> Any:
         cache = self.cache
         layout = self.layout
         views = [cache.device_kv(j) for j in range(len(layout.full))]
         swa = cache.sidecar(SWA) if layout.sliding else None
-        reused = prefix_rows.numel()
-        seq = PagedHybridKV(
-            layout, views, swa, cache.config.page_size, torch.cat([prefix_rows, own]), reused
-        )
-        model = self.model
-        suffix = toks[reused:]
-        logits = await self.runner(lambda: seq.forward(model, suffix))
-        tok = int(torch.argmax(logits).item())
-        ttft = time.perf_counter() - t0
-        out = [tok]
-        kept = [logits.clone()] if keep_logits else []
-        for step in range(1, max_new_tokens):
-            if step % self.yield_every == 0:
-                await asyncio.sleep(0)  # let other requests on the loop make progress
-            last = [tok]
-            logits = await self.runner(lambda: seq.forward(model, last))  # noqa: B023
-            tok = int(torch.argmax(logits).item())
-            out.append(tok)
-            if keep_logits:
-                kept.append(logits.clone())
-        return Generation(
-            prompt_len=len(toks),
-            tokens=out,
-            ttft=ttft,
-            total=0.0,
-            computed=len(suffix),
-            logits=torch.stack(kept) if keep_logits else None,
-        )
+        return PagedHybridKV(layout, views, swa, cache.config.page_size, rows, filled)
 
 
 __all__ = [
