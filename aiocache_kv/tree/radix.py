@@ -502,7 +502,7 @@ class RadixTree:
                 break
             if node.host is ABSENT and stage is not None and stage(node):
                 continue
-            if node.host is not RESIDENT and not self._subtree_idle(node):
+            if node.host is not RESIDENT and node.children and not self._subtree_idle(node):
                 continue  # a host-only descendant is being backed up: offered again later
             pages = node.device_pages
             assert pages is not None
@@ -512,7 +512,8 @@ class RadixTree:
             if node.host is RESIDENT:
                 self._set_device(node, ABSENT)
             else:
-                self._drop_subtree(node, out)
+                if node.children:
+                    self._drop_subtree(node, out)
                 self._remove(node)
         return out
 
