@@ -83,13 +83,21 @@ def _check_request(prompt: Sequence[int], max_new_tokens: int, limit: int) -> li
     return toks
 
 
+def max_positions(model: Any) -> int:
+    """Positions the model can attend over (GPT-2 ``n_positions``, others
+    ``max_position_embeddings``)."""
+    cfg = model.config
+    return int(getattr(cfg, "max_position_embeddings", None) or cfg.n_positions)
+
+
 def reference_generate(
     model: Any, prompt: Sequence[int], max_new_tokens: int, *, keep_logits: bool = False
 ) -> Generation:
-    """Greedy generation with ``transformers``' ``DynamicCache`` and no prefix cache."""
+    """Greedy generation with ``transformers``' own ``DynamicCache`` (sliding layers keep
+    their window) and no prefix cache: the baseline of every identity check."""
     from transformers import DynamicCache
 
-    toks = _check_request(prompt, max_new_tokens, int(model.config.n_positions))
+    toks = _check_request(prompt, max_new_tokens, max_positions(model))
     t0 = time.perf_counter()
     kv = DynamicCache(config=model.config)
     out: list[int] = []
@@ -138,6 +146,17 @@ class CachedLM:
         await_backup: bool = True,
         yield_every: int = 1,
     ) -> None:
+        self._check_model(model, cache)
+        self.model = model
+        self.cache = cache
+        self.runner: Runner = runner if runner is not None else run_inline
+        self.tenant = tenant
+        self.await_backup = await_backup
+        self.yield_every = max(1, yield_every)
+        self.max_positions = max_positions(model)
+
+    def _check_model(self, model: Any, cache: HiCache) -> None:
+        """Raise ``ConfigError`` unless ``cache`` is laid out for ``model``."""
         shape = kv_shape(model)
         cfg = cache.config
         got = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
@@ -147,13 +166,6 @@ class CachedLM:
                 f"cache KV shape (layers, heads, head_dim, dtype) {got} does not match the "
                 f"model's {want}"
             )
-        self.model = model
-        self.cache = cache
-        self.runner: Runner = runner if runner is not None else run_inline
-        self.tenant = tenant
-        self.await_backup = await_backup
-        self.yield_every = max(1, yield_every)
-        self.max_positions = int(model.config.n_positions)
 
     async def generate(
         self, prompt: Sequence[int], max_new_tokens: int, *, keep_logits: bool = False

@@ -28,7 +28,6 @@ one holding its last token) rather than cutting a longer match short.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +40,7 @@ from aiocache_kv.cache import HiCache
 from aiocache_kv.components import Component, HitPolicy, SlidingWindow
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.errors import CapacityError, ConfigError, InvalidInputError
-from aiocache_kv.models.generate import CachedLM, Generation, Runner, _check_request, run_inline
+from aiocache_kv.models.generate import CachedLM, reference_generate
 
 log = structlog.get_logger(__name__)
 
@@ -412,44 +411,8 @@ class PagedHybridKV(Cache):
 # --------------------------------------------------------------------------- generation
 
 
-def _max_positions(model: Any) -> int:
-    cfg = model.config
-    return int(getattr(cfg, "max_position_embeddings", None) or cfg.n_positions)
-
-
-def reference_generate_hybrid(
-    model: Any, prompt: Sequence[int], max_new_tokens: int, *, keep_logits: bool = False
-) -> Generation:
-    """Greedy generation with ``transformers``' own ``DynamicCache`` (sliding layers keep
-    their window) and no prefix cache: the baseline for the identity check."""
-    from transformers import DynamicCache
-
-    toks = _check_request(prompt, max_new_tokens, _max_positions(model))
-    t0 = time.perf_counter()
-    kv = DynamicCache(config=model.config)
-    out: list[int] = []
-    kept: list[torch.Tensor] = []
-    ttft = 0.0
-    with torch.no_grad():
-        ids = torch.tensor([toks], dtype=torch.long)
-        for step in range(max_new_tokens):
-            res = model(input_ids=ids, past_key_values=kv, use_cache=True, logits_to_keep=1)
-            logits = res.logits[0, -1]
-            tok = int(torch.argmax(logits).item())
-            if step == 0:
-                ttft = time.perf_counter() - t0
-            out.append(tok)
-            if keep_logits:
-                kept.append(logits.clone())
-            ids = torch.tensor([[tok]], dtype=torch.long)
-    return Generation(
-        prompt_len=len(toks),
-        tokens=out,
-        ttft=ttft,
-        total=time.perf_counter() - t0,
-        computed=len(toks),
-        logits=torch.stack(kept) if keep_logits else None,
-    )
+#: the baseline needs nothing hybrid-specific: ``transformers``' cache keeps sliding windows
+reference_generate_hybrid = reference_generate
 
 
 class HybridLM(CachedLM):
@@ -462,25 +425,9 @@ class HybridLM(CachedLM):
         ConfigError: the cache's KV shape or components do not match the model.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        cache: HiCache,
-        *,
-        runner: Runner | None = None,
-        tenant: str | None = None,
-        await_backup: bool = True,
-        yield_every: int = 1,
-    ) -> None:
+    def _check_model(self, model: Any, cache: HiCache) -> None:
         self.layout = hybrid_layout(model)
         check_cache(self.layout, cache.config)
-        self.model = model
-        self.cache = cache
-        self.runner: Runner = runner if runner is not None else run_inline
-        self.tenant = tenant
-        self.await_backup = await_backup
-        self.yield_every = max(1, yield_every)
-        self.max_positions = _max_positions(model)
 
     def _match_tokens(self, toks: list[int], reusable: int) -> list[int]:
         # exactly the reusable part: the cache guarantees a whole sliding window only at the
