@@ -14,6 +14,8 @@ class TierStatistics:
     held_pages: int  #: handed out by ``alloc`` and not yet inserted or freed
     evictable_pages: int
     protected_pages: int  #: pinned or in flight
+    #: freed while a worker thread still holds them; free again when the worker is done
+    quarantined_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)

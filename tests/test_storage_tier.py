@@ -235,8 +235,10 @@ async def test_prefetch_timeout_returns_by_deadline_and_frees_pages(tmp_path: Pa
         res = await cache.prefetch(PROMPT)
         assert loop.time() - t0 < 2.0
         assert res.status is PrefetchStatus.PARTIAL and res.hit_tokens == 0
-        # workers still hold the reserved pages: they are not freed under them
-        assert cache.statistics().prefetch_reserved_pages == 8
+        # workers still hold the reserved pages: freed, but quarantined until they let go
+        stats = cache.statistics()
+        assert stats.prefetch_reserved_pages == 0 and stats.host.quarantined_pages == 8
+        assert stats.host.free_pages == 32 - 8
         m = cache.match_prefix(PROMPT)  # the cache keeps serving meanwhile
         cache.release(m)
         store.stall.set()
@@ -260,10 +262,13 @@ async def test_cancelled_prefetch_frees_every_reserved_page(tmp_path: Path) -> N
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        stats = cache.statistics()
+        assert stats.prefetch_reserved_pages == 0 and stats.host.quarantined_pages == 8
         store.stall.set()
         await cache.flush()
         stats = cache.statistics()
         assert stats.prefetch_reserved_pages == 0 and stats.host.free_pages == 32
+        assert stats.host.quarantined_pages == 0
         assert stats.device.protected_pages == 0 and stats.host.protected_pages == 0
         cache.check_invariants()
 

@@ -1,9 +1,19 @@
 """Page allocator: a free list of page ids plus an ownership state per page.
 
-Every page is FREE, HELD (handed to the caller by ``cache.alloc`` and not yet inserted) or
-OWNED (belongs to the tree or to a transfer in flight).  The states let the cache reject a
-double free or an insert of pages it never handed out, with a few vectorized operations per
-call.  They live in numpy arrays (shared zero-copy with the torch page tensors): numpy's
+Every page is FREE, HELD (handed to the caller by ``cache.alloc`` and not yet inserted),
+OWNED (belongs to the tree or to a transfer in flight) or QUARANTINED.  The states let the
+cache reject a double free or an insert of pages it never handed out, with a few vectorized
+operations per call.
+
+Leases (the buffer-lease rule, docs/ARCHITECTURE.md).  A page handed to a worker thread (a
+storage call reading or writing its bytes) is *leased* for as long as the worker holds it:
+``lease`` before the hand-off, ``unlease`` when the worker reports it is done (on the loop).
+Freeing a leased page does not make it allocatable: it becomes QUARANTINED and returns to the
+free list only when its last lease ends.  So whatever the loop decides meanwhile (a deadline
+passed, the caller was cancelled, the node was evicted, the cache closes), no page a worker
+still touches is ever reused, and a late worker sees (or writes) bytes nobody else owns.
+
+The states live in numpy arrays (shared zero-copy with the torch page tensors): numpy's
 per-call overhead on small index arrays is a fraction of torch's, and these checks run on
 every insert.  Allocation hands out ascending ids from a sorted free list so that neighbouring
 pages tend to be contiguous, which lets copies coalesce into few large ``copy_`` calls.
@@ -25,6 +35,7 @@ class PageState(enum.IntEnum):
     FREE = 0
     HELD = 1  #: handed to the caller by ``alloc``; the caller inserts or frees it
     OWNED = 2  #: referenced by the tree or by a transfer in flight
+    QUARANTINED = 3  #: freed while a worker still holds it; free again when its lease ends
 
 
 def has_duplicates(pages: torch.Tensor) -> bool:
@@ -36,6 +47,7 @@ def has_duplicates(pages: torch.Tensor) -> bool:
 
 
 _FREE, _HELD, _OWNED = int(PageState.FREE), int(PageState.HELD), int(PageState.OWNED)
+_QUARANTINED = int(PageState.QUARANTINED)
 
 
 class PageAllocator:
@@ -48,6 +60,8 @@ class PageAllocator:
         self.num_pages = num_pages
         self._state = np.zeros(num_pages, dtype=np.uint8)
         self._stamp = np.zeros(num_pages, dtype=np.int64)  # scratch for duplicate checks
+        self._leases = np.zeros(num_pages, dtype=np.int32)  # workers holding each page
+        self.quarantined = 0  #: pages freed while leased, waiting for their workers
         self._free = torch.arange(num_pages, dtype=torch.int64)
         self._cursor = 0
         self._returned: list[torch.Tensor] = []
@@ -81,16 +95,50 @@ class PageAllocator:
         return pages
 
     def free(self, pages: list[torch.Tensor]) -> None:
-        """Return pages (OWNED or HELD) to the free list."""
+        """Return pages (OWNED or HELD) to the free list; leased ones to quarantine."""
         parts = [p for p in pages if p.numel()]
         if not parts:
             return
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)
         idx = flat.numpy()
-        assert bool((self._state[idx] != _FREE).all()), f"{self.name}: double free"
-        self._state[idx] = _FREE
-        self._returned.append(flat)
-        self._returned_count += flat.numel()
+        state = self._state[idx]
+        assert bool(((state == _OWNED) | (state == _HELD)).all()), f"{self.name}: double free"
+        leased = self._leases[idx] > 0
+        if leased.any():
+            self._state[idx[leased]] = _QUARANTINED
+            self.quarantined += int(np.count_nonzero(leased))
+            flat = torch.from_numpy(idx[~leased])
+            idx = flat.numpy()
+        self._release(flat)
+
+    def _release(self, flat: torch.Tensor) -> None:
+        if flat.numel():
+            self._state[flat.numpy()] = _FREE
+            self._returned.append(flat)
+            self._returned_count += flat.numel()
+
+    def lease(self, pages: torch.Tensor) -> None:
+        """A worker starts using ``pages`` (repeats allowed): they cannot be reused until
+        the matching :meth:`unlease`."""
+        idx = pages.numpy()
+        assert bool((self._state[idx] != _FREE).all()), f"{self.name}: lease of a free page"
+        np.add.at(self._leases, idx, 1)
+
+    def unlease(self, pages: torch.Tensor) -> None:
+        """The worker is done with ``pages`` (the same tensor given to :meth:`lease`);
+        quarantined pages whose last lease ended become free."""
+        idx = pages.numpy()
+        np.subtract.at(self._leases, idx, 1)
+        assert bool((self._leases[idx] >= 0).all()), f"{self.name}: unlease without lease"
+        done = np.unique(idx[(self._leases[idx] == 0) & (self._state[idx] == _QUARANTINED)])
+        if done.size:
+            self.quarantined -= int(done.size)
+            self._release(torch.from_numpy(done))
+
+    @property
+    def leased(self) -> int:
+        """Pages some worker holds now (in use or quarantined)."""
+        return int(np.count_nonzero(self._leases))
 
     def set_state(self, pages: torch.Tensor, state: PageState) -> None:
         """Change the ownership state of allocated pages (HELD -> OWNED on insert)."""
@@ -135,3 +183,11 @@ class PageAllocator:
         assert self.count(PageState.OWNED) == flat.numel(), (
             f"{self.name}: {self.count(PageState.OWNED)} OWNED pages but {flat.numel()} referenced"
         )
+        quarantined = self._state == _QUARANTINED
+        assert int(np.count_nonzero(quarantined)) == self.quarantined, (
+            f"{self.name}: quarantine count {self.quarantined} drifted"
+        )
+        assert bool((self._leases[quarantined] > 0).all()), (
+            f"{self.name}: quarantined page with no lease"
+        )
+        assert bool((self._leases >= 0).all()), f"{self.name}: negative lease count"

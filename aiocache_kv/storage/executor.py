@@ -48,6 +48,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -68,6 +69,11 @@ __all__ = ["StorageIO", "StorageIOStats"]
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+
+
+def _consume(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # a late close failure: logged by nobody, retrieved here
 
 
 def _init_worker(intra_op_threads: int | None) -> None:
@@ -97,6 +103,7 @@ class _Call:
     result: asyncio.Future[Any]  # the caller's; completed only if not done
     finished: asyncio.Future[None]  # set when the worker is done (buffers released)
     ranges: tuple[tuple[int, int], ...]
+    on_release: Callable[[], None] | None = None  # the caller's lease ends with the worker
 
 
 class StorageIO:
@@ -178,23 +185,47 @@ class StorageIO:
         )
 
     async def put(
-        self, keys: Sequence[str], buffers: Sequence[PageBuffer], *, timeout: float | None = None
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        *,
+        timeout: float | None = None,
+        on_release: Callable[[], None] | None = None,
     ) -> list[bool]:
         """``backend.put`` off the loop.  On timeout/cancel the slots stay in use until
-        :meth:`wait_released`.  Raises the backend's errors or ``StorageTimeoutError``."""
+        :meth:`wait_released` (``on_release`` runs on the loop then, exactly once).
+        Raises the backend's errors or ``StorageTimeoutError``."""
         bufs = list(buffers)
         return await self.call(
-            "put", self.backend.put, list(keys), bufs, timeout=timeout, buffers=bufs
+            "put",
+            self.backend.put,
+            list(keys),
+            bufs,
+            timeout=timeout,
+            buffers=bufs,
+            on_release=on_release,
         )
 
     async def get_into(
-        self, keys: Sequence[str], buffers: Sequence[PageBuffer], *, timeout: float | None = None
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        *,
+        timeout: float | None = None,
+        on_release: Callable[[], None] | None = None,
     ) -> list[bool]:
         """``backend.get_into`` off the loop.  On timeout/cancel the slots stay in use until
-        :meth:`wait_released`.  Raises the backend's errors or ``StorageTimeoutError``."""
+        :meth:`wait_released` (``on_release`` runs on the loop then, exactly once).
+        Raises the backend's errors or ``StorageTimeoutError``."""
         bufs = list(buffers)
         return await self.call(
-            "get_into", self.backend.get_into, list(keys), bufs, timeout=timeout, buffers=bufs
+            "get_into",
+            self.backend.get_into,
+            list(keys),
+            bufs,
+            timeout=timeout,
+            buffers=bufs,
+            on_release=on_release,
         )
 
     async def remove(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bool]:
@@ -243,8 +274,10 @@ class StorageIO:
     async def aclose(self, *, timeout: float | None = None) -> None:
         """Refuse new calls, drain (up to ``timeout``), close the backend, stop the workers.
 
-        If the drain times out, the backend is closed anyway and the stuck threads are left to
-        finish on their own (they hold no loop state).  Raises what ``backend.close`` raises.
+        Returns within about ``2 * timeout``: if the drain times out, the backend is closed
+        anyway and the stuck threads are left to finish on their own (they hold no loop
+        state); a ``backend.close`` still running after ``timeout`` (a hung store) is left to
+        finish on a daemon thread.  Raises what ``backend.close`` raises in time.
         """
         if self._closed:
             return
@@ -257,10 +290,39 @@ class StorageIO:
         except asyncio.TimeoutError:
             log.warning("storage.io.close_drain_timeout", in_flight=len(self._inflight))
         try:
-            # Its own thread: a stuck worker must not queue the close behind it.
-            await asyncio.to_thread(self.backend.close)
+            # Its own thread: a stuck worker must not queue the close behind it, and a close
+            # that hangs (a stalled store) must not hold the loop's shutdown or process exit.
+            await self._close_backend(timeout)
         finally:
             self._pool.shutdown(wait=False)
+
+    async def _close_backend(self, timeout: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def settle(error: BaseException | None) -> None:
+            if done.done():
+                return
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+        def run() -> None:
+            error: BaseException | None = None
+            try:
+                self.backend.close()
+            except BaseException as exc:
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                loop.call_soon_threadsafe(settle, error)
+
+        threading.Thread(target=run, name="aiocache-kv-storage-close", daemon=True).start()
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout)
+        except asyncio.TimeoutError:
+            done.add_done_callback(_consume)
+            log.warning("storage.io.close_timeout", timeout=timeout)
 
     # -- the mechanism -----------------------------------------------------------------------
 
@@ -287,10 +349,14 @@ class StorageIO:
         *args: Any,
         timeout: float | None = None,
         buffers: Sequence[PageBuffer] = (),
+        on_release: Callable[[], None] | None = None,
     ) -> T:
         """Run ``fn(*args)`` on a worker; return its result on the loop.
 
         ``buffers`` are the memory the call uses (tracked for :meth:`wait_released`).
+        ``on_release`` runs on the loop exactly once, when no worker can touch ``buffers`` any
+        more: when the worker finishes (however late, whatever became of the caller), or at
+        once if the call never reached a worker (closed, no slot in time, cancelled).
 
         Raises:
             StorageTimeoutError: no result within ``timeout`` (default ``default_timeout``)
@@ -299,19 +365,25 @@ class StorageIO:
             StorageError: ``fn`` raised an exception outside the ``KVCacheError`` hierarchy
                 (chained); ``KVCacheError``s propagate unchanged.
         """
-        loop = self._bind_loop()
-        if self._closed:
-            raise StorageUnavailableError(f"StorageIO is closed ({what})")
-        if timeout is None:
-            timeout = self.default_timeout
-        deadline = loop.time() + timeout
-        await self._acquire(loop, deadline, what, timeout)
+        try:
+            loop = self._bind_loop()
+            if self._closed:
+                raise StorageUnavailableError(f"StorageIO is closed ({what})")
+            if timeout is None:
+                timeout = self.default_timeout
+            deadline = loop.time() + timeout
+            await self._acquire(loop, deadline, what, timeout)
+        except BaseException:
+            if on_release is not None:
+                on_release()  # never handed to a worker
+            raise
         call = _Call(
             id=next(self._ids),
             what=what,
             result=loop.create_future(),
             finished=loop.create_future(),
             ranges=tuple((b.ptr, b.ptr + b.nbytes) for b in buffers),
+            on_release=on_release,
         )
         self._inflight[call.id] = call
         try:
@@ -319,6 +391,8 @@ class StorageIO:
         except BaseException:
             del self._inflight[call.id]
             self._release()
+            if on_release is not None:
+                on_release()
             raise
         self._submitted += 1
         timer = loop.call_at(deadline, self._expire, call.result, what, timeout)
@@ -387,6 +461,8 @@ class StorageIO:
         self._inflight.pop(call.id, None)
         self._completed += 1
         self._release()
+        if call.on_release is not None:
+            call.on_release()
         if not call.finished.done():
             call.finished.set_result(None)
         if call.result.done():

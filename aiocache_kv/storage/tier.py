@@ -17,15 +17,26 @@ are retried on a later hit.
 Prefetch.  ``prefetch`` pins the cached prefix, asks storage for the leading run of present page
 keys (one batched call), reserves host pages for them (at most half the host pool across every
 prefetch in flight), reads them in chunks, and commits only the leading run of pages that
-arrived and verified.  Host pages are freed only once no worker holds them any more
-(``wait_released``): a timed-out or cancelled prefetch hands its pages to a cleanup task.
-Storage faults never escape: the result reports what was committed, possibly nothing.
+arrived and verified.  Storage faults never escape: the result reports what was committed,
+possibly nothing.
+
+Buffer leases.  Every storage call leases the host pages whose bytes it reads or writes
+(:meth:`PageAllocator.lease`) and the lease ends only when the worker reports it is done
+(``StorageIO``'s ``on_release``), never when the caller gives up.  A backup that misses its
+deadline is failed at once (the node stays storage-ABSENT, its host copy evictable) but its
+pages stay quarantined until the late put finishes, so the put stores the very bytes that
+were there when it was issued, under the keys they belong to.  A timed-out or cancelled
+prefetch frees its leftover pages at once: the ones a worker still writes into wait in
+quarantine.  No wait here is unbounded: ``flush`` and ``aclose`` wait for deadlines, never
+for workers.  (With TP, verdicts wait for the workers, so that every rank frees the same
+pages at the same agreed point.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -155,6 +166,7 @@ class StorageTier:
         self.acks: AckQueue[BackupOp] = AckQueue("backup", self._apply_backup)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.reserved: dict[int, torch.Tensor] = {}  # prefetch id -> host pages not yet in tree
+        self._jobs: dict[int, _Prefetch] = {}  # prefetches whose anchor is pinned
         self._ids = 0
         self._retry_after = 0.0
         self.counters: dict[str, int] = dict.fromkeys(
@@ -196,17 +208,35 @@ class StorageTier:
 
         self._buffers = await asyncio.to_thread(views)
 
-    async def settle(self) -> None:
-        """Wait for every backup and background prefetch (each bounded by its deadline)."""
+    async def settle(self, *, drain: bool = True) -> None:
+        """Wait for every backup and background prefetch (each bounded by its deadline), then
+        up to ``storage_timeout`` for late workers to hand their pages back.  Workers still
+        stuck after that keep their pages quarantined (``statistics().host.quarantined_pages``)
+        and release them when they return."""
         while self._backups or self._tasks:
             waits: list[asyncio.Future[None]] = [op.future for op in self._backups.values()]
             waits += list(self._tasks)
             await asyncio.wait(waits)
+        if drain and self.io.io_statistics().in_flight:
+            try:
+                await asyncio.wait_for(self.io.drain(), self._cache.config.storage_timeout)
+            except asyncio.TimeoutError:
+                log.warning(
+                    "storage_workers_stuck",
+                    calls=self.io.io_statistics().in_flight,
+                    quarantined_pages=self._quarantined(),
+                )
+
+    def _quarantined(self) -> int:
+        alloc = self._cache._host_alloc
+        return alloc.quarantined if alloc is not None else 0
 
     async def aclose(self) -> None:
-        """Settle, then close the executor and the backend."""
+        """Settle, then close the executor and the backend: within about three
+        ``storage_timeout`` however stuck the store is (deadlines, the workers' drain, the
+        backend's close), abandoning stuck workers (their pages stay quarantined)."""
         try:
-            await self.settle()
+            await self.settle(drain=False)  # the executor's close drains, bounded
         finally:
             await self.io.aclose(timeout=self._cache.config.storage_timeout)
 
@@ -214,6 +244,10 @@ class StorageTier:
     def in_flight(self) -> int:
         """Backups and background prefetches not yet settled."""
         return len(self._backups) + len(self._tasks)
+
+    def anchors(self) -> list[Node]:
+        """Nodes pinned by prefetches in flight (one pin each, like a handle)."""
+        return [job.anchor for job in self._jobs.values()]
 
     @property
     def reserved_pages(self) -> int:
@@ -276,7 +310,12 @@ class StorageTier:
         if cache._deferred:
             self.acks.push(op, loop)
         self.counters["backup_started"] += 1
-        loop.create_task(self._run_backup(op, keys, bufs))
+        leased = torch.cat([n.host_pages for n in todo])  # type: ignore[misc]
+        alloc = cache._host_alloc
+        assert alloc is not None
+        alloc.lease(leased)  # until the worker is done with the bytes, whatever the verdict
+        release = functools.partial(alloc.unlease, leased)
+        loop.create_task(self._run_backup(op, keys, bufs, release))
         return op
 
     @property
@@ -284,12 +323,20 @@ class StorageTier:
         """Backups started and not yet applied."""
         return len(self._backups)
 
-    async def _run_backup(self, op: BackupOp, keys: list[str], bufs: list[PageBuffer]) -> None:
+    async def _run_backup(
+        self,
+        op: BackupOp,
+        keys: list[str],
+        bufs: list[PageBuffer],
+        release: functools.partial[None],
+    ) -> None:
         try:
-            op.results = await self.io.put(keys, bufs)
+            op.results = await self.io.put(keys, bufs, on_release=release)
         except KVCacheError as exc:
             op.results = [False] * len(keys)
             op.error = repr(exc)
+            if self._cache._deferred:  # every rank frees the pages at the agreed point
+                await self.io.wait_released(bufs)
         except BaseException:
             op.results = [False] * len(keys)
             op.error = "cancelled"
@@ -394,6 +441,7 @@ class StorageTier:
             before=self._valid_before(anchor, cached // p),
         )
         self.reserved[job.rid] = pages
+        self._jobs[job.rid] = job
         loop = asyncio.get_running_loop()
         if cache._deferred:
             # the reads run in their own task: the other ranks need this rank's answer even
@@ -525,14 +573,26 @@ class StorageTier:
             if by_pool[pool][j]
         ]
         chunk = self._cache.config.prefetch_batch_pages
-        tasks: list[tuple[list[tuple[int, int]], asyncio.Task[list[bool]]]] = []
+        alloc = self._cache._host_alloc
+        assert alloc is not None
+        tasks: list[tuple[list[tuple[int, int]], asyncio.Future[list[bool]]]] = []
         try:
             for a in range(0, len(plan), chunk):
                 part = plan[a : a + chunk]
                 keys = [job.keys[pool][j] for pool, j in part]
-                bufs = [self._buffers[pool][int(job.pages[j])] for pool, j in part]
+                rows = [int(job.pages[j]) for _, j in part]
+                bufs = [self._buffers[pool][row] for (pool, _), row in zip(part, rows, strict=True)]
                 remaining = max(job.deadline - time.monotonic(), 0.001)
-                task = asyncio.ensure_future(self.io.get_into(keys, bufs, timeout=remaining))
+                leased = torch.tensor(rows, dtype=torch.int64)
+                alloc.lease(leased)  # a late read must never land in a reused page
+                task = asyncio.ensure_future(
+                    self.io.get_into(
+                        keys,
+                        bufs,
+                        timeout=remaining,
+                        on_release=functools.partial(alloc.unlease, leased),
+                    )
+                )
                 tasks.append((part, task))
             if tasks:
                 await asyncio.wait(
@@ -568,8 +628,8 @@ class StorageTier:
                 cache._events.append(BlockRemoved(gone, Tier.STORAGE.medium))
         finally:
             self._cache._tree.unpin(job.anchor)
-            bufs = [b for pool in range(self.pools) for b in self._bufs(job.pages, pool)]
-            self._release_later(job.rid, bufs)
+            del self._jobs[job.rid]
+            self._free_reserved(job.rid)  # pages a late read still holds stay quarantined
 
     def _commit(self, job: _Prefetch, end: int) -> int:
         """Attach the first ``end`` loaded pages below the cached prefix; return pages used.
@@ -625,20 +685,6 @@ class StorageTier:
             lo = cut
         pieces.append((tail, lo, end))
         return pieces
-
-    def _release_later(self, rid: int, bufs: list[PageBuffer]) -> None:
-        """Free the prefetch's leftover host pages once no worker holds their buffers."""
-        if self.reserved[rid].numel() == 0 or not self.io.holds(bufs):
-            self._free_reserved(rid)
-            return
-
-        async def later() -> None:
-            try:
-                await self.io.wait_released(bufs)
-            finally:
-                self._free_reserved(rid)
-
-        self._track(asyncio.get_running_loop().create_task(later()))
 
     def _free_reserved(self, rid: int) -> None:
         pages = self.reserved.pop(rid)
