@@ -26,6 +26,7 @@ from aiocache_kv.distributed import AckQueue, Request, Sequencer, SingleRank, TP
 from aiocache_kv.errors import (
     CacheClosedError,
     CapacityError,
+    ConfigError,
     HandleError,
     InvalidInputError,
     InvalidTypeError,
@@ -34,7 +35,7 @@ from aiocache_kv.errors import (
 )
 from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent
 from aiocache_kv.handles import HandleState, InsertResult, MatchResult, WriteAck, _Handle
-from aiocache_kv.namespace import Namespace
+from aiocache_kv.namespace import Namespace, namespace_of
 from aiocache_kv.pools import (
     DeviceKVPool,
     HostKVPool,
@@ -50,6 +51,7 @@ from aiocache_kv.storage.integrity import FRAME_OVERHEAD
 from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
 from aiocache_kv.transfer import CopyEngine, CopyJob, Direction, default_engine
 from aiocache_kv.tree import Node, RadixTree, Tier
+from aiocache_kv.tree.hashing import MAX_TOKEN_ID
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT
 
 log = structlog.get_logger(__name__)
@@ -136,7 +138,6 @@ class HiCache:
         self._owner: int | None = None
         self._tree = RadixTree(config.page_size, on_split=self._on_split)
         self._events = EventLog(enabled=config.enable_kv_events)
-        self._namespaces: dict[tuple[str, str], Namespace] = {}
         self._handles: dict[int, _Handle] = {}
         self._inflight: dict[int, TransferOp] = {}
         self._counters: dict[str, int] = dict.fromkeys(
@@ -177,6 +178,8 @@ class HiCache:
 
         Raises:
             HostMemoryError: the host pools do not fit in available RAM minus the reserve.
+            ConfigError: the device pool does not fit (on cpu: in available RAM; on cuda: in
+                the device's free memory), or CUDA was asked for and is not available.
             CacheClosedError: the cache was already started.
         """
         if self._state is not CacheState.NEW:
@@ -189,6 +192,19 @@ class HiCache:
             SidecarPools.host_bytes(c, cfg.host_pages, extra) for c in cfg.components
         )  # every pool is admitted together
         available = await asyncio.to_thread(available_host_bytes)
+        device_bytes = cfg.device_pages * (
+            cfg.page_bytes + sum(c.page_bytes for c in cfg.components)
+        )
+        if self._device.type == "cpu":  # the device pool lives in host memory too
+            if device_bytes > available - cfg.host_memory_reserve_bytes:
+                raise ConfigError(
+                    f"device pool of {cfg.device_pages} pages needs {device_bytes} bytes "
+                    f"({device_bytes / 2**30:.2f} GiB) on cpu but only {available} bytes are "
+                    f"available ({cfg.host_memory_reserve_bytes} reserved); lower device_pages"
+                )
+            available -= device_bytes
+        else:
+            await self._check_cuda(device_bytes)
         admit_host_bytes(host_bytes, cfg.host_memory_reserve_bytes, available)
 
         def build() -> tuple[DeviceKVPool, HostKVPool | None, list[SidecarPools]]:
@@ -250,8 +266,34 @@ class HiCache:
             host_bytes=host_bytes,
         )
 
+    async def _check_cuda(self, device_bytes: int) -> None:
+        """Raise ``ConfigError`` (with the numbers) unless the CUDA device can hold the pool."""
+        dev = self._device
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device {str(dev)!r} but CUDA is not available (torch {torch.__version__}, "
+                f"built for CUDA {torch.version.cuda}); use device='cpu'"
+            )
+        count = torch.cuda.device_count()
+        index = dev.index if dev.index is not None else 0
+        if index >= count:
+            raise ConfigError(f"device {str(dev)!r} but only {count} CUDA device(s) exist")
+        free, total = await asyncio.to_thread(torch.cuda.mem_get_info, index)
+        if device_bytes > free:
+            raise ConfigError(
+                f"device pool of {self.config.device_pages} pages needs {device_bytes} bytes "
+                f"({device_bytes / 2**30:.2f} GiB) but {dev} has {free} bytes free of {total}; "
+                "lower device_pages"
+            )
+
     async def aclose(self) -> None:
-        """Settle every transfer in flight, stop the engine and end event streams."""
+        """Settle every transfer in flight, stop the engine and end event streams.
+
+        Bounded even when the store hangs: copies finish, storage calls get their deadlines,
+        and the storage tier closes within about ``3 * storage_timeout`` (workers still stuck
+        in the store are abandoned; nothing acknowledged is lost, since an acknowledged
+        page is already stored).
+        """
         if self._state in (CacheState.CLOSING, CacheState.CLOSED):
             return
         if self._state is CacheState.NEW:
@@ -284,7 +326,10 @@ class HiCache:
     def _check(self) -> None:
         if self._state is not CacheState.RUNNING:
             raise CacheClosedError(f"cache is {self._state.name.lower()}")
-        if threading.get_ident() != self._owner:
+        self._check_owner()
+
+    def _check_owner(self) -> None:
+        if self._owner is not None and threading.get_ident() != self._owner:
             raise OwnershipError(
                 f"HiCache used from thread {threading.current_thread().name!r}; only the "
                 "event-loop thread that started it may call it"
@@ -293,12 +338,12 @@ class HiCache:
     # ------------------------------------------------------------------ input checks
 
     def _ns(self, tenant: str | None, lora: str | None) -> Namespace:
-        key = (tenant or "", lora or "")
-        ns = self._namespaces.get(key)
-        if ns is None:
-            ns = Namespace(self.config.namespace, *key)
-            self._namespaces[key] = ns
-        return ns
+        for name, value in (("tenant", tenant), ("lora", lora)):
+            if value is not None and type(value) is not str:
+                raise InvalidTypeError(
+                    f"{name} must be a str or None, got {type(value).__name__} {value!r}"
+                )
+        return namespace_of(self.config.namespace, tenant or "", lora or "")
 
     def _tokens(self, tokens: Sequence[int] | torch.Tensor) -> list[int]:
         if isinstance(tokens, torch.Tensor):
@@ -306,6 +351,8 @@ class HiCache:
                 raise InvalidInputError(
                     f"tokens tensor must be 1-D integer, got {tokens.dtype} {tuple(tokens.shape)}"
                 )
+            if not tokens.is_cpu:  # reading it would wait for the device on the loop
+                raise InvalidInputError(f"tokens tensor must be on the CPU, got {tokens.device}")
             out: list[int] = tokens.tolist()
         elif isinstance(tokens, (list, tuple)):
             out = tokens if isinstance(tokens, list) else list(tokens)
@@ -314,13 +361,16 @@ class HiCache:
         if not out:
             raise InvalidInputError("tokens must not be empty")
         try:
-            array("Q", out)  # one C pass: rejects non-ints, negatives and ids >= 2**64
+            # one C pass: rejects non-ints and ids outside int64, the range page hashes encode
+            low = min(array("q", out))
         except TypeError as exc:
             bad = next((t for t in out if type(t) is not int), None)
             raise InvalidTypeError(f"tokens must be ints; found {bad!r} ({exc})") from None
         except OverflowError:
-            bad = next(t for t in out if not 0 <= t < 1 << 64)
-            raise InvalidInputError(f"tokens must be in [0, 2**64); found {bad}") from None
+            bad = next(t for t in out if not 0 <= t <= MAX_TOKEN_ID)
+            raise InvalidInputError(f"tokens must be in [0, 2**63); found {bad}") from None
+        if low < 0:
+            raise InvalidInputError(f"tokens must be in [0, 2**63); found {low}")
         return out
 
     def _slots_to_pages(self, slots: Any, n: int) -> torch.Tensor:
@@ -332,8 +382,8 @@ class HiCache:
             raise InvalidInputError(
                 f"kv_indices must be 1-D int64, got {slots.dtype} {tuple(slots.shape)}"
             )
-        if not slots.is_cpu:
-            slots = slots.cpu()
+        if not slots.is_cpu:  # reading it would wait for the device on the loop
+            raise InvalidInputError(f"kv_indices must be a CPU tensor, got {slots.device}")
         slots = slots[:n]
         if slots.dtype != torch.int64:
             slots = slots.to(torch.int64)
@@ -446,27 +496,28 @@ class HiCache:
         """
         self._check()
         self._check_handle(m, MatchResult)
-        _, host_nodes = m._split()
-        waits: list[asyncio.Future[None]] = []
-        to_load: list[Node] = []
-        for node in host_nodes:
-            if node.device is FILLING:
-                waits.append(node.op.future)
-            else:
-                to_load.append(node)
-        if to_load:
-            op = self._start_load(to_load)
-            waits.append(op.future)
-        if waits and self._deferred:
-            loads = self._loads
-            upto = loads.submitted
-            await self._agree(lambda: loads.wait_landed(upto))
-        if waits:
+        rounds = 0
+        while True:
+            _, host_nodes = m._split()
+            if not host_nodes:
+                return m
+            if rounds:
+                self._check()  # the cache may have closed while we waited
+            rounds += 1
+            # Nodes another load is filling come first on the path (device presence is
+            # prefix-closed).  Their children are loaded only once those landed: a copy of a
+            # child started beside its parent's could outlive a failed parent.
+            waits = list({id(op.future): op.future for n in host_nodes if (op := n.op)}.values())
+            if not waits:
+                waits = [self._start_load(host_nodes).future]
+            if self._deferred:
+                loads = self._loads
+                upto = loads.submitted
+                await self._agree(lambda: loads.wait_landed(upto))  # noqa: B023
             await asyncio.wait(waits)
             failed = [f.exception() for f in waits if f.exception() is not None]
             if failed:
                 raise TransferError(f"load-back failed: {failed[0]}") from failed[0]
-        return m
 
     def _start_load(self, nodes: list[Node]) -> TransferOp:
         assert self.host_pool is not None and self.device_pool is not None
@@ -552,12 +603,17 @@ class HiCache:
         alloc = self._dev_alloc
         assert alloc is not None
         if alloc.num_free < n:
-            self._evict_device(n - alloc.num_free)
-        if alloc.num_free < n:
-            raise CapacityError(
-                f"device pool: need {n} pages, {alloc.num_free} free, "
-                f"{self._tree.dev_evictable} evictable, {self._tree.dev_protected} protected"
-            )
+            # evict only when it can succeed: a hopeless request must not flush the pool
+            if n <= alloc.num_free + self._tree.dev_evictable:
+                self._evict_device(n - alloc.num_free)
+            if alloc.num_free < n:
+                held = alloc.count(PageState.HELD)
+                raise CapacityError(
+                    f"device pool: need {n} pages, {alloc.num_free} free of {alloc.num_pages}, "
+                    f"{self._tree.dev_evictable} evictable, {self._tree.dev_protected} pinned "
+                    f"or in flight (unreleased handles and copies), {held} allocated and not "
+                    f"inserted, {alloc.quarantined} held by workers"
+                )
         return alloc.alloc(n, state)
 
     def _alloc_host(self, n: int) -> torch.Tensor | None:
@@ -565,6 +621,8 @@ class HiCache:
         if alloc is None:
             return None
         if alloc.num_free < n:
+            if n > alloc.num_free + self._tree.host_evictable:
+                return None  # hopeless: evict nothing
             self._evict_host(n - alloc.num_free)
         if alloc.num_free < n:
             return None
@@ -899,9 +957,10 @@ class HiCache:
                 await self._agree(_nothing)
         while True:
             await self._wait_inflight()
-            if self._l3 is None or not self._l3.in_flight:
+            if self._l3 is not None:
+                await self._l3.settle()  # bounded: deadlines, then storage_timeout for workers
+            if not self._inflight and (self._l3 is None or not self._l3.in_flight):
                 break
-            await self._l3.settle()
 
     async def sync(self) -> None:
         """Apply the completions every rank has (TP): call once per scheduler step.
@@ -1053,7 +1112,12 @@ class HiCache:
         )
 
     def take_events(self) -> list[KVEvent]:
-        """Drain and return the buffered KV events, oldest first."""
+        """Drain and return the buffered KV events, oldest first.
+
+        Raises:
+            OwnershipError: called from a thread other than the loop's.
+        """
+        self._check_owner()
         return self._events.take()
 
     def events(self) -> AsyncIterator[KVEvent]:
@@ -1070,7 +1134,12 @@ class HiCache:
             if alloc is None:
                 return TierStatistics(0, 0, 0, 0, 0)
             return TierStatistics(
-                alloc.num_pages, alloc.num_free, alloc.count(PageState.HELD), ev, prot
+                alloc.num_pages,
+                alloc.num_free,
+                alloc.count(PageState.HELD),
+                ev,
+                prot,
+                alloc.quarantined,
             )
 
         return CacheStatistics(
@@ -1095,9 +1164,11 @@ class HiCache:
         handle_pins: dict[int, int] = {}
         for h in self._handles.values():
             assert h.state is HandleState.PINNED, f"released handle still registered {h!r}"
-            if h._node.parent is not None:
-                handle_pins[id(h._node)] = handle_pins.get(id(h._node), 0) + 1
+            handle_pins[id(h._node)] = handle_pins.get(id(h._node), 0) + 1
             assert h._node.alive, f"handle pins a removed node {h!r}"
+        for anchor in self._l3.anchors() if self._l3 is not None else []:
+            assert anchor.alive, f"prefetch pins a removed node {anchor!r}"
+            handle_pins[id(anchor)] = handle_pins.get(id(anchor), 0) + 1
         self._tree.check_invariants(handle_pins)
         if self._dev_alloc is not None:
             self._dev_alloc.check_invariants(self._tree.device_pages_in_tree())

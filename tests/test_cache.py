@@ -251,7 +251,8 @@ async def test_tenants_never_share_pages(engine: ManualCopyEngine) -> None:
         assert m.device_len == 4
         for h in (m, r):
             cache.release(h)
-        assert cache.statistics().namespaces == 3
+        # bob's and alice's adapter's namespaces hold nothing: reclaimed once released
+        assert cache.statistics().namespaces == 1
 
 
 async def test_selective_write_through_backs_up_on_second_hit(engine: ManualCopyEngine) -> None:

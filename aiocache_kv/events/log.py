@@ -33,9 +33,8 @@ class EventLog:
 
     def take(self) -> list[KVEvent]:
         """Drain and return every buffered event, oldest first."""
-        out = list(self._buf)
-        self._buf.clear()
-        return out
+        buf, self._buf = self._buf, deque()  # one swap: nothing appended in between is lost
+        return list(buf)
 
     def close(self) -> None:
         """End every ``stream()`` once it has drained what is buffered."""

@@ -12,6 +12,9 @@ from array import array
 from collections.abc import Sequence
 
 _DIGEST = 8
+#: Largest token id a page hash encodes (ids are hashed as signed 64-bit words); the cache
+#: rejects larger ids before any state changes.
+MAX_TOKEN_ID = (1 << 63) - 1
 
 
 def namespace_seed(tag: str) -> int:
@@ -20,7 +23,10 @@ def namespace_seed(tag: str) -> int:
 
 
 def chain_hashes(prev: int, tokens: Sequence[int], page_size: int) -> list[int]:
-    """Hashes of the pages of ``tokens`` (a whole number of pages), chained from ``prev``."""
+    """Hashes of the pages of ``tokens`` (a whole number of pages), chained from ``prev``.
+
+    Token ids must be in ``[0, MAX_TOKEN_ID]`` (the cache validates them first).
+    """
     out: list[int] = []
     raw = array("q", tokens).tobytes()
     step = page_size * 8

@@ -118,7 +118,6 @@ class RadixTree:
             root = Node([], None, ns)
             root.device = RESIDENT  # roots are present everywhere and never evicted
             root.host = RESIDENT
-            root.pins = 1
             self._roots[ns] = root
             self._seeds[ns] = namespace_seed(tag if tag is not None else repr(ns))
         return root
@@ -126,6 +125,17 @@ class RadixTree:
     def roots(self) -> Iterator[Node]:
         """All namespace roots."""
         return iter(self._roots.values())
+
+    def _reclaim(self, root: Node) -> None:
+        """Forget an empty namespace: no nodes and no handle on its root.
+
+        A root's ``pins`` counts the handles that matched nothing in it, so an empty
+        namespace costs nothing once its last handle is gone (one-off tenant salts).
+        """
+        if not root.children and root.pins == 0 and self._roots.get(root.ns) is root:
+            del self._roots[root.ns]
+            del self._seeds[root.ns]
+            root.alive = False
 
     # ---------------------------------------------------------------- keys
 
@@ -302,6 +312,10 @@ class RadixTree:
     def pin(self, node: Node) -> None:
         """Pin ``node`` and its ancestors: none of them can be evicted until ``unpin``."""
         self._check_owner()
+        if node.parent is None:
+            assert node.alive, f"pin of a reclaimed root {node!r}"
+            node.pins += 1  # keeps an empty namespace's root while a handle refers to it
+            return
         while node.parent is not None:
             if node.pins == 0:
                 self._acct(node, -1)
@@ -314,6 +328,11 @@ class RadixTree:
     def unpin(self, node: Node) -> None:
         """Drop one pin from ``node`` and its ancestors."""
         self._check_owner()
+        if node.parent is None:
+            assert node.pins > 0, f"unpin of unpinned root {node!r}"
+            node.pins -= 1
+            self._reclaim(node)
+            return
         while node.parent is not None:
             assert node.pins > 0, f"unpin of unpinned {node!r}"
             if node.pins == 1:
@@ -572,7 +591,10 @@ class RadixTree:
         self.num_nodes -= 1
         self._dev_heap.forget(node)
         self._host_heap.forget(node)
-        self._offer(parent)
+        if parent.parent is None:
+            self._reclaim(parent)
+        else:
+            self._offer(parent)
 
     def clear(self) -> tuple[Eviction, Eviction]:
         """Evict every unpinned, idle page from device, then host; return both evictions."""
@@ -676,7 +698,11 @@ class RadixTree:
         }
         assert got == counts, f"page accounting {got} != recomputed {counts}"
         for root in self._roots.values():
-            assert root.pins == 1 and root.device is RESIDENT, f"root state changed {root!r}"
+            assert root.device is RESIDENT and root.alive, f"root state changed {root!r}"
+            assert root.children or root.pins, f"empty namespace kept {root!r}"
+            if handle_pins is not None:
+                want = handle_pins.get(id(root), 0)
+                assert root.pins == want, f"root pins {root.pins} != handles {want} {root!r}"
             ndc = sum(1 for c in root.children.values() if c.device is not ABSENT)
             assert root.n_dev_children == ndc, f"root n_dev_children {root.n_dev_children}!={ndc}"
         if handle_pins is not None:
