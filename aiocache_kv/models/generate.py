@@ -17,26 +17,34 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 import torch
 
 from aiocache_kv.cache import HiCache
-from aiocache_kv.errors import ConfigError, InvalidInputError
+from aiocache_kv.errors import CacheClosedError, ConfigError, InvalidInputError
+from aiocache_kv.handles import MatchResult
 from aiocache_kv.models.gpt2 import kv_shape
 from aiocache_kv.models.paged import PagedKV
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
+
 #: Runs a forward pass: ``await run(fn)`` returns ``fn()``.  Default: inline on the loop.
-Runner = Callable[[Callable[[], torch.Tensor]], Awaitable[torch.Tensor]]
+#: Cancelling the await may leave ``fn`` running on the runner's thread: the request's rows
+#: stay reserved until it returns (``CachedLM`` tracks that; the runner need not).
+Runner = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 
-async def run_inline(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+async def run_inline(fn: Callable[[], T]) -> T:
     """Run a forward pass on the loop thread (CPU work; other tasks wait for it)."""
     return fn()
 
@@ -67,6 +75,64 @@ class Generation:
 
 def _argmax(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits).item())
+
+
+class _Lease(enum.Enum):
+    PENDING = "pending"  #: handed to the runner, not started
+    RUNNING = "running"  #: the model thread is writing/reading the request's rows
+    DONE = "done"
+    ABANDONED = "abandoned"  #: the request left before the pass started: it never runs
+
+
+class _RowLease:
+    """Whether a forward pass may still touch a request's device rows.
+
+    The buffer-lease rule (docs/ARCHITECTURE.md) for rows handed to a model thread: a request
+    that is cancelled while its pass runs must not free its rows (another request could be
+    given them and the abandoned pass would overwrite its KV), so its clean-up waits for
+    :attr:`idle`.  A pass that had not started yet is abandoned: it will not run.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()  # held for a few bytecodes by either side
+        self._state = _Lease.DONE
+        self.idle: asyncio.Future[None] = loop.create_future()
+        self.idle.set_result(None)
+
+    def wrap(self, fn: Callable[[], torch.Tensor]) -> Callable[[], tuple[torch.Tensor, int]]:
+        """The pass to hand to the runner; also computes the greedy token off the loop."""
+        loop = self._loop
+        idle = self.idle = loop.create_future()
+        self._state = _Lease.PENDING
+
+        def settle() -> None:
+            if not idle.done():
+                idle.set_result(None)
+
+        def call() -> tuple[torch.Tensor, int]:
+            with self._lock:
+                if self._state is _Lease.ABANDONED:
+                    raise asyncio.CancelledError("request left before its forward pass")
+                self._state = _Lease.RUNNING
+            try:
+                logits = fn()
+                return logits, _argmax(logits)  # .item() syncs: never on the loop
+            finally:
+                with self._lock:
+                    self._state = _Lease.DONE
+                with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                    loop.call_soon_threadsafe(settle)
+
+        return call
+
+    def abandon(self) -> bool:
+        """The request is leaving: ``True`` if a pass still runs (wait for :attr:`idle`)."""
+        with self._lock:
+            if self._state is _Lease.PENDING:
+                self._state = _Lease.ABANDONED
+                self.idle.set_result(None)
+            return self._state is _Lease.RUNNING
 
 
 def _check_request(prompt: Sequence[int], max_new_tokens: int, limit: int) -> list[int]:
@@ -194,7 +260,8 @@ class CachedLM:
             res = await cache.prefetch(wanted, tenant=self.tenant)
             hit_storage = res.hit_tokens
             prefetch_s = time.perf_counter() - t0
-        m = cache.match_prefix(wanted, tenant=self.tenant)
+        m: MatchResult | None = cache.match_prefix(wanted, tenant=self.tenant)
+        assert m is not None
         try:
             hit_device = m.device_len
             hit_storage = min(hit_storage, m.host_len)
@@ -207,12 +274,19 @@ class CachedLM:
             prefix_rows = m.device_indices[:reused]
             n_kv = len(toks) + max_new_tokens - 1  # positions whose K/V get written
             own = await cache.alloc_wait(n_kv - reused)
+            lease = _RowLease(asyncio.get_running_loop())
             try:
-                gen = await self._run(toks, prefix_rows, own, max_new_tokens, t0, keep_logits)
+                gen = await self._run(
+                    lease, toks, prefix_rows, own, max_new_tokens, t0, keep_logits
+                )
                 kv_toks = toks + gen.tokens[:-1]
                 rows = torch.cat([prefix_rows, own])[: len(kv_toks)]
             except BaseException:
-                cache.free(own)
+                if lease.abandon():  # the model thread still uses the rows: free them later
+                    self._release_after(lease, own, m)
+                    m = None
+                else:
+                    cache.free(own)
                 raise
             r = cache.insert(kv_toks, rows, tenant=self.tenant)
             aligned = len(kv_toks) // p * p
@@ -226,7 +300,8 @@ class CachedLM:
             finally:
                 cache.release(r)
         finally:
-            cache.release(m)
+            if m is not None:
+                cache.release(m)
         gen.total = time.perf_counter() - t0
         gen.hit_device, gen.hit_host, gen.hit_storage = hit_device, hit_host, hit_storage
         gen.reused = reused
@@ -242,6 +317,19 @@ class CachedLM:
         )
         return gen
 
+    def _release_after(self, lease: _RowLease, own: torch.Tensor, m: MatchResult) -> None:
+        """Free a cancelled request's rows and its match once its forward pass is done."""
+        cache = self.cache
+
+        def release(_: object) -> None:
+            try:
+                cache.free(own)
+                cache.release(m)
+            except CacheClosedError:
+                return  # the cache closed meanwhile: its pools are gone with it
+
+        lease.idle.add_done_callback(release)
+
     def _match_tokens(self, toks: list[int], reusable: int) -> list[int]:
         """What to match and prefetch: the whole prompt (hits are reported in full; only the
         reusable part is used)."""
@@ -256,6 +344,7 @@ class CachedLM:
 
     async def _run(
         self,
+        lease: _RowLease,
         toks: list[int],
         prefix_rows: torch.Tensor,
         own: torch.Tensor,
@@ -267,8 +356,7 @@ class CachedLM:
         seq = self._sequence(torch.cat([prefix_rows, own]), reused)
         model = self.model
         suffix = toks[reused:]
-        logits = await self.runner(lambda: seq.forward(model, suffix))
-        tok = _argmax(logits)
+        logits, tok = await self.runner(lease.wrap(lambda: seq.forward(model, suffix)))
         ttft = time.perf_counter() - t0
         out = [tok]
         kept = [logits.clone()] if keep_logits else []
@@ -276,8 +364,9 @@ class CachedLM:
             if step % self.yield_every == 0:
                 await asyncio.sleep(0)  # let other requests on the loop make progress
             last = [tok]
-            logits = await self.runner(lambda: seq.forward(model, last))  # noqa: B023
-            tok = _argmax(logits)
+            logits, tok = await self.runner(
+                lease.wrap(lambda: seq.forward(model, last))  # noqa: B023
+            )
             out.append(tok)
             if keep_logits:
                 kept.append(logits.clone())

@@ -5,6 +5,8 @@ from (device, host after demotion, storage after eviction or on a restarted cach
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -173,3 +175,46 @@ def test_paged_kv_rejects_bad_rows() -> None:
         PagedKV([(k, k)], torch.arange(4, dtype=torch.int32))
     with pytest.raises(akv.InvalidInputError):
         PagedKV([(k, k)], torch.arange(4), filled=5)
+
+
+async def test_cancelled_generate_keeps_rows_until_the_forward_pass_ends(gpt2: Any) -> None:
+    """Cancelling a request while its forward pass runs on the model thread must not free
+    the rows the thread is writing: another request's load-back would get them and the
+    abandoned pass would overwrite its KV.  The rows go back once the pass returns."""
+    entered, gate = threading.Event(), threading.Event()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    async def runner(fn: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn)
+
+    def stall(*_: Any) -> None:  # inside the forward pass, on the model thread
+        entered.set()
+        gate.wait(30)
+
+    prompt = random_tokens(7, 30)
+    hook = gpt2.register_forward_pre_hook(stall)
+    try:
+        async with akv.HiCache(config(gpt2)) as cache:
+            lm = CachedLM(gpt2, cache, runner=runner)
+            task = asyncio.create_task(lm.generate(prompt, NEW))
+            assert await asyncio.to_thread(entered.wait, 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            stats = cache.statistics()
+            assert stats.device.held_pages == 5, "rows under a running forward pass were freed"
+            hook.remove()
+            gate.set()
+            for _ in range(400):
+                await asyncio.sleep(0.005)
+                if cache.statistics().device.held_pages == 0:
+                    break
+            stats = cache.statistics()
+            assert stats.device.held_pages == 0 and stats.device.free_pages == 64
+            cache.check_invariants()
+            g = await lm.generate(prompt, NEW, keep_logits=True)  # the cache still serves
+            assert_same(gpt2, prompt, g)
+    finally:
+        hook.remove()
+        gate.set()
+        pool.shutdown(wait=False)
