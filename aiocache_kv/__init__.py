@@ -1,6 +1,6 @@
 """aiocache_kv: an asyncio-native hierarchical KV-cache runtime for LLM serving.
 
-The public contract (see ARCHITECTURE.md): :class:`CacheConfig`, :class:`HiCache`, the handles
+The public contract (see docs/ARCHITECTURE.md): :class:`CacheConfig`, :class:`HiCache`, the handles
 it returns, the KV events and the error hierarchy in :mod:`aiocache_kv.errors`.
 """
 
