@@ -248,15 +248,23 @@ class EmbeddingCache:
 
     async def aclose(self) -> None:
         """Wait for pending slot releases, then close the store (idempotent; never raises for
-        store trouble, which is logged)."""
+        store trouble, which is logged).
+
+        Bounded by about ``3 * timeout`` however stuck the store is: workers that have not
+        released their slots by then are abandoned (their entries stay pinned; the pool's
+        memory stays alive for them)."""
         if self._life in (_Life.CLOSING, _Life.CLOSED):
             return
         if self._life is _Life.STARTING and self._starting is not None:
             await asyncio.wait([self._starting])
         self._life = _Life.CLOSING
         try:
-            while self._cleanups:
-                await asyncio.wait(list(self._cleanups))
+            if self._cleanups:
+                _, stuck = await asyncio.wait(list(self._cleanups), timeout=self.timeout)
+                if stuck:
+                    log.warning("embedding.close_abandoned_workers", tasks=len(stuck))
+                    for task in stuck:
+                        task.cancel()  # the entries stay pinned: the cache is closing
             if self._io is not None:
                 await self._io.aclose(timeout=self.timeout)
         except StorageError as exc:

@@ -266,3 +266,17 @@ async def test_many_tasks_on_overlapping_hashes(ns: str) -> None:
             len(client.objects[embedding_key(ns, h)]) for h in canonical_hashes(sorted(both))
         )
         assert sizes <= sent <= sizes + racy
+
+
+async def test_close_with_a_hung_store_is_bounded(ns: str) -> None:
+    client = FakeClient()
+    client.gates["batch_put_from"].clear()  # the store hangs (a stopped master)
+    try:
+        loop = asyncio.get_running_loop()
+        async with node(client, ns, timeout=0.2) as a:
+            st = await a.insert_batch(["a"], [emb(1)])
+            assert st.push_failed == 1
+            t0 = loop.time()
+        assert loop.time() - t0 < 2.0, "aclose waited for a hung worker"
+    finally:
+        client.gates["batch_put_from"].set()
