@@ -1,109 +1,56 @@
-"""``HiCache``: the hierarchical cache a serving loop awaits.
+"""``HiCache``: the hierarchical cache a serving loop awaits (the facade).
 
-Every method here runs on the event-loop thread that started the cache; that thread owns the
-tree, the allocators and the table of transfers in flight.  Sync methods plan a state change
-and apply it at once; the copies they start run on the copy engine, whose completions come
-back to :meth:`HiCache._complete` on the loop, in order with every other mutation.  A node
-split re-targets a pending transfer (``_on_split``), so an ack always lands on every fragment.
+Every method runs on the event-loop thread that started the cache.  The facade validates its
+input (nothing changes on bad input), plans the state change through the
+:class:`~aiocache_kv.core.CacheCore` (tree, pools, events), submits the data movement it needs
+to the :class:`~aiocache_kv.transfer.ops.Transfers` (device<->host) or the
+:class:`~aiocache_kv.storage.tier.StorageTier` (host<->storage), and awaits only what the caller
+asked to wait for.  Completions are applied by the core's coordinator: at once with one rank,
+through agreements with tensor parallelism.  See docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import threading
-import time
-from array import array
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
 
 import structlog
 import torch
 
-from aiocache_kv.components import usable_end
 from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
-from aiocache_kv.distributed import AckQueue, Request, Sequencer, SingleRank, TPGroup
+from aiocache_kv.core import CacheCore
+from aiocache_kv.distributed import SingleRank, TPGroup
 from aiocache_kv.errors import (
     CacheClosedError,
     CapacityError,
-    ConfigError,
     HandleError,
     InvalidInputError,
     InvalidTypeError,
-    OwnershipError,
     TransferError,
 )
-from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog, KVEvent
-from aiocache_kv.handles import HandleState, InsertResult, MatchResult, WriteAck, _Handle
+from aiocache_kv.events import AllBlocksCleared, KVEvent
+from aiocache_kv.handles import Handle, HandleState, InsertResult, MatchResult, WriteAck
+from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.namespace import Namespace, namespace_of
-from aiocache_kv.pools import (
-    DeviceKVPool,
-    HostKVPool,
-    PageAllocator,
-    PageState,
-    admit_host_bytes,
-    available_host_bytes,
-    host_slot_bytes,
-)
-from aiocache_kv.pools.sidecar import SidecarPools
-from aiocache_kv.stats import CacheStatistics, TierStatistics
+from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
+from aiocache_kv.pools.build import build_pools
+from aiocache_kv.stats import CacheStatistics, StorageCounters, TierStatistics
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
 from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
-from aiocache_kv.transfer import CopyEngine, CopyJob, Direction, default_engine
-from aiocache_kv.tree import Node, RadixTree, Tier
-from aiocache_kv.tree.hashing import MAX_TOKEN_ID
-from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT
+from aiocache_kv.transfer import CopyEngine, default_engine
+from aiocache_kv.transfer.ops import OpKind, TransferOp, Transfers
+from aiocache_kv.tree import Node, Tier
+from aiocache_kv.validate import check_names, check_tokens, slots_to_pages
 
 log = structlog.get_logger(__name__)
 
-
-class CacheState(enum.IntEnum):
-    """Lifecycle of a cache."""
-
-    NEW = 0
-    RUNNING = 1
-    CLOSING = 2
-    CLOSED = 3
-
-
-class OpKind(enum.Enum):
-    """Why a copy runs."""
-
-    WRITE_THROUGH = "write_through"
-    WRITE_BACK = "write_back"
-    LOAD_BACK = "load_back"
-
-
-class TransferOp:
-    """One copy in flight and the nodes its completion applies to, in path order."""
-
-    __slots__ = ("error", "evict_after", "future", "kind", "nbytes", "started", "targets")
-
-    def __init__(self, kind: OpKind, targets: list[Node], future: asyncio.Future[None]) -> None:
-        self.kind = kind
-        self.targets = targets
-        self.future = future  # set when the op is applied to the tree
-        self.nbytes = 0
-        self.started = time.monotonic()
-        self.evict_after: Node | None = None  # write-back: the victim to demote on ack
-        self.error: BaseException | None = None  # local copy failure, if any
-
-    def __repr__(self) -> str:
-        state = "done" if self.future.done() else "pending"
-        return f"<TransferOp {self.kind.value} targets={len(self.targets)} {state}>"
-
-
-async def _nothing() -> None:
-    return None
-
-
-def _consume(fut: asyncio.Future[None]) -> None:
-    if not fut.cancelled():
-        fut.exception()  # mark retrieved: failures are counted and logged by the cache
+#: kept for callers of the first release; the one lifecycle enum is :class:`Lifecycle`
+CacheState = Lifecycle
 
 
 class HiCache:
-    """Hierarchical KV cache over a device pool (L1) and a host pool (L2).
+    """Hierarchical KV cache over a device pool (L1), a host pool (L2) and storage (L3).
 
     Use as ``async with HiCache(cfg) as cache``.  Every method must be called on the thread
     running the loop that entered the context; any other thread gets ``OwnershipError``.
@@ -116,60 +63,28 @@ class HiCache:
         copy_engine: CopyEngine | None = None,
         tp_group: TPGroup | None = None,
     ) -> None:
+        """Raises:
+        InvalidTypeError: ``config`` is not a ``CacheConfig`` or ``tp_group`` not a ``TPGroup``.
+        """
         if not isinstance(config, CacheConfig):
             raise InvalidTypeError(f"config must be a CacheConfig, got {type(config).__name__}")
         if tp_group is not None and not isinstance(tp_group, TPGroup):
             raise InvalidTypeError(f"tp_group must be a TPGroup, got {type(tp_group).__name__}")
         self.config = config
         self.tp_group: TPGroup = tp_group if tp_group is not None else SingleRank()
-        #: with more than one rank, completions are applied only through agreements
-        self._deferred = self.tp_group.world_size > 1
-        self._seq: Sequencer | None = None
-        self._writes: AckQueue[TransferOp] = AckQueue("write", self._apply_op)
-        self._loads: AckQueue[TransferOp] = AckQueue("load", self._apply_op)
-        self._device = torch.device(config.device)
+        self._core = CacheCore(config, self.tp_group)
+        self._tree = self._core.tree  # tests inspect the tree through this name
         self._engine = (
             copy_engine
             if copy_engine is not None
-            else default_engine(self._device, config.copy_threads)
+            else default_engine(self._core.device, config.copy_threads)
         )
-        self._state = CacheState.NEW
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._owner: int | None = None
-        self._tree = RadixTree(config.page_size, on_split=self._on_split)
-        self._events = EventLog(enabled=config.enable_kv_events)
-        self._handles: dict[int, _Handle] = {}
-        self._inflight: dict[int, TransferOp] = {}
-        self._counters: dict[str, int] = dict.fromkeys(
-            (
-                "match_queries",
-                "hit_tokens_device",
-                "hit_tokens_host",
-                "inserted_tokens",
-                "write_through_started",
-                "write_through_done",
-                "write_through_failed",
-                "write_through_skipped_pages",
-                "load_back_started",
-                "load_back_done",
-                "load_back_failed",
-                "bytes_device_to_host",
-                "bytes_host_to_device",
-            ),
-            0,
-        )
-        self.device_pool: DeviceKVPool | None = None
-        self.host_pool: HostKVPool | None = None
-        self._dev_alloc: PageAllocator | None = None
-        self._host_alloc: PageAllocator | None = None
+        self._state = Lifecycle.NEW
+        self._handles: dict[int, Handle] = {}
         self._l3: StorageTier | None = None
-        self._sidecars: list[SidecarPools] = []
-        #: trailing-window components: (name, window pages)
-        self._trailing = [
-            (c.name, c.window_pages(config.page_size))
-            for c in config.components
-            if c.window_pages(config.page_size)
-        ]
+        self._transfers = Transfers(self._core, self._engine, self._backup_to_storage)
+        if config.write_policy is WritePolicy.WRITE_BACK:
+            self._core.stager = self._stage
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -181,110 +96,35 @@ class HiCache:
             ConfigError: the device pool does not fit (on cpu: in available RAM; on cuda: in
                 the device's free memory), or CUDA was asked for and is not available.
             CacheClosedError: the cache was already started.
+            StorageUnavailableError / StorageTimeoutError: the storage cannot be opened.
         """
-        if self._state is not CacheState.NEW:
+        if self._state is not Lifecycle.NEW:
             raise CacheClosedError(f"cache cannot start from state {self._state.name}")
         cfg = self.config
-        pin = self._device.type == "cuda" and torch.cuda.is_available()
-        extra = FRAME_OVERHEAD if cfg.storage is not None else 0
-        host_bytes = cfg.host_pages * host_slot_bytes(cfg.page_bytes, extra)
-        host_bytes += sum(
-            SidecarPools.host_bytes(c, cfg.host_pages, extra) for c in cfg.components
-        )  # every pool is admitted together
-        available = await asyncio.to_thread(available_host_bytes)
-        device_bytes = cfg.device_pages * (
-            cfg.page_bytes + sum(c.page_bytes for c in cfg.components)
-        )
-        if self._device.type == "cpu":  # the device pool lives in host memory too
-            if device_bytes > available - cfg.host_memory_reserve_bytes:
-                raise ConfigError(
-                    f"device pool of {cfg.device_pages} pages needs {device_bytes} bytes "
-                    f"({device_bytes / 2**30:.2f} GiB) on cpu but only {available} bytes are "
-                    f"available ({cfg.host_memory_reserve_bytes} reserved); lower device_pages"
-                )
-            available -= device_bytes
-        else:
-            await self._check_cuda(device_bytes)
-        admit_host_bytes(host_bytes, cfg.host_memory_reserve_bytes, available)
-
-        def build() -> tuple[DeviceKVPool, HostKVPool | None, list[SidecarPools]]:
-            dev = DeviceKVPool(
-                cfg.device_pages,
-                cfg.num_layers,
-                cfg.page_size,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                cfg.dtype,
-                self._device,
-            )
-            host = (
-                HostKVPool(
-                    cfg.host_pages,
-                    cfg.num_layers,
-                    cfg.page_elems,
-                    cfg.dtype,
-                    extra_bytes=extra,
-                    pin_memory=pin,
-                )
-                if cfg.host_pages
-                else None
-            )
-            sidecars = [
-                SidecarPools(
-                    c,
-                    cfg.device_pages,
-                    cfg.host_pages,
-                    self._device,
-                    extra_bytes=extra,
-                    pin_memory=pin,
-                )
-                for c in cfg.components
-            ]
-            return dev, host, sidecars
-
-        self.device_pool, self.host_pool, self._sidecars = await asyncio.to_thread(build)
-        self._dev_alloc = PageAllocator(cfg.device_pages, "device")
-        self._host_alloc = PageAllocator(cfg.host_pages, "host") if cfg.host_pages else None
-        self._loop = asyncio.get_running_loop()
-        self._owner = threading.get_ident()
-        self._tree.bind_owner(self._owner)
-        if cfg.storage is not None:
-            self._l3 = StorageTier(self, cfg.storage)
-            await self._l3.start()
-        self._engine.start(self._loop)
-        if self._deferred:
-            self._seq = Sequencer(self.tp_group, self._loop)
-            self._seq.start()
-        self._state = CacheState.RUNNING
+        self._state = Lifecycle.STARTING
+        try:
+            pools = await build_pools(cfg, FRAME_OVERHEAD if cfg.storage is not None else 0)
+            loop = asyncio.get_running_loop()
+            core = self._core
+            core.bind(loop, pools.device, pools.host, pools.sidecars)
+            if cfg.storage is not None:
+                self._l3 = StorageTier(core, cfg.storage)
+                await self._l3.start()
+            self._engine.start(loop)
+            core.coordinator.start(loop)
+        except BaseException:
+            self._state = Lifecycle.NEW
+            raise
+        self._state = Lifecycle.RUNNING
         log.info(
             "cache_started",
-            device=str(self._device),
+            device=str(core.device),
             device_pages=cfg.device_pages,
             host_pages=cfg.host_pages,
             page_size=cfg.page_size,
             write_policy=WritePolicy(cfg.write_policy).value,
-            host_bytes=host_bytes,
+            host_bytes=pools.host_bytes,
         )
-
-    async def _check_cuda(self, device_bytes: int) -> None:
-        """Raise ``ConfigError`` (with the numbers) unless the CUDA device can hold the pool."""
-        dev = self._device
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"device {str(dev)!r} but CUDA is not available (torch {torch.__version__}, "
-                f"built for CUDA {torch.version.cuda}); use device='cpu'"
-            )
-        count = torch.cuda.device_count()
-        index = dev.index if dev.index is not None else 0
-        if index >= count:
-            raise ConfigError(f"device {str(dev)!r} but only {count} CUDA device(s) exist")
-        free, total = await asyncio.to_thread(torch.cuda.mem_get_info, index)
-        if device_bytes > free:
-            raise ConfigError(
-                f"device pool of {self.config.device_pages} pages needs {device_bytes} bytes "
-                f"({device_bytes / 2**30:.2f} GiB) but {dev} has {free} bytes free of {total}; "
-                "lower device_pages"
-            )
 
     async def aclose(self) -> None:
         """Settle every transfer in flight, stop the engine and end event streams.
@@ -294,27 +134,26 @@ class HiCache:
         in the store are abandoned; nothing acknowledged is lost, since an acknowledged
         page is already stored).
         """
-        if self._state in (CacheState.CLOSING, CacheState.CLOSED):
+        if self._state in (Lifecycle.CLOSING, Lifecycle.CLOSED):
             return
-        if self._state is CacheState.NEW:
-            self._state = CacheState.CLOSED
+        if self._state is Lifecycle.NEW:
+            self._state = Lifecycle.CLOSED
             return
-        self._state = CacheState.CLOSING
+        self._state = Lifecycle.CLOSING
+        core = self._core
         try:
-            if self._deferred:
+            if core.coordinator.deferred:
                 await self._flush()  # every rank closes at the same point of its loop
             await self._engine.aclose()  # runs what is queued; completions reach the loop
-            await self._wait_inflight()
+            await self._transfers.wait_all()
             if self._l3 is not None:
                 await self._l3.aclose()
-            if self._seq is not None:
-                await self._seq.aclose()
+            await core.coordinator.aclose()
         finally:
-            if self._events.enabled:
-                self._events.append(AllBlocksCleared())
-            self._events.close()
-            self._state = CacheState.CLOSED
-            log.info("cache_closed", **self._counters)
+            core.emit(AllBlocksCleared())
+            core.events.close()
+            self._state = Lifecycle.CLOSED
+            log.info("cache_closed", **dataclasses.asdict(core.counters))
 
     async def __aenter__(self) -> HiCache:
         await self.start()
@@ -324,87 +163,15 @@ class HiCache:
         await self.aclose()
 
     def _check(self) -> None:
-        if self._state is not CacheState.RUNNING:
-            raise CacheClosedError(f"cache is {self._state.name.lower()}")
-        self._check_owner()
-
-    def _check_owner(self) -> None:
-        if self._owner is not None and threading.get_ident() != self._owner:
-            raise OwnershipError(
-                f"HiCache used from thread {threading.current_thread().name!r}; only the "
-                "event-loop thread that started it may call it"
+        if self._state is not Lifecycle.RUNNING:
+            hint = " (use `async with HiCache(cfg)` or `await cache.start()`)"
+            raise CacheClosedError(
+                f"cache is {self._state.value}" + (hint if self._state is Lifecycle.NEW else "")
             )
-
-    # ------------------------------------------------------------------ input checks
+        self._core.check_owner()
 
     def _ns(self, tenant: str | None, lora: str | None) -> Namespace:
-        for name, value in (("tenant", tenant), ("lora", lora)):
-            if value is not None and type(value) is not str:
-                raise InvalidTypeError(
-                    f"{name} must be a str or None, got {type(value).__name__} {value!r}"
-                )
-        return namespace_of(self.config.namespace, tenant or "", lora or "")
-
-    def _tokens(self, tokens: Sequence[int] | torch.Tensor) -> list[int]:
-        if isinstance(tokens, torch.Tensor):
-            if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-                raise InvalidInputError(
-                    f"tokens tensor must be 1-D integer, got {tokens.dtype} {tuple(tokens.shape)}"
-                )
-            if not tokens.is_cpu:  # reading it would wait for the device on the loop
-                raise InvalidInputError(f"tokens tensor must be on the CPU, got {tokens.device}")
-            out: list[int] = tokens.tolist()
-        elif isinstance(tokens, (list, tuple)):
-            out = tokens if isinstance(tokens, list) else list(tokens)
-        else:
-            raise InvalidTypeError(f"tokens must be a list of ints, got {type(tokens).__name__}")
-        if not out:
-            raise InvalidInputError("tokens must not be empty")
-        try:
-            # one C pass: rejects non-ints and ids outside int64, the range page hashes encode
-            low = min(array("q", out))
-        except TypeError as exc:
-            bad = next((t for t in out if type(t) is not int), None)
-            raise InvalidTypeError(f"tokens must be ints; found {bad!r} ({exc})") from None
-        except OverflowError:
-            bad = next(t for t in out if not 0 <= t <= MAX_TOKEN_ID)
-            raise InvalidInputError(f"tokens must be in [0, 2**63); found {bad}") from None
-        if low < 0:
-            raise InvalidInputError(f"tokens must be in [0, 2**63); found {low}")
-        return out
-
-    def _slots_to_pages(self, slots: Any, n: int) -> torch.Tensor:
-        """Validate device token slots for ``n`` aligned tokens; return their page ids."""
-        cfg = self.config
-        if not isinstance(slots, torch.Tensor):
-            raise InvalidTypeError(f"kv_indices must be a torch.Tensor, got {type(slots).__name__}")
-        if slots.dim() != 1 or slots.dtype not in (torch.int64, torch.int32):
-            raise InvalidInputError(
-                f"kv_indices must be 1-D int64, got {slots.dtype} {tuple(slots.shape)}"
-            )
-        if not slots.is_cpu:  # reading it would wait for the device on the loop
-            raise InvalidInputError(f"kv_indices must be a CPU tensor, got {slots.device}")
-        slots = slots[:n]
-        if slots.dtype != torch.int64:
-            slots = slots.to(torch.int64)
-        limit = cfg.device_pages * cfg.page_size
-        arr = slots.numpy()
-        if n and (arr.min() < 0 or arr.max() >= limit):
-            lo, hi = int(arr.min()), int(arr.max())
-            raise InvalidInputError(f"kv_indices out of range [0, {limit}): min {lo} max {hi}")
-        p = cfg.page_size
-        if p == 1:
-            out: torch.Tensor = slots.clone()  # the tree keeps it; the caller may reuse theirs
-            return out
-        grid = slots.view(-1, p)
-        first = grid[:, 0]
-        if bool((first % p != 0).any()) or not torch.equal(grid, first[:, None] + torch.arange(p)):
-            raise InvalidInputError(
-                f"kv_indices must cover whole pages (page_size {p}): each run of {p} slots must "
-                "be page*page_size + 0..page_size-1, as returned by alloc()"
-            )
-        pages: torch.Tensor = first // p
-        return pages
+        return namespace_of(self.config.namespace, *check_names(tenant, lora))
 
     # ------------------------------------------------------------------ match / load back
 
@@ -420,28 +187,30 @@ class HiCache:
         Returns a :class:`MatchResult`; release it with :meth:`release`.
 
         Raises:
-            InvalidTypeError / InvalidInputError: tokens are not non-negative ints or empty.
+            InvalidTypeError / InvalidInputError: tokens are not ints in ``[0, 2**63)`` or
+                empty; tenant/lora not ``str``/``None``.
             CacheClosedError: the cache is not running.
         """
         self._check()
-        toks = self._tokens(tokens)
+        toks = check_tokens(tokens)
         ns = self._ns(tenant, lora)
         p = self.config.page_size
-        tree = self._tree
+        core = self._core
+        tree = core.tree
         tree.root(ns, ns.tag)
         node, _ = tree.match(ns, toks, len(toks) // p * p, pin=True)
-        m = MatchResult(self, node)
+        m = MatchResult(core, node)
         self._handles[id(m)] = m
-        c = self._counters
-        c["match_queries"] += 1
+        c = core.counters
+        c.match_queries += 1
         if node.parent is not None:
             tree.record_hit(node)
-            dev, host = m._split()
-            c["hit_tokens_device"] += sum(len(n.key) for n in dev)
-            c["hit_tokens_host"] += sum(len(n.key) for n in host)
+            dev, host = m.parts()
+            c.hit_tokens_device += sum(len(n.key) for n in dev)
+            c.hit_tokens_host += sum(len(n.key) for n in host)
             if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
                 threshold = self.config.write_through_threshold
-                self._backup(
+                self._transfers.backup(
                     [n for n in tree.path(node) if n.hit_count >= threshold],
                     OpKind.WRITE_THROUGH,
                 )
@@ -467,11 +236,11 @@ class HiCache:
         a later agreement).  Storage faults never raise here: the result says what happened.
 
         Raises:
-            InvalidTypeError / InvalidInputError: bad tokens or policy (nothing changed).
+            InvalidTypeError / InvalidInputError: bad tokens, names or policy (nothing changed).
             CacheClosedError: the cache is not running.
         """
         self._check()
-        toks = self._tokens(tokens)
+        toks = check_tokens(tokens)
         try:
             pol = PrefetchPolicy(policy if policy is not None else self.config.prefetch_policy)
         except ValueError:
@@ -480,7 +249,7 @@ class HiCache:
         if self._l3 is None:
             return PrefetchResult(PrefetchStatus.NO_STORAGE, 0, 0, 0)
         p = self.config.page_size
-        self._tree.root(ns, ns.tag)
+        self._core.tree.root(ns, ns.tag)
         return await self._l3.prefetch(ns, toks, len(toks) // p * p, pol)
 
     async def load_back(self, m: MatchResult) -> MatchResult:
@@ -488,61 +257,35 @@ class HiCache:
 
         Cancelling the await does not cancel the copy: it lands (the pages become
         device-resident, owned by the tree) and nothing leaks.  ``m`` stays pinned either way.
+        Nodes another load is filling are waited for before their children are loaded, so a
+        child's copy never outlives a failed parent.
 
         Raises:
             CapacityError: not enough device pages even after eviction (nothing changed).
             TransferError: the copy failed; the nodes stay host-only.
             HandleError: ``m`` was released or belongs to another cache.
+            CacheClosedError: the cache is not running (or closed while waiting).
         """
         self._check()
         self._check_handle(m, MatchResult)
+        coord = self._core.coordinator
         rounds = 0
         while True:
-            _, host_nodes = m._split()
+            _, host_nodes = m.parts()
             if not host_nodes:
                 return m
             if rounds:
                 self._check()  # the cache may have closed while we waited
             rounds += 1
-            # Nodes another load is filling come first on the path (device presence is
-            # prefix-closed).  Their children are loaded only once those landed: a copy of a
-            # child started beside its parent's could outlive a failed parent.
+            # FILLING nodes come first on the path (device presence is prefix-closed)
             waits = list({id(op.future): op.future for n in host_nodes if (op := n.op)}.values())
             if not waits:
-                waits = [self._start_load(host_nodes).future]
-            if self._deferred:
-                loads = self._loads
-                upto = loads.submitted
-                await self._agree(lambda: loads.wait_landed(upto))  # noqa: B023
+                waits = [self._transfers.load(host_nodes).future]
+            await coord.settle_landed(self._transfers.loads)
             await asyncio.wait(waits)
             failed = [f.exception() for f in waits if f.exception() is not None]
             if failed:
                 raise TransferError(f"load-back failed: {failed[0]}") from failed[0]
-
-    def _start_load(self, nodes: list[Node]) -> TransferOp:
-        assert self.host_pool is not None and self.device_pool is not None
-        need = sum(len(n.key) for n in nodes) // self.config.page_size
-        dst = self._alloc_device(need)
-        src = torch.cat([n.host_pages for n in nodes])  # type: ignore[misc]
-        op = TransferOp(OpKind.LOAD_BACK, list(nodes), self._new_future())
-        off = 0
-        for node in nodes:
-            k = len(node.key) // self.config.page_size
-            self._tree.begin_device_fill(node, dst[off : off + k], op)
-            off += k
-        self._counters["load_back_started"] += 1
-        self._submit(
-            op,
-            CopyJob(
-                Direction.H2D,
-                self.device_pool.buffer,
-                self.host_pool.pages,
-                src,
-                dst,
-                self._sidecar_pairs(),
-            ),
-        )
-        return op
 
     # ------------------------------------------------------------------ alloc / insert
 
@@ -553,13 +296,13 @@ class HiCache:
 
         Raises:
             InvalidInputError: ``n`` is not a positive int.
-            CapacityError: too few free pages even after evicting (nothing taken).
+            CapacityError: too few free pages even after evicting (nothing evicted or taken).
         """
         self._check()
         if type(n) is not int or n < 1:
             raise InvalidInputError(f"alloc needs a positive int, got {n!r}")
         p = self.config.page_size
-        pages = self._alloc_device(-(-n // p), PageState.HELD)
+        pages = self._core.alloc_device(-(-n // p), PageState.HELD)
         if p == 1:
             return pages
         return (pages[:, None] * p + torch.arange(p)).flatten()
@@ -576,12 +319,13 @@ class HiCache:
             try:
                 return self.alloc(n)
             except CapacityError:
-                if not self._inflight:
+                if not self._transfers.inflight:
                     raise
-            if self._deferred:
-                await self._agree_all_landed()
+            coord = self._core.coordinator
+            if coord.deferred:  # copies apply only through agreements
+                await coord.settle_all()
             else:
-                await asyncio.wait([op.future for op in self._inflight.values()])
+                await asyncio.wait([op.future for op in self._transfers.inflight.values()])
 
     def free(self, kv_indices: torch.Tensor) -> None:
         """Return slots from :meth:`alloc` that were not inserted (whole pages).
@@ -593,54 +337,46 @@ class HiCache:
         n = kv_indices.numel() if isinstance(kv_indices, torch.Tensor) else 0
         if n % self.config.page_size:
             raise InvalidInputError(f"free needs whole pages, got {n} slots")
-        pages = self._slots_to_pages(kv_indices, n)
-        assert self._dev_alloc is not None
-        if not self._dev_alloc.distinct(pages) or not self._dev_alloc.check(pages, PageState.HELD):
-            raise InvalidInputError("free: slots not held by the caller (double free?)")
-        self._dev_alloc.free([pages])
-
-    def _alloc_device(self, n: int, state: PageState = PageState.OWNED) -> torch.Tensor:
+        pages = self._pages(kv_indices, n)
         alloc = self._dev_alloc
-        assert alloc is not None
-        if alloc.num_free < n:
-            # evict only when it can succeed: a hopeless request must not flush the pool
-            if n <= alloc.num_free + self._tree.dev_evictable:
-                self._evict_device(n - alloc.num_free)
-            if alloc.num_free < n:
-                held = alloc.count(PageState.HELD)
-                raise CapacityError(
-                    f"device pool: need {n} pages, {alloc.num_free} free of {alloc.num_pages}, "
-                    f"{self._tree.dev_evictable} evictable, {self._tree.dev_protected} pinned "
-                    f"or in flight (unreleased handles and copies), {held} allocated and not "
-                    f"inserted, {alloc.quarantined} held by workers"
-                )
-        return alloc.alloc(n, state)
+        if not alloc.distinct(pages) or not alloc.check(pages, PageState.HELD):
+            raise InvalidInputError("free: slots not held by the caller (double free?)")
+        alloc.free([pages])
 
-    def _alloc_host(self, n: int) -> torch.Tensor | None:
-        alloc = self._host_alloc
-        if alloc is None:
-            return None
-        if alloc.num_free < n:
-            if n > alloc.num_free + self._tree.host_evictable:
-                return None  # hopeless: evict nothing
-            self._evict_host(n - alloc.num_free)
-        if alloc.num_free < n:
-            return None
-        return alloc.alloc(n)
+    @property
+    def device_pool(self) -> DeviceKVPool | None:
+        """The device (L1) pool, once started."""
+        return self._core.device_pool
+
+    @property
+    def host_pool(self) -> HostKVPool | None:
+        """The host (L2) pool, once started (``None`` without host pages)."""
+        return self._core.host_pool
+
+    @property
+    def _dev_alloc(self) -> PageAllocator:
+        alloc = self._core.dev_alloc
+        assert alloc is not None, "cache not started"
+        return alloc
+
+    def _pages(self, slots: object, n: int) -> torch.Tensor:
+        return slots_to_pages(slots, n, self.config.page_size, self.config.device_pages)
 
     def device_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of ``layer``: ``[device_pages * page_size, heads, head_dim]``.
 
         Raises:
             InvalidInputError: ``layer`` out of range.
+            CacheClosedError: the cache is not running.
         """
         self._check()
         if type(layer) is not int or not 0 <= layer < self.config.num_layers:
             raise InvalidInputError(
                 f"layer must be in [0, {self.config.num_layers}), got {layer!r}"
             )
-        assert self.device_pool is not None
-        return self.device_pool.kv(layer)
+        pool = self._core.device_pool
+        assert pool is not None
+        return pool.kv(layer)
 
     def sidecar(self, name: str) -> torch.Tensor:
         """Device buffer of sidecar component ``name``: ``[device_pages, *page_shape]``.
@@ -650,40 +386,15 @@ class HiCache:
 
         Raises:
             InvalidInputError: no component of that name.
+            CacheClosedError: the cache is not running.
         """
         self._check()
-        for sc in self._sidecars:
+        for sc in self._core.sidecars:
             if sc.component.name == name:
                 buf: torch.Tensor = sc.device
                 return buf
-        names = [sc.component.name for sc in self._sidecars]
+        names = [sc.component.name for sc in self._core.sidecars]
         raise InvalidInputError(f"no sidecar component {name!r}; configured: {names}")
-
-    def _sidecar_pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        return tuple((sc.device, sc.host) for sc in self._sidecars)
-
-    def _usable_path(self, path: list[Node]) -> list[Node]:
-        """Cut ``path`` where every trailing-window component still has its whole window."""
-        if not self._trailing or not any(n.invalid for n in path):
-            return path
-        p = self.config.page_size
-        sizes = [len(n.key) // p for n in path]
-        total = sum(sizes)
-        trailing = []
-        for name, window in self._trailing:
-            valid: list[bool] = []
-            for node, k in zip(path, sizes, strict=True):
-                valid += [name not in node.invalid] * k
-            trailing.append((window, valid, 0))
-        end = usable_end(total, trailing, total)
-        out: list[Node] = []
-        acc = 0
-        for node, k in zip(path, sizes, strict=True):
-            if acc + k > end:
-                break
-            out.append(node)
-            acc += k
-        return out
 
     def insert(
         self,
@@ -703,11 +414,11 @@ class HiCache:
         Returns an :class:`InsertResult` pinning the path; ``.write_through`` is awaitable.
 
         Raises:
-            InvalidTypeError / InvalidInputError: bad tokens or slots (nothing changed).
+            InvalidTypeError / InvalidInputError: bad tokens, names or slots (nothing changed).
             CacheClosedError: the cache is not running.
         """
         self._check()
-        toks = self._tokens(tokens)
+        toks = check_tokens(tokens)
         if (
             isinstance(kv_indices, torch.Tensor)
             and kv_indices.dim() == 1
@@ -718,13 +429,13 @@ class HiCache:
             )
         p = self.config.page_size
         n = len(toks) // p * p
-        pages = self._slots_to_pages(kv_indices, n)
+        pages = self._pages(kv_indices, n)
         ns = self._ns(tenant, lora)
-        tree = self._tree
+        core = self._core
+        tree = core.tree
         alloc = self._dev_alloc
-        assert alloc is not None
         # validate ownership before changing anything (not even a new namespace's root)
-        existing = self._device_prefix(ns, toks, n)
+        existing = tree.device_prefix(ns, toks, n)
         d = existing.numel()
         if not alloc.distinct(pages):
             raise InvalidInputError("kv_indices repeat a page")
@@ -744,200 +455,60 @@ class HiCache:
             alloc.set_state(pages[d:kept], PageState.OWNED)
         if n // p > kept:
             alloc.free([pages[kept:]])
-        self._counters["inserted_tokens"] += out.inserted_tokens - out.prefix_tokens
-        if self._events.enabled:
+        core.counters.inserted_tokens += out.inserted_tokens - out.prefix_tokens
+        if core.events.enabled:
             for node in out.adopted + out.created:
-                self._emit_stored(node, Tier.DEVICE)
+                core.emit_stored(node, Tier.DEVICE)
         ack = None
         if self.config.write_policy is WritePolicy.WRITE_THROUGH and n:
-            op = self._backup(tree.path(out.node), OpKind.WRITE_THROUGH)
+            op = self._transfers.backup(tree.path(out.node), OpKind.WRITE_THROUGH)
             if op is not None:
                 ack = WriteAck(op.future)
-        r = InsertResult(self, out.node, out.prefix_tokens, out.inserted_tokens, ack)
+        r = InsertResult(core, out.node, out.prefix_tokens, out.inserted_tokens, ack)
         self._handles[id(r)] = r
         return r
-
-    def _device_prefix(self, ns: Namespace, toks: list[int], n: int) -> torch.Tensor:
-        """Device pages the tree holds for the leading part of ``toks[:n]`` (no mutation).
-
-        Ends after a node that is still loading, as :meth:`RadixTree.insert` does.
-        """
-        root = self._tree._roots.get(ns)
-        if root is None:
-            return torch.empty(0, dtype=torch.int64)
-        node = root
-        p = self.config.page_size
-        pos = 0
-        parts: list[torch.Tensor] = []
-        while pos < n:
-            child = node.children.get(toks[pos] if p == 1 else tuple(toks[pos : pos + p]))
-            if child is None or child.device is ABSENT:
-                break
-            key = child.key
-            if pos + len(key) <= n and toks[pos : pos + len(key)] == key:
-                parts.append(child.device_pages)  # type: ignore[arg-type]
-                pos += len(key)
-                node = child
-                if child.device is FILLING:
-                    break
-                continue
-            common = self._tree._common(key, toks, pos, min(len(key), n - pos))
-            parts.append(child.device_pages[: common // p])  # type: ignore[index]
-            break
-        if not parts:
-            return torch.empty(0, dtype=torch.int64)
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def release(self, handle: MatchResult | InsertResult) -> None:
         """Drop the pin of a handle from :meth:`match_prefix` or :meth:`insert`.
 
         Raises:
             HandleError: released twice, or a handle of another cache.
+            CacheClosedError: the cache is not running.
         """
         self._check()
-        self._check_handle(handle, _Handle)
+        self._check_handle(handle, Handle)
         handle.state = HandleState.RELEASED
         del self._handles[id(handle)]
-        self._tree.unpin(handle._node)
+        self._core.tree.unpin(handle.node)
 
     def _check_handle(self, handle: object, kind: type) -> None:
         if not isinstance(handle, kind):
             raise InvalidTypeError(f"expected a {kind.__name__}, got {type(handle).__name__}")
-        h: _Handle = handle  # type: ignore[assignment]
-        if h._cache is not self:
+        h: Handle = handle  # type: ignore[assignment]
+        if h.core is not self._core:
             raise HandleError("handle belongs to another cache")
         if h.state is not HandleState.PINNED:
             raise HandleError(f"handle already {h.state.name.lower()}")
 
-    # ------------------------------------------------------------------ backup / acks
+    # ------------------------------------------------------------------ backups, flush
 
-    def _backup(self, path: list[Node], kind: OpKind) -> TransferOp | None:
-        """Start copying the device-only nodes of ``path`` (root-most first) to host."""
-        nodes = [n for n in path if n.host is ABSENT and n.device is RESIDENT]
-        if not nodes or self.host_pool is None or self.device_pool is None:
-            return None
-        p = self.config.page_size
-        need = sum(len(n.key) for n in nodes) // p
-        dst = self._alloc_host(need)
-        if dst is None:  # all or nothing keeps host presence prefix-closed
-            self._counters["write_through_skipped_pages"] += need
-            log.debug("backup_skipped", pages=need, reason="host pool full")
-            return None
-        src = torch.cat([n.device_pages for n in nodes])  # type: ignore[misc]
-        op = TransferOp(kind, nodes, self._new_future())
-        off = 0
-        for node in nodes:
-            k = len(node.key) // p
-            self._tree.begin_host_fill(node, dst[off : off + k], op)
-            off += k
-        self._counters["write_through_started"] += 1
-        self._submit(
-            op,
-            CopyJob(
-                Direction.D2H,
-                self.device_pool.buffer,
-                self.host_pool.pages,
-                src,
-                dst,
-                self._sidecar_pairs(),
-            ),
+    def _backup_to_storage(self, nodes: list[Node]) -> None:
+        if self._l3 is not None:
+            self._l3.backup(nodes)
+
+    def _stage(self, node: Node) -> bool:
+        """Write-back: start copying an eviction victim (and its host-less ancestors) to host."""
+        op: TransferOp | None = self._transfers.backup(
+            self._core.tree.path(node), OpKind.WRITE_BACK
         )
-        return op
-
-    def _new_future(self) -> asyncio.Future[None]:
-        assert self._loop is not None
-        fut: asyncio.Future[None] = self._loop.create_future()
-        fut.add_done_callback(_consume)
-        return fut
-
-    def _submit(self, op: TransferOp, job: CopyJob) -> None:
-        op.nbytes = job.nbytes
-        self._inflight[id(op)] = op
-        if self._deferred:
-            assert self._loop is not None
-            (self._loads if op.kind is OpKind.LOAD_BACK else self._writes).push(op, self._loop)
-        self._engine.submit(job, lambda err: self._complete(op, err))
-
-    def _on_split(self, head: Node, tail: Node) -> None:
-        """A node with a transfer in flight was split: the transfer now covers both parts."""
-        if tail.op is not None:
-            op: TransferOp = tail.op
-            op.targets.insert(op.targets.index(tail), head)
-        if tail.backup is not None:
-            assert self._l3 is not None
-            self._l3.retarget(head, tail)
-
-    def _complete(self, op: TransferOp, err: BaseException | None) -> None:
-        """A copy finished (on the loop): apply it now, or queue it for agreement (TP)."""
-        op.error = err
-        if not self._deferred:
-            self._apply_op(op, err is None)
-        else:
-            (self._loads if op.kind is OpKind.LOAD_BACK else self._writes).land(op, err is None)
-
-    def _apply_op(self, op: TransferOp, ok: bool) -> None:
-        """Apply a finished copy to the tree (on the loop).  Every target, in path order."""
-        del self._inflight[id(op)]
-        tree = self._tree
-        err = op.error if op.error is not None else "failed on another rank"
-        c = self._counters
-        freed: list[torch.Tensor] = []
-        if op.kind is OpKind.LOAD_BACK:
-            # a failed load rolls back children first: device presence stays prefix-closed
-            for node in op.targets if ok else reversed(op.targets):
-                pages = tree.end_device_fill(node, ok)
-                if pages is not None:
-                    freed.append(pages)
-                elif self._events.enabled:
-                    self._emit_stored(node, Tier.DEVICE)
-            if freed:
-                assert self._dev_alloc is not None
-                self._dev_alloc.free(freed)
-            c["load_back_done" if ok else "load_back_failed"] += 1
-            if ok:
-                c["bytes_host_to_device"] += op.nbytes
-        else:
-            for node in op.targets:
-                pages = tree.end_host_fill(node, ok)
-                if pages is not None:
-                    freed.append(pages)
-                elif self._events.enabled:
-                    self._emit_stored(node, Tier.HOST)
-            if ok and self._l3 is not None:
-                self._l3.backup(op.targets)  # every fragment, including split heads
-            if freed:
-                assert self._host_alloc is not None
-                self._host_alloc.free(freed)
-            c["write_through_done" if ok else "write_through_failed"] += 1
-            if ok:
-                c["bytes_device_to_host"] += op.nbytes
-                if op.evict_after is not None and op.evict_after.alive:
-                    self._demote(op.evict_after)
-        if not ok:
-            log.error("transfer_failed", kind=op.kind.value, nodes=len(op.targets), error=repr(err))
-        if not op.future.done():
-            if ok:
-                op.future.set_result(None)
-            else:
-                op.future.set_exception(TransferError(f"{op.kind.value} copy failed: {err!r}"))
-
-    def _demote(self, node: Node) -> None:
-        """Write-back finished for an eviction victim: drop its device copy if still idle."""
-        tree = self._tree
-        pages = tree.demote(node)
-        if pages is None:
-            return
-        assert self._dev_alloc is not None
-        self._dev_alloc.free([pages])
-        if self._events.enabled:
-            self._emit_removed([node], Tier.DEVICE)
-
-    async def _wait_inflight(self) -> None:
-        while self._inflight:
-            await asyncio.wait([op.future for op in self._inflight.values()])
+        if op is None:
+            return False
+        op.evict_after = node
+        return True
 
     async def flush(self) -> None:
-        """Wait until every transfer in flight (write-through, write-back, load-back) landed.
+        """Wait until every transfer in flight (write-through, write-back, load-back) and
+        every storage operation landed, bounded by their deadlines.
 
         Failures do not raise here; they are counted in :meth:`statistics` and logged.
 
@@ -948,18 +519,20 @@ class HiCache:
         await self._flush()
 
     async def _flush(self) -> None:
-        if self._deferred:
+        coord = self._core.coordinator
+        if coord.deferred:
             # one agreement per round; a round can start backups, so repeat until idle
-            assert self._seq is not None
-            while self._inflight or (self._l3 is not None and self._l3.backups_pending):
-                await self._agree_all_landed()
-            if self._seq.pending:
-                await self._agree(_nothing)
+            while self._transfers.inflight or (
+                self._l3 is not None and self._l3.backups_pending
+            ):
+                await coord.settle_all()
+            if coord.pending:
+                await coord.sync()
         while True:
-            await self._wait_inflight()
+            await self._transfers.wait_all()
             if self._l3 is not None:
                 await self._l3.settle()  # bounded: deadlines, then storage_timeout for workers
-            if not self._inflight and (self._l3 is None or not self._l3.in_flight):
+            if not self._transfers.inflight and (self._l3 is None or not self._l3.in_flight):
                 break
 
     async def sync(self) -> None:
@@ -972,69 +545,7 @@ class HiCache:
             AgreementError: the ranks can no longer agree (a collective failed).
         """
         self._check()
-        if self._deferred:
-            await self._agree(_nothing)
-
-    def _queues(self) -> list[AckQueue[Any]]:
-        qs: list[AckQueue[Any]] = [self._writes, self._loads]
-        if self._l3 is not None:
-            qs.append(self._l3.acks)
-        return qs
-
-    def agreement(
-        self,
-        ready: Callable[[], Awaitable[None]],
-        width: int = 0,
-        pack: Callable[[], list[int]] | None = None,
-        apply: Callable[[list[int]], None] | None = None,
-    ) -> Request:
-        """Take the next ticket for an agreement on every ack queue plus ``width`` extra ints.
-
-        ``pack`` gives the extra local values, ``apply`` receives the agreed ones.
-        """
-        assert self._seq is not None, "agreements exist only with more than one rank"
-        queues = self._queues()
-        upto = [q.submitted for q in queues]
-        widths: list[int] = []
-
-        def pack_all() -> list[int]:
-            vec: list[int] = []
-            widths.clear()
-            for q, u in zip(queues, upto, strict=True):
-                part = q.pack(u)
-                widths.append(len(part))
-                vec += part
-            extra = pack() if pack is not None else []
-            assert len(extra) == width, f"agreement extra width {len(extra)} != {width}"
-            return vec + extra
-
-        def plan(agreed: list[int]) -> None:
-            pos = 0
-            for q, w in zip(queues, widths, strict=True):
-                q.plan(agreed[pos : pos + w])
-                pos += w
-
-        def apply_all(agreed: list[int]) -> None:
-            for q in queues:
-                q.apply_next()
-            if apply is not None:
-                apply(agreed[sum(widths) :])
-
-        return self._seq.submit(Request(ready, pack_all, plan, apply_all))
-
-    async def _agree(self, ready: Callable[[], Awaitable[None]]) -> None:
-        assert self._seq is not None
-        await self._seq.settle(self.agreement(ready))
-
-    async def _agree_all_landed(self) -> None:
-        queues = self._queues()
-        upto = [q.submitted for q in queues]
-
-        async def ready() -> None:
-            for q, u in zip(queues, upto, strict=True):
-                await q.wait_landed(u)
-
-        await self._agree(ready)
+        await self._core.coordinator.sync()
 
     # ------------------------------------------------------------------ eviction
 
@@ -1047,6 +558,7 @@ class HiCache:
 
         Raises:
             InvalidInputError: bad ``num_pages`` or ``tier``.
+            CacheClosedError: the cache is not running.
         """
         self._check()
         if type(num_pages) is not int or num_pages < 0:
@@ -1057,59 +569,12 @@ class HiCache:
             else tier
         )
         if t is Tier.DEVICE:
-            return self._evict_device(num_pages)
+            return self._core.evict_device(num_pages)
         if t is Tier.HOST:
-            return self._evict_host(num_pages)
+            return self._core.evict_host(num_pages)
         raise InvalidInputError(f"tier must be 'device' or 'host', got {tier!r}")
 
-    def _evict_device(self, num_pages: int) -> int:
-        stage = self._stage if self.config.write_policy is WritePolicy.WRITE_BACK else None
-        ev = self._tree.evict_device(num_pages, stage)
-        assert self._dev_alloc is not None
-        self._dev_alloc.free(ev.pages)
-        if ev.host_pages:
-            assert self._host_alloc is not None
-            self._host_alloc.free(ev.host_pages)
-        if self._events.enabled:
-            self._emit_removed(ev.nodes, Tier.DEVICE)
-            self._emit_removed(ev.host_nodes, Tier.HOST)
-        return ev.num_pages
-
-    def _emit_removed(self, nodes: list[Node], tier: Tier) -> None:
-        if nodes:
-            hashes = [h for node in nodes for h in self._tree.block_hashes(node)]
-            self._events.append(BlockRemoved(hashes, tier.medium))
-
-    def _stage(self, node: Node) -> bool:
-        """Write-back: start copying an eviction victim (and its host-less ancestors) to host."""
-        op = self._backup(self._tree.path(node), OpKind.WRITE_BACK)
-        if op is None:
-            return False
-        op.evict_after = node
-        return True
-
-    def _evict_host(self, num_pages: int) -> int:
-        if self._host_alloc is None:
-            return 0
-        ev = self._tree.evict_host(num_pages)
-        self._host_alloc.free(ev.pages)
-        if self._events.enabled:
-            self._emit_removed(ev.nodes, Tier.HOST)
-        return ev.num_pages
-
     # ------------------------------------------------------------------ events
-
-    def _emit_stored(self, node: Node, tier: Tier) -> None:
-        tree = self._tree
-        self._events.append(
-            BlockStored(
-                block_hashes=list(tree.block_hashes(node)),
-                parent_block_hash=tree.parent_hash(node),
-                token_ids=list(node.key),
-                block_size=self.config.page_size,
-                medium=tier.medium,
-            )
-        )
 
     def take_events(self) -> list[KVEvent]:
         """Drain and return the buffered KV events, oldest first.
@@ -1117,18 +582,19 @@ class HiCache:
         Raises:
             OwnershipError: called from a thread other than the loop's.
         """
-        self._check_owner()
-        return self._events.take()
+        self._core.check_owner()
+        return self._core.events.take()
 
     def events(self) -> AsyncIterator[KVEvent]:
         """Async iterator over KV events as they happen; ends when the cache closes."""
-        return self._events.stream()
+        return self._core.events.stream()
 
     # ------------------------------------------------------------------ introspection
 
     def statistics(self) -> CacheStatistics:
         """A frozen snapshot of sizes, hits and operations in flight."""
-        tree = self._tree
+        core = self._core
+        tree = core.tree
 
         def tier(alloc: PageAllocator | None, ev: int, prot: int) -> TierStatistics:
             if alloc is None:
@@ -1142,17 +608,18 @@ class HiCache:
                 alloc.quarantined,
             )
 
+        l3 = self._l3
         return CacheStatistics(
-            device=tier(self._dev_alloc, tree.dev_evictable, tree.dev_protected),
-            host=tier(self._host_alloc, tree.host_evictable, tree.host_protected),
+            device=tier(core.dev_alloc, tree.dev_evictable, tree.dev_protected),
+            host=tier(core.host_alloc, tree.host_evictable, tree.host_protected),
             nodes=tree.num_nodes,
             namespaces=sum(1 for _ in tree.roots()),
-            ops_in_flight=len(self._inflight),
-            events_published=self._events.published,
-            storage_in_flight=self._l3.in_flight if self._l3 is not None else 0,
-            prefetch_reserved_pages=self._l3.reserved_pages if self._l3 is not None else 0,
-            **self._counters,
-            **(self._l3.counters if self._l3 is not None else {}),
+            ops_in_flight=len(self._transfers.inflight),
+            events_published=core.events.published,
+            storage_in_flight=l3.in_flight if l3 is not None else 0,
+            prefetch_reserved_pages=l3.reserved_pages if l3 is not None else 0,
+            **dataclasses.asdict(core.counters),
+            **dataclasses.asdict(l3.counters if l3 is not None else StorageCounters()),
         )
 
     def check_invariants(self) -> None:
@@ -1161,39 +628,37 @@ class HiCache:
         Raises:
             AssertionError: naming the broken invariant.
         """
+        core = self._core
         handle_pins: dict[int, int] = {}
         for h in self._handles.values():
             assert h.state is HandleState.PINNED, f"released handle still registered {h!r}"
-            handle_pins[id(h._node)] = handle_pins.get(id(h._node), 0) + 1
-            assert h._node.alive, f"handle pins a removed node {h!r}"
+            handle_pins[id(h.node)] = handle_pins.get(id(h.node), 0) + 1
+            assert h.node.alive, f"handle pins a removed node {h!r}"
         for anchor in self._l3.anchors() if self._l3 is not None else []:
             assert anchor.alive, f"prefetch pins a removed node {anchor!r}"
             handle_pins[id(anchor)] = handle_pins.get(id(anchor), 0) + 1
-        self._tree.check_invariants(handle_pins)
-        if self._dev_alloc is not None:
-            self._dev_alloc.check_invariants(self._tree.device_pages_in_tree())
-        if self._host_alloc is not None:
+        core.tree.check_invariants(handle_pins)
+        if core.dev_alloc is not None:
+            core.dev_alloc.check_invariants(core.tree.device_pages_in_tree())
+        if core.host_alloc is not None:
             reserved = list(self._l3.reserved.values()) if self._l3 is not None else []
-            self._host_alloc.check_invariants(self._tree.host_pages_in_tree() + reserved)
-        for op in self._inflight.values():
-            assert not op.future.done(), f"settled op still in flight {op!r}"
-            for node in op.targets:
-                assert node.op is op, f"{op!r} target {node!r} points elsewhere"
-        for node in self._tree.walk():
-            if node.op is not None:
-                assert id(node.op) in self._inflight, f"{node!r} points at a settled op"
+            core.host_alloc.check_invariants(core.tree.host_pages_in_tree() + reserved)
+        self._transfers.check_invariants()
 
     def __repr__(self) -> str:
-        if self._dev_alloc is None:
+        core = self._core
+        dev, host = core.dev_alloc, core.host_alloc
+        if dev is None:
             return f"<HiCache {self._state.name}>"
-        t = self._tree
+        t = core.tree
         return (
             f"<HiCache {self._state.name} nodes={t.num_nodes} "
-            f"device={self._dev_alloc.num_pages - self._dev_alloc.num_free}/"
-            f"{self._dev_alloc.num_pages} (evictable={t.dev_evictable} "
-            f"protected={t.dev_protected}) "
-            f"host={t.host_evictable + t.host_protected}/"
-            f"{self._host_alloc.num_pages if self._host_alloc else 0} "
+            f"device={dev.num_pages - dev.num_free}/{dev.num_pages} "
+            f"(evictable={t.dev_evictable} protected={t.dev_protected}) "
+            f"host={t.host_evictable + t.host_protected}/{host.num_pages if host else 0} "
             f"(evictable={t.host_evictable} protected={t.host_protected}) "
-            f"in_flight={len(self._inflight)}>"
+            f"in_flight={len(self._transfers.inflight)}>"
         )
+
+
+__all__ = ["CacheState", "HiCache"]

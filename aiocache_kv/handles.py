@@ -16,7 +16,7 @@ import torch
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node
 
 if TYPE_CHECKING:
-    from aiocache_kv.cache import HiCache
+    from aiocache_kv.core import CacheCore
 
 
 class HandleState(enum.IntEnum):
@@ -26,11 +26,13 @@ class HandleState(enum.IntEnum):
     RELEASED = 2
 
 
-class _Handle:
-    __slots__ = ("_cache", "_node", "state")
+class Handle:
+    """A pin on one path of the tree, owned by the caller until ``cache.release``."""
 
-    def __init__(self, cache: HiCache, node: Node) -> None:
-        self._cache = cache
+    __slots__ = ("_node", "core", "state")
+
+    def __init__(self, core: CacheCore, node: Node) -> None:
+        self.core = core  #: the state of the cache that issued the handle
         self._node = node
         self.state = HandleState.PINNED
 
@@ -40,10 +42,10 @@ class _Handle:
         return self._node
 
     def _path(self) -> list[Node]:
-        return self._cache._tree.path(self._node)
+        return self.core.tree.path(self._node)
 
 
-class MatchResult(_Handle):
+class MatchResult(Handle):
     """The cached prefix of a prompt.  Release it with ``cache.release(m)``.
 
     With trailing-window components (SWA, Mamba state) the match is cut where every window is
@@ -53,8 +55,9 @@ class MatchResult(_Handle):
 
     __slots__ = ()
 
-    def _split(self) -> tuple[list[Node], list[Node]]:
-        path = self._cache._usable_path(self._path())
+    def parts(self) -> tuple[list[Node], list[Node]]:
+        """The usable path split in its device-resident run and the host run after it."""
+        path = self.core.usable_path(self._path())
         i = 0
         while i < len(path) and path[i].device is RESIDENT:
             i += 1
@@ -66,22 +69,22 @@ class MatchResult(_Handle):
     @property
     def matched_len(self) -> int:
         """Tokens matched in any tier (and usable for every component)."""
-        return sum(len(n.key) for n in self._cache._usable_path(self._path()))
+        return sum(len(n.key) for n in self.core.usable_path(self._path()))
 
     @property
     def device_len(self) -> int:
         """Tokens of the leading device-resident part."""
-        return sum(len(n.key) for n in self._split()[0])
+        return sum(len(n.key) for n in self.parts()[0])
 
     @property
     def host_len(self) -> int:
         """Tokens after the device part that are host-resident (``load_back`` moves them)."""
-        return sum(len(n.key) for n in self._split()[1])
+        return sum(len(n.key) for n in self.parts()[1])
 
     @property
     def device_pages(self) -> torch.Tensor:
         """Device page ids of the device-resident part."""
-        nodes = self._split()[0]
+        nodes = self.parts()[0]
         if not nodes:
             return torch.empty(0, dtype=torch.int64)
         pages = [n.device_pages for n in nodes]
@@ -90,7 +93,7 @@ class MatchResult(_Handle):
     @property
     def device_indices(self) -> torch.Tensor:
         """Device token slots of the device-resident part (rows of ``device_kv`` views)."""
-        p = self._cache.config.page_size
+        p = self.core.page_size
         pages = self.device_pages
         if p == 1:
             return pages
@@ -118,20 +121,20 @@ class WriteAck:
         return asyncio.shield(self._future).__await__()
 
 
-class InsertResult(_Handle):
+class InsertResult(Handle):
     """What ``insert`` did.  Holds a pin on the inserted path until released."""
 
     __slots__ = ("inserted_len", "prefix_len", "write_through")
 
     def __init__(
         self,
-        cache: HiCache,
+        core: CacheCore,
         node: Node,
         prefix_len: int,
         inserted_len: int,
         write_through: WriteAck | None,
     ) -> None:
-        super().__init__(cache, node)
+        super().__init__(core, node)
         self.prefix_len = prefix_len  #: tokens that were already cached (any tier)
         self.inserted_len = inserted_len  #: page-aligned tokens now cached
         self.write_through = write_through  #: awaitable host backup, or None
@@ -143,4 +146,4 @@ class InsertResult(_Handle):
         )
 
 
-__all__ = ["ABSENT", "FILLING", "HandleState", "InsertResult", "MatchResult", "WriteAck"]
+__all__ = ["ABSENT", "FILLING", "Handle", "HandleState", "InsertResult", "MatchResult", "WriteAck"]

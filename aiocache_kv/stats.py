@@ -1,8 +1,42 @@
-"""Frozen snapshots of the cache's counters."""
+"""The cache's counters (mutable, on the loop) and their frozen snapshots."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    """Counters of the device and host tiers, bumped on the loop."""
+
+    match_queries: int = 0
+    hit_tokens_device: int = 0
+    hit_tokens_host: int = 0
+    inserted_tokens: int = 0
+    write_through_started: int = 0
+    write_through_done: int = 0
+    write_through_failed: int = 0
+    write_through_skipped_pages: int = 0
+    load_back_started: int = 0
+    load_back_done: int = 0
+    load_back_failed: int = 0
+    bytes_device_to_host: int = 0
+    bytes_host_to_device: int = 0
+
+
+@dataclass(slots=True)
+class StorageCounters:
+    """Counters of the storage tier, bumped on the loop."""
+
+    backup_started: int = 0
+    backup_pages_ok: int = 0
+    backup_pages_failed: int = 0
+    backup_skipped_pages: int = 0
+    prefetch_queries: int = 0
+    prefetch_storage_hit_tokens: int = 0
+    prefetch_hit_tokens: int = 0
+    prefetch_pages_discarded: int = 0
+    storage_errors: int = 0
 
 
 @dataclass(frozen=True, slots=True)

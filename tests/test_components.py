@@ -115,9 +115,9 @@ async def test_sidecars_round_trip_device_host_device() -> None:
 
 
 async def test_admission_counts_every_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    import aiocache_kv.cache as cache_mod
+    import aiocache_kv.pools.build as build_mod
 
-    monkeypatch.setattr(cache_mod, "available_host_bytes", lambda: 10 << 20)  # a fixed machine
+    monkeypatch.setattr(build_mod, "available_host_bytes", lambda: 10 << 20)  # a fixed machine
     # KV host slots: 1000 x 256 B; the three sidecars add 1000 x 3 x 64 B
     reserve = (10 << 20) - 350_000
     async with akv.HiCache(small_config(host_pages=1000, host_memory_reserve_bytes=reserve)):

@@ -23,7 +23,8 @@ class AckQueue(Generic[T]):
 
     def __init__(self, name: str, apply: Callable[[T, bool], None]) -> None:
         self.name = name
-        self._apply = apply
+        #: applies one operation with its (local or agreed) outcome, on the loop
+        self.apply = apply
         self._ops: deque[T] = deque()
         self._landed: dict[int, tuple[bool, asyncio.Future[None]]] = {}
         self._waiters: dict[int, asyncio.Future[None]] = {}
@@ -92,4 +93,4 @@ class AckQueue(Generic[T]):
             del self._landed[id(op)]
             del self._waiters[id(op)]
             self.applied += 1
-            self._apply(op, flags[i] == 1)
+            self.apply(op, flags[i] == 1)

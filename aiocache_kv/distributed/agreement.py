@@ -55,6 +55,9 @@ class Request:
     pack: Callable[[], list[int]]
     plan: Callable[[list[int]], None]
     apply: Callable[[list[int]], None]
+    #: the vector to contribute when ``ready``/``pack`` fail here: same length as ``pack``'s,
+    #: chosen so that the MIN makes every rank apply nothing for this ticket
+    fallback: Callable[[], list[int]] | None = None
     ticket: int = -1
     agreed: list[int] | None = None
     collected: asyncio.Future[None] = field(init=False)
@@ -99,18 +102,32 @@ class Sequencer:
             try:
                 await req.ready()
                 values = req.pack()
+            except Exception as exc:  # local: this rank still joins the collective
+                if req.fallback is None:
+                    self._fail(req, "tp_agreement_local_failure", exc)
+                    continue  # nothing to contribute: the group cannot go on (logged)
+                log.error("tp_agreement_local_failure", ticket=req.ticket, error=repr(exc))
+                values = req.fallback()
+            try:
                 agreed = await asyncio.wrap_future(
                     self._pool.submit(self.group.all_reduce_min, values)
                 )
-            except Exception as exc:
-                log.error("tp_agreement_failed", ticket=req.ticket, error=repr(exc))
-                req.collected.set_exception(AgreementError(f"agreement failed: {exc!r}"))
-                req.collected.exception()
+            except Exception as exc:  # collective: the group is broken
+                self._fail(req, "tp_agreement_failed", exc)
                 continue
             self.collectives += 1
+            try:
+                req.plan(agreed)
+            except Exception as exc:
+                self._fail(req, "tp_agreement_plan_failed", exc)
+                continue
             req.agreed = agreed
-            req.plan(agreed)
             req.collected.set_result(None)
+
+    def _fail(self, req: Request, event: str, exc: BaseException) -> None:
+        log.error(event, ticket=req.ticket, error=repr(exc))
+        req.collected.set_exception(AgreementError(f"agreement failed: {exc!r}"))
+        req.collected.exception()
 
     async def settle(self, request: Request) -> None:
         """Wait for ``request``'s agreement, then apply every agreement up to it, in order.

@@ -3,7 +3,8 @@
 Design
 ------
 ``StorageTier`` is the cache's collaborator for L3.  It runs on the loop thread and changes the
-tree only through the cache's tree and allocators, in plain synchronous steps between awaits;
+tree only through the :class:`~aiocache_kv.core.CacheCore` (tree, allocators, events), in plain
+synchronous steps between awaits; completions reach the tree through the core's coordinator;
 blocking backend calls run on :class:`~aiocache_kv.storage.executor.StorageIO` workers.
 
 Backup.  When a write ack makes nodes host-resident, :meth:`backup` marks them storage-FILLING
@@ -47,8 +48,10 @@ import torch
 from aiocache_kv.components import HitPolicy, feasible_ends
 from aiocache_kv.config import PrefetchPolicy
 from aiocache_kv.distributed.acks import AckQueue
+from aiocache_kv.distributed.coordinator import AgreedCoordinator
 from aiocache_kv.errors import KVCacheError
 from aiocache_kv.events import BlockRemoved
+from aiocache_kv.stats import StorageCounters
 from aiocache_kv.storage.base import PageBuffer, StorageBackend, leading_run
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
@@ -57,7 +60,7 @@ from aiocache_kv.tree.hashing import chain_hashes
 from aiocache_kv.tree.node import ABSENT, RESIDENT, Node, Tier
 
 if TYPE_CHECKING:
-    from aiocache_kv.cache import HiCache
+    from aiocache_kv.core import CacheCore
     from aiocache_kv.namespace import Namespace
 
 log = structlog.get_logger(__name__)
@@ -141,48 +144,37 @@ def prefetch_timeout(tokens: int, base: float, per_1k: float, cap: float) -> flo
 class StorageTier:
     """L3 for one cache.  Created and driven by :class:`~aiocache_kv.cache.HiCache`."""
 
-    def __init__(self, cache: HiCache, backend: StorageBackend) -> None:
-        cfg = cache.config
-        self._cache = cache
+    def __init__(self, core: CacheCore, backend: StorageBackend) -> None:
+        cfg = core.config
+        self.core = core
         self.io = StorageIO(
             backend, workers=cfg.storage_workers, default_timeout=cfg.storage_timeout
         )
         #: per pool (KV first, then each sidecar component): one buffer view per host page
         self._buffers: list[list[PageBuffer]] = []
-        group = cache.tp_group
+        group = core.tp_group
         #: each tensor-parallel rank stores its own shard of a page under its own keys
         shard = "" if group.world_size == 1 else f"-tp{group.rank}-{group.world_size}"
-        names = [COMPONENT, *(c.name for c in cache.config.components)]
+        names = [COMPONENT, *(c.name for c in cfg.components)]
         self._suffixes = [name + shard for name in names]
         self._component = self._suffixes[0]
-        page_size = cache.config.page_size
+        page_size = cfg.page_size
         #: trailing-window components: (pool index, name, window pages)
         self._trailing = [
             (i + 1, c.name, c.window_pages(page_size))
-            for i, c in enumerate(cache.config.components)
+            for i, c in enumerate(cfg.components)
             if c.window_pages(page_size)
         ]
         self._backups: dict[int, BackupOp] = {}
         self.acks: AckQueue[BackupOp] = AckQueue("backup", self._apply_backup)
+        core.coordinator.register(self.acks)
+        core.on_split(self.retarget)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.reserved: dict[int, torch.Tensor] = {}  # prefetch id -> host pages not yet in tree
         self._jobs: dict[int, _Prefetch] = {}  # prefetches whose anchor is pinned
         self._ids = 0
         self._retry_after = 0.0
-        self.counters: dict[str, int] = dict.fromkeys(
-            (
-                "backup_started",
-                "backup_pages_ok",
-                "backup_pages_failed",
-                "backup_skipped_pages",
-                "prefetch_queries",
-                "prefetch_storage_hit_tokens",
-                "prefetch_hit_tokens",
-                "prefetch_pages_discarded",
-                "storage_errors",
-            ),
-            0,
-        )
+        self.counters = StorageCounters()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -192,11 +184,11 @@ class StorageTier:
         Raises:
             StorageUnavailableError / StorageTimeoutError: the backend cannot be opened.
         """
-        pool = self._cache.host_pool
+        pool = self.core.host_pool
         assert pool is not None, "a storage tier needs a host pool"
         await self.io.open()
         raws = [(pool.raw, pool.page_bytes)]
-        raws += [(sc.host_raw, sc.page_bytes) for sc in self._cache._sidecars]
+        raws += [(sc.host_raw, sc.page_bytes) for sc in self.core.sidecars]
         for raw, _ in raws:
             await self.io.register_buffer(raw)
 
@@ -219,7 +211,7 @@ class StorageTier:
             await asyncio.wait(waits)
         if drain and self.io.io_statistics().in_flight:
             try:
-                await asyncio.wait_for(self.io.drain(), self._cache.config.storage_timeout)
+                await asyncio.wait_for(self.io.drain(), self.core.config.storage_timeout)
             except asyncio.TimeoutError:
                 log.warning(
                     "storage_workers_stuck",
@@ -228,7 +220,7 @@ class StorageTier:
                 )
 
     def _quarantined(self) -> int:
-        alloc = self._cache._host_alloc
+        alloc = self.core.host_alloc
         return alloc.quarantined if alloc is not None else 0
 
     async def aclose(self) -> None:
@@ -238,7 +230,7 @@ class StorageTier:
         try:
             await self.settle(drain=False)  # the executor's close drains, bounded
         finally:
-            await self.io.aclose(timeout=self._cache.config.storage_timeout)
+            await self.io.aclose(timeout=self.core.config.storage_timeout)
 
     @property
     def in_flight(self) -> int:
@@ -274,8 +266,8 @@ class StorageTier:
 
     def backup(self, nodes: list[Node]) -> BackupOp | None:
         """Start putting the host copies of ``nodes`` (path order) to storage."""
-        cache = self._cache
-        tree = cache._tree
+        core = self.core
+        tree = core.tree
         todo = [
             n
             for n in nodes
@@ -283,12 +275,12 @@ class StorageTier:
         ]
         if not todo:
             return None
-        pages = sum(len(n.key) for n in todo) // cache.config.page_size
+        pages = sum(len(n.key) for n in todo) // core.config.page_size
         # back off after a failure (single rank only: a clock must not shape a TP tree)
-        if not cache._deferred and time.monotonic() < self._retry_after:
-            self.counters["backup_skipped_pages"] += pages
+        if not core.coordinator.deferred and time.monotonic() < self._retry_after:
+            self.counters.backup_skipped_pages += pages
             return None
-        loop = cache._loop
+        loop = core.loop
         assert loop is not None
         op = BackupOp(todo, loop.create_future())
         keys: list[str] = []
@@ -299,7 +291,7 @@ class StorageTier:
             assert node.host_pages is not None
             k = len(hashes)
             for pool in range(self.pools):
-                if pool and cache.config.components[pool - 1].name in node.invalid:
+                if pool and core.config.components[pool - 1].name in node.invalid:
                     continue  # never store a page this node does not have
                 keys += self._keys(node.ns, hashes, pool)
                 bufs += self._bufs(node.host_pages, pool)
@@ -307,11 +299,10 @@ class StorageTier:
             base += k
             tree.begin_backup(node, op)
         self._backups[id(op)] = op
-        if cache._deferred:
-            self.acks.push(op, loop)
-        self.counters["backup_started"] += 1
+        core.coordinator.track(self.acks, op)
+        self.counters.backup_started += 1
         leased = torch.cat([n.host_pages for n in todo])  # type: ignore[misc]
-        alloc = cache._host_alloc
+        alloc = core.host_alloc
         assert alloc is not None
         alloc.lease(leased)  # until the worker is done with the bytes, whatever the verdict
         release = functools.partial(alloc.unlease, leased)
@@ -335,7 +326,7 @@ class StorageTier:
         except KVCacheError as exc:
             op.results = [False] * len(keys)
             op.error = repr(exc)
-            if self._cache._deferred:  # every rank frees the pages at the agreed point
+            if self.core.coordinator.deferred:  # every rank frees the pages at the agreed point
                 await self.io.wait_released(bufs)
         except BaseException:
             op.results = [False] * len(keys)
@@ -345,10 +336,10 @@ class StorageTier:
         self._land_backup(op)
 
     def _land_backup(self, op: BackupOp) -> None:
-        if self._cache._deferred:
-            self.acks.land(op, all(op.results))
-        else:
-            self._apply_backup(op, True)
+        # one rank applies per-page verdicts (ok=True: the results decide); TP agrees on
+        # all-or-nothing
+        ok = all(op.results) if self.core.coordinator.deferred else True
+        self.core.coordinator.land(self.acks, op, ok)
 
     def _apply_backup(self, op: BackupOp, ok: bool) -> None:
         """Apply per-page verdicts to every target, in order (on the loop).
@@ -356,9 +347,9 @@ class StorageTier:
         ``ok=False`` (agreed across ranks) fails every page whatever this rank saw.
         """
         del self._backups[id(op)]
-        cache = self._cache
-        tree = cache._tree
-        p = cache.config.page_size
+        core = self.core
+        tree = core.tree
+        p = core.config.page_size
         pages = sum(len(node.key) for node in op.targets) // p
         page_ok = [ok] * pages  # a page is stored when every pool's key for it is
         for j, good in zip(op.entry_pages, op.results, strict=True):
@@ -373,23 +364,23 @@ class StorageTier:
             tree.end_backup(node, node_ok)
             if node_ok:
                 ok_pages += k
-                if cache._events.enabled:
-                    cache._emit_stored(node, Tier.STORAGE)
+                core.emit_stored(node, Tier.STORAGE)
         assert i == pages, f"backup covers {pages} pages but targets {i}"
         failed = pages - ok_pages
-        self.counters["backup_pages_ok"] += ok_pages
-        self.counters["backup_pages_failed"] += failed
+        self.counters.backup_pages_ok += ok_pages
+        self.counters.backup_pages_failed += failed
         if failed:
-            self.counters["storage_errors"] += 1
-            self._retry_after = time.monotonic() + cache.config.storage_retry_seconds
+            self.counters.storage_errors += 1
+            self._retry_after = time.monotonic() + core.config.storage_retry_seconds
             log.warning("backup_incomplete", pages=pages, failed=failed, error=op.error)
         if not op.future.done():
             op.future.set_result(None)
 
     def retarget(self, head: Node, tail: Node) -> None:
         """A node under backup was split: the backup now covers both parts, head first."""
-        op: BackupOp = tail.backup
-        op.targets.insert(op.targets.index(tail), head)
+        if tail.backup is not None:
+            op: BackupOp = tail.backup
+            op.targets.insert(op.targets.index(tail), head)
 
     # ------------------------------------------------------------------ prefetch
 
@@ -401,22 +392,22 @@ class StorageTier:
         Everything that shapes the tree happens synchronously here (pin, host reservation)
         or when the agreed end is committed, never at a moment chosen by I/O timing.
         """
-        cache = self._cache
-        cfg = cache.config
-        tree = cache._tree
+        core = self.core
+        cfg = core.config
+        tree = core.tree
         p = cfg.page_size
         anchor, cached = tree.match(ns, tokens, n, pin=True)
-        self.counters["prefetch_queries"] += 1
+        self.counters.prefetch_queries += 1
         if n - cached < max(cfg.prefetch_threshold_tokens, p):
             tree.unpin(anchor)
             return PrefetchResult(PrefetchStatus.BELOW_THRESHOLD, cached, 0, 0)
-        assert cache.host_pool is not None
-        want = min((n - cached) // p, cache.host_pool.num_pages // 2 - self.reserved_pages)
-        pages = cache._alloc_host(want) if want > 0 else None
+        assert core.host_pool is not None
+        want = min((n - cached) // p, core.host_pool.num_pages // 2 - self.reserved_pages)
+        pages = core.alloc_host(want) if want > 0 else None
         if pages is None:
             tree.unpin(anchor)
             return PrefetchResult(PrefetchStatus.PARTIAL, cached, 0, 0, "host pool full")
-        prev = tree._seeds[ns] if anchor.parent is None else tree.block_hashes(anchor)[-1]
+        prev = tree.seed(ns) if anchor.parent is None else tree.block_hashes(anchor)[-1]
         hashes = chain_hashes(prev, tokens[cached:n], p)  # ask for all, load what fits
         if policy is PrefetchPolicy.WAIT_COMPLETE:
             timeout = cfg.storage_timeout * 2
@@ -443,7 +434,7 @@ class StorageTier:
         self.reserved[job.rid] = pages
         self._jobs[job.rid] = job
         loop = asyncio.get_running_loop()
-        if cache._deferred:
+        if core.coordinator.deferred:
             # the reads run in their own task: the other ranks need this rank's answer even
             # if the caller goes away; the agreed end is committed in ticket order
             work = loop.create_task(self._fetch(job))
@@ -474,11 +465,12 @@ class StorageTier:
                 self._finish(job, end)
 
             extra = 2 + width * (1 + len(self._trailing))
-            req = cache.agreement(ready, width=extra, pack=pack, apply=apply)
+            coord = core.coordinator
+            assert isinstance(coord, AgreedCoordinator)
+            req = coord.agreement(ready, width=extra, pack=pack, apply=apply)
             if policy is PrefetchPolicy.BEST_EFFORT:
                 return PrefetchResult(PrefetchStatus.BACKGROUND, cached, 0, 0)
-            assert cache._seq is not None
-            await cache._seq.settle(req)
+            await coord.settle(req)
             return self._result(job)
         if policy is PrefetchPolicy.BEST_EFFORT:
             self._track(loop.create_task(self._fetch_and_finish(job)))
@@ -490,8 +482,8 @@ class StorageTier:
         """Per trailing component: (pages before the prefetch that its window may need,
         how many of those the tree's path holds, consecutive up to the anchor)."""
         out = []
-        path = self._cache._tree.path(anchor)
-        p = self._cache.config.page_size
+        path = self.core.tree.path(anchor)
+        p = self.core.config.page_size
         for _, name, window in self._trailing:
             need = min(window, cached_pages)
             have = 0
@@ -509,8 +501,8 @@ class StorageTier:
         limit = len(job.loaded[0])
         all_pools = [0] + [
             i + 1
-            for i, c in enumerate(self._cache.config.components)
-            if not c.window_pages(self._cache.config.page_size)
+            for i, c in enumerate(self.core.config.components)
+            if not c.window_pages(self.core.config.page_size)
         ]
         all_run = min(leading_run(job.loaded[i]) for i in all_pools)
         trailing = []
@@ -531,7 +523,7 @@ class StorageTier:
             self._finish(job, max((e + 1 for e, f in enumerate(flags) if f), default=0))
 
     def _result(self, job: _Prefetch) -> PrefetchResult:
-        p = self._cache.config.page_size
+        p = self.core.config.page_size
         if job.failed and job.committed == 0:
             status = PrefetchStatus.FAILED
         elif job.hits == 0:
@@ -554,17 +546,17 @@ class StorageTier:
         try:
             present = await self.io.exists(flat, timeout=timeout)
         except KVCacheError as exc:
-            self.counters["storage_errors"] += 1
+            self.counters.storage_errors += 1
             job.failed, job.error = True, repr(exc)
             log.warning("prefetch_exists_failed", error=job.error)
             return
         by_pool = [present[i * total : (i + 1) * total] for i in range(pools)]
-        comps = self._cache.config.components
+        comps = self.core.config.components
         all_pools = [0] + [
             i + 1 for i, c in enumerate(comps) if c.hit_policy is HitPolicy.ALL_PAGES
         ]
         job.hits = min(leading_run(by_pool[i]) for i in all_pools)
-        self.counters["prefetch_storage_hit_tokens"] += job.hits * self._cache.config.page_size
+        self.counters.prefetch_storage_hit_tokens += job.hits * self.core.config.page_size
         # what to read: the leading run for KV/ALL pools, present pages inside it for the rest
         plan: list[tuple[int, int]] = [
             (pool, j)
@@ -572,8 +564,8 @@ class StorageTier:
             for j in range(min(job.hits, fits))
             if by_pool[pool][j]
         ]
-        chunk = self._cache.config.prefetch_batch_pages
-        alloc = self._cache._host_alloc
+        chunk = self.core.config.prefetch_batch_pages
+        alloc = self.core.host_alloc
         assert alloc is not None
         tasks: list[tuple[list[tuple[int, int]], asyncio.Future[list[bool]]]] = []
         try:
@@ -603,7 +595,7 @@ class StorageTier:
                     continue
                 failure = t.exception()
                 if failure is not None:
-                    self.counters["storage_errors"] += 1
+                    self.counters.storage_errors += 1
                     job.failed, job.error = True, repr(failure)
                     continue
                 for (pool, j), good in zip(part, t.result(), strict=True):
@@ -621,13 +613,13 @@ class StorageTier:
         """Commit the first ``end`` pages (agreed across ranks), unpin, free the rest."""
         try:
             job.committed = self._commit(job, end)
-            cache = self._cache
+            core = self.core
             # per-rank facts about a rank's own store: not published where ranks must agree
-            if job.vanished and cache._events.enabled and not cache._deferred:
+            if job.vanished and not core.coordinator.deferred:
                 gone = [job.hashes[j] for j in sorted(job.vanished)]
-                cache._events.append(BlockRemoved(gone, Tier.STORAGE.medium))
+                core.emit(BlockRemoved(gone, Tier.STORAGE.medium))
         finally:
-            self._cache._tree.unpin(job.anchor)
+            self.core.tree.unpin(job.anchor)
             del self._jobs[job.rid]
             self._free_reserved(job.rid)  # pages a late read still holds stay quarantined
 
@@ -639,9 +631,9 @@ class StorageTier:
         """
         if end == 0:
             return 0
-        cache = self._cache
-        tree = cache._tree
-        p = cache.config.page_size
+        core = self.core
+        tree = core.tree
+        p = core.config.page_size
         new = tree.attach_host_only(
             job.ns, job.tokens, job.cached + end * p, job.cached, job.pages[:end]
         )
@@ -656,9 +648,8 @@ class StorageTier:
                 piece.invalid = frozenset(
                     name for pool, name, _ in self._trailing if not all(job.loaded[pool][lo:hi])
                 )
-                if cache._events.enabled:
-                    cache._emit_stored(piece, Tier.HOST)
-        self.counters["prefetch_hit_tokens"] += used * p
+                core.emit_stored(piece, Tier.HOST)
+        self.counters.prefetch_hit_tokens += used * p
         return used
 
     def _segments(
@@ -674,13 +665,13 @@ class StorageTier:
                 if job.loaded[pool][j] != job.loaded[pool][j - 1]
             }
         )
-        tree = self._cache._tree
-        p = self._cache.config.page_size
+        tree = self.core.tree
+        p = self.core.config.page_size
         pieces: list[tuple[Node, int, int]] = []
         lo = first
         tail = node
         for cut in cuts:
-            head = tree._split(tail, (cut - lo) * p)
+            head = tree.split_at(tail, (cut - lo) * p)
             pieces.append((head, lo, cut))
             lo = cut
         pieces.append((tail, lo, end))
@@ -689,7 +680,7 @@ class StorageTier:
     def _free_reserved(self, rid: int) -> None:
         pages = self.reserved.pop(rid)
         if pages.numel():
-            self.counters["prefetch_pages_discarded"] += pages.numel()
-            alloc = self._cache._host_alloc
+            self.counters.prefetch_pages_discarded += pages.numel()
+            alloc = self.core.host_alloc
             assert alloc is not None
             alloc.free([pages])

@@ -1,0 +1,240 @@
+"""``CacheCore``: the loop-side state of one cache, below the ``HiCache`` facade.
+
+The core owns what only the event-loop thread may touch: the radix tree, the pools and their
+allocators, the event log and the counters.  Its methods are the operations its collaborators
+need (allocate with eviction, free, evict, demote, emit events, cut a path at the sidecars'
+windows) so that the transfers (:mod:`aiocache_kv.transfer.ops`), the storage tier
+(:mod:`aiocache_kv.storage.tier`) and the handles depend on the core, never on the facade or
+on each other's private state.  Nothing here waits: every method is a synchronous step on the
+loop (docs/ARCHITECTURE.md, rule 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import torch
+
+from aiocache_kv.components import usable_end
+from aiocache_kv.config import CacheConfig
+from aiocache_kv.distributed.coordinator import Coordinator, coordinator_for
+from aiocache_kv.distributed.group import TPGroup
+from aiocache_kv.errors import CapacityError, OwnershipError
+from aiocache_kv.events import BlockRemoved, BlockStored, EventLog, KVEvent
+from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
+from aiocache_kv.pools.sidecar import SidecarPools
+from aiocache_kv.stats import CacheCounters
+from aiocache_kv.tree import Node, RadixTree, Tier
+
+SplitHook = Callable[[Node, Node], None]
+
+
+def _consume(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # mark retrieved: failures are counted and logged where they happen
+
+
+class CacheCore:
+    """Tree, pools, allocators, events and counters of one cache (loop-owned)."""
+
+    def __init__(self, config: CacheConfig, tp_group: TPGroup) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.device = torch.device(config.device)
+        self.tp_group = tp_group
+        #: applies completions at once (one rank) or through agreements (TP)
+        self.coordinator: Coordinator = coordinator_for(tp_group)
+        self.tree = RadixTree(config.page_size, on_split=self._on_split)
+        self.events = EventLog(enabled=config.enable_kv_events)
+        self.counters = CacheCounters()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.owner: int | None = None
+        self.device_pool: DeviceKVPool | None = None
+        self.host_pool: HostKVPool | None = None
+        self.dev_alloc: PageAllocator | None = None
+        self.host_alloc: PageAllocator | None = None
+        self.sidecars: list[SidecarPools] = []
+        #: trailing-window components: (name, window pages)
+        self.trailing = [
+            (c.name, c.window_pages(config.page_size))
+            for c in config.components
+            if c.window_pages(config.page_size)
+        ]
+        #: write-back: starts staging an eviction victim to host (set by the transfers)
+        self.stager: Callable[[Node], bool] | None = None
+        self._split_hooks: list[SplitHook] = []
+
+    # ------------------------------------------------------------------ binding
+
+    def bind(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        device_pool: DeviceKVPool,
+        host_pool: HostKVPool | None,
+        sidecars: list[SidecarPools],
+    ) -> None:
+        """Adopt the pools and make the calling thread (the loop's) the owner."""
+        cfg = self.config
+        self.device_pool, self.host_pool, self.sidecars = device_pool, host_pool, sidecars
+        self.dev_alloc = PageAllocator(cfg.device_pages, "device")
+        self.host_alloc = PageAllocator(cfg.host_pages, "host") if cfg.host_pages else None
+        self.loop = loop
+        self.owner = threading.get_ident()
+        self.tree.bind_owner(self.owner)
+
+    def on_split(self, hook: SplitHook) -> None:
+        """Call ``hook(head, tail)`` whenever a node with work in flight is split."""
+        self._split_hooks.append(hook)
+
+    def _on_split(self, head: Node, tail: Node) -> None:
+        for hook in self._split_hooks:
+            hook(head, tail)
+
+    def check_owner(self) -> None:
+        """Raise ``OwnershipError`` unless called on the owning loop's thread."""
+        if self.owner is not None and threading.get_ident() != self.owner:
+            raise OwnershipError(
+                f"cache used from thread {threading.current_thread().name!r}; only the "
+                "event-loop thread that started it may call it"
+            )
+
+    def new_future(self) -> asyncio.Future[None]:
+        """A loop future whose failure is marked retrieved (callers count and log it)."""
+        assert self.loop is not None, "cache not started"
+        fut: asyncio.Future[None] = self.loop.create_future()
+        fut.add_done_callback(_consume)
+        return fut
+
+    # ------------------------------------------------------------------ pages
+
+    def alloc_device(self, n: int, state: PageState = PageState.OWNED) -> torch.Tensor:
+        """``n`` device pages, evicting only if that can succeed.
+
+        Raises:
+            CapacityError: too few pages even after eviction (nothing evicted or taken).
+        """
+        alloc = self.dev_alloc
+        assert alloc is not None
+        if alloc.num_free < n:
+            if n <= alloc.num_free + self.tree.dev_evictable:  # a hopeless ask flushes nothing
+                self.evict_device(n - alloc.num_free)
+            if alloc.num_free < n:
+                raise CapacityError(
+                    f"device pool: need {n} pages, {alloc.num_free} free of {alloc.num_pages}, "
+                    f"{self.tree.dev_evictable} evictable, {self.tree.dev_protected} pinned "
+                    f"or in flight (unreleased handles and copies), "
+                    f"{alloc.count(PageState.HELD)} allocated and not inserted, "
+                    f"{alloc.quarantined} held by workers"
+                )
+        return alloc.alloc(n, state)
+
+    def alloc_host(self, n: int) -> torch.Tensor | None:
+        """``n`` host pages (evicting host-only leaves if that can succeed), else ``None``."""
+        alloc = self.host_alloc
+        if alloc is None:
+            return None
+        if alloc.num_free < n:
+            if n > alloc.num_free + self.tree.host_evictable:
+                return None
+            self.evict_host(n - alloc.num_free)
+            if alloc.num_free < n:
+                return None
+        return alloc.alloc(n)
+
+    def free_device(self, pages: list[torch.Tensor]) -> None:
+        """Return device pages (quarantined while a worker holds them)."""
+        assert self.dev_alloc is not None
+        self.dev_alloc.free(pages)
+
+    def free_host(self, pages: list[torch.Tensor]) -> None:
+        """Return host pages (quarantined while a worker holds them)."""
+        assert self.host_alloc is not None
+        self.host_alloc.free(pages)
+
+    def evict_device(self, num_pages: int) -> int:
+        """Evict at least ``num_pages`` device pages if possible; return pages freed now."""
+        ev = self.tree.evict_device(num_pages, self.stager)
+        self.free_device(ev.pages)
+        if ev.host_pages:
+            self.free_host(ev.host_pages)
+        self.emit_removed(ev.nodes, Tier.DEVICE)
+        self.emit_removed(ev.host_nodes, Tier.HOST)
+        return ev.num_pages
+
+    def evict_host(self, num_pages: int) -> int:
+        """Delete host-only leaves for at least ``num_pages`` host pages if possible."""
+        if self.host_alloc is None:
+            return 0
+        ev = self.tree.evict_host(num_pages)
+        self.free_host(ev.pages)
+        self.emit_removed(ev.nodes, Tier.HOST)
+        return ev.num_pages
+
+    def demote(self, node: Node) -> None:
+        """Drop an idle node's device copy (it has a host copy); no-op if it became busy."""
+        pages = self.tree.demote(node)
+        if pages is not None:
+            self.free_device([pages])
+            self.emit_removed([node], Tier.DEVICE)
+
+    # ------------------------------------------------------------------ events
+
+    def emit(self, event: KVEvent) -> None:
+        """Record one event (when events are enabled)."""
+        if self.events.enabled:
+            self.events.append(event)
+
+    def emit_stored(self, node: Node, tier: Tier) -> None:
+        """``BlockStored`` for ``node``'s pages in ``tier``."""
+        if not self.events.enabled:
+            return
+        tree = self.tree
+        self.events.append(
+            BlockStored(
+                block_hashes=list(tree.block_hashes(node)),
+                parent_block_hash=tree.parent_hash(node),
+                token_ids=list(node.key),
+                block_size=self.page_size,
+                medium=tier.medium,
+            )
+        )
+
+    def emit_removed(self, nodes: list[Node], tier: Tier) -> None:
+        """One ``BlockRemoved`` for the pages of ``nodes`` in ``tier``."""
+        if nodes and self.events.enabled:
+            hashes = [h for node in nodes for h in self.tree.block_hashes(node)]
+            self.events.append(BlockRemoved(hashes, tier.medium))
+
+    # ------------------------------------------------------------------ views
+
+    def sidecar_pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """(device, host) buffers of every sidecar component, in config order."""
+        return tuple((sc.device, sc.host) for sc in self.sidecars)
+
+    def usable_path(self, path: list[Node]) -> list[Node]:
+        """Cut ``path`` where every trailing-window component still has its whole window."""
+        if not self.trailing or not any(n.invalid for n in path):
+            return path
+        p = self.page_size
+        sizes = [len(n.key) // p for n in path]
+        total = sum(sizes)
+        trailing = []
+        for name, window in self.trailing:
+            valid: list[bool] = []
+            for node, k in zip(path, sizes, strict=True):
+                valid += [name not in node.invalid] * k
+            trailing.append((window, valid, 0))
+        end = usable_end(total, trailing, total)
+        out: list[Node] = []
+        acc = 0
+        for node, k in zip(path, sizes, strict=True):
+            if acc + k > end:
+                break
+            out.append(node)
+            acc += k
+        return out
+
+
+__all__ = ["CacheCore", "SplitHook"]

@@ -1,0 +1,214 @@
+"""Device<->host transfers as plan-then-apply: one planner, one applier, both directions.
+
+:meth:`Transfers.start` plans a copy of whole nodes to the other tier (allocate the destination,
+mark the nodes FILLING, build the :class:`~aiocache_kv.transfer.engine.CopyJob`) and submits it;
+the copy engine completes it off the loop and the coordinator decides when
+:meth:`Transfers.apply` runs (at once with one rank, through an agreement with TP).  Applying
+makes the nodes RESIDENT in the destination tier, or rolls them back and frees the destination
+pages.  A node split while its copy is in flight adds the new head to the op's targets
+(:meth:`Transfers.retarget`), so the outcome lands on every fragment, in path order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Callable
+
+import structlog
+import torch
+
+from aiocache_kv.core import CacheCore
+from aiocache_kv.distributed.acks import AckQueue
+from aiocache_kv.errors import TransferError
+from aiocache_kv.transfer.engine import CopyEngine, CopyJob, Direction
+from aiocache_kv.tree import Node, Tier
+from aiocache_kv.tree.node import ABSENT, RESIDENT
+
+log = structlog.get_logger(__name__)
+
+
+class OpKind(enum.Enum):
+    """Why a copy runs."""
+
+    WRITE_THROUGH = "write_through"
+    WRITE_BACK = "write_back"
+    LOAD_BACK = "load_back"
+
+    @property
+    def direction(self) -> Direction:
+        """Device->host for backups, host->device for loads."""
+        return Direction.H2D if self is OpKind.LOAD_BACK else Direction.D2H
+
+
+class TransferOp:
+    """One copy in flight and the nodes its completion applies to, in path order."""
+
+    __slots__ = ("error", "evict_after", "future", "kind", "nbytes", "started", "targets")
+
+    def __init__(self, kind: OpKind, targets: list[Node], future: asyncio.Future[None]) -> None:
+        self.kind = kind
+        self.targets = targets
+        self.future = future  # set when the op is applied to the tree
+        self.nbytes = 0
+        self.started = time.monotonic()
+        self.evict_after: Node | None = None  # write-back: the victim to demote on ack
+        self.error: BaseException | None = None  # local copy failure, if any
+
+    def __repr__(self) -> str:
+        state = "done" if self.future.done() else "pending"
+        return f"<TransferOp {self.kind.value} targets={len(self.targets)} {state}>"
+
+
+class Transfers:
+    """The device<->host copies of one cache: plan, submit, apply (on the loop)."""
+
+    def __init__(
+        self,
+        core: CacheCore,
+        engine: CopyEngine,
+        on_host_resident: Callable[[list[Node]], None] | None = None,
+    ) -> None:
+        self.core = core
+        self.engine = engine
+        #: nodes that just became host-resident through a write (the storage tier backs them up)
+        self.on_host_resident = on_host_resident
+        self.inflight: dict[int, TransferOp] = {}
+        self.writes: AckQueue[TransferOp] = AckQueue("write", self.apply)
+        self.loads: AckQueue[TransferOp] = AckQueue("load", self.apply)
+        core.coordinator.register(self.writes)
+        core.coordinator.register(self.loads)
+        core.on_split(self.retarget)
+
+    def _queue(self, op: TransferOp) -> AckQueue[TransferOp]:
+        return self.loads if op.kind is OpKind.LOAD_BACK else self.writes
+
+    # ------------------------------------------------------------------ plan
+
+    def backup(self, path: list[Node], kind: OpKind) -> TransferOp | None:
+        """Copy the device-only nodes of ``path`` (root-most first) to host, or ``None``
+        when there are none or the host pool cannot take all of them (all or nothing keeps
+        host presence of a run together)."""
+        core = self.core
+        nodes = [n for n in path if n.host is ABSENT and n.device is RESIDENT]
+        if not nodes or core.host_pool is None:
+            return None
+        need = sum(len(n.key) for n in nodes) // core.page_size
+        dst = core.alloc_host(need)
+        if dst is None:
+            core.counters.write_through_skipped_pages += need
+            log.debug("backup_skipped", pages=need, reason="host pool full")
+            return None
+        core.counters.write_through_started += 1
+        return self._start(kind, nodes, dst)
+
+    def load(self, nodes: list[Node]) -> TransferOp:
+        """Copy host-only ``nodes`` (a run on one path, root-most first) to device.
+
+        Raises:
+            CapacityError: too few device pages even after eviction (nothing changed).
+        """
+        need = sum(len(n.key) for n in nodes) // self.core.page_size
+        dst = self.core.alloc_device(need)
+        self.core.counters.load_back_started += 1
+        return self._start(OpKind.LOAD_BACK, nodes, dst)
+
+    def _start(self, kind: OpKind, nodes: list[Node], dst: torch.Tensor) -> TransferOp:
+        """Mark ``nodes`` FILLING in the destination tier at ``dst`` and submit the copy."""
+        core = self.core
+        tree = core.tree
+        load = kind is OpKind.LOAD_BACK
+        src = torch.cat([n.host_pages if load else n.device_pages for n in nodes])  # type: ignore[misc]
+        op = TransferOp(kind, list(nodes), core.new_future())
+        begin = tree.begin_device_fill if load else tree.begin_host_fill
+        off = 0
+        for node in nodes:
+            k = len(node.key) // core.page_size
+            begin(node, dst[off : off + k], op)
+            off += k
+        assert core.device_pool is not None and core.host_pool is not None
+        job = CopyJob(
+            kind.direction,
+            core.device_pool.buffer,
+            core.host_pool.pages,
+            src,
+            dst,
+            core.sidecar_pairs(),
+        )
+        op.nbytes = job.nbytes
+        self.inflight[id(op)] = op
+        core.coordinator.track(self._queue(op), op)
+        self.engine.submit(job, lambda err: self._landed(op, err))
+        return op
+
+    def retarget(self, head: Node, tail: Node) -> None:
+        """``tail`` was split while its copy was in flight: the copy now covers ``head`` too."""
+        if tail.op is not None:
+            op: TransferOp = tail.op
+            op.targets.insert(op.targets.index(tail), head)
+
+    # ------------------------------------------------------------------ apply
+
+    def _landed(self, op: TransferOp, err: BaseException | None) -> None:
+        op.error = err
+        self.core.coordinator.land(self._queue(op), op, err is None)
+
+    def apply(self, op: TransferOp, ok: bool) -> None:
+        """Apply a finished copy to every target, in path order (on the loop)."""
+        del self.inflight[id(op)]
+        core = self.core
+        tree = core.tree
+        c = core.counters
+        load = op.kind is OpKind.LOAD_BACK
+        # a failed load rolls back children first: device presence stays prefix-closed
+        order = op.targets if ok or not load else list(reversed(op.targets))
+        end = tree.end_device_fill if load else tree.end_host_fill
+        tier = Tier.DEVICE if load else Tier.HOST
+        freed: list[torch.Tensor] = []
+        for node in order:
+            pages = end(node, ok)
+            if pages is not None:
+                freed.append(pages)
+            else:
+                core.emit_stored(node, tier)
+        if freed:
+            (core.free_device if load else core.free_host)(freed)
+        if load:
+            c.load_back_done += ok
+            c.load_back_failed += not ok
+            c.bytes_host_to_device += op.nbytes if ok else 0
+        else:
+            c.write_through_done += ok
+            c.write_through_failed += not ok
+            c.bytes_device_to_host += op.nbytes if ok else 0
+            if ok and self.on_host_resident is not None:
+                self.on_host_resident(op.targets)  # every fragment, including split heads
+            if ok and op.evict_after is not None and op.evict_after.alive:
+                core.demote(op.evict_after)
+        err = op.error if op.error is not None else "failed on another rank"
+        if not ok:
+            log.error("transfer_failed", kind=op.kind.value, nodes=len(op.targets), error=repr(err))
+        if not op.future.done():
+            if ok:
+                op.future.set_result(None)
+            else:
+                op.future.set_exception(TransferError(f"{op.kind.value} copy failed: {err!r}"))
+
+    async def wait_all(self) -> None:
+        """Until no copy is in flight (copies are never abandoned)."""
+        while self.inflight:
+            await asyncio.wait([op.future for op in self.inflight.values()])
+
+    def check_invariants(self) -> None:
+        """Every op in flight is unsettled and its targets point back at it."""
+        for op in self.inflight.values():
+            assert not op.future.done(), f"settled op still in flight {op!r}"
+            for node in op.targets:
+                assert node.op is op, f"{op!r} target {node!r} points elsewhere"
+        for node in self.core.tree.walk():
+            if node.op is not None:
+                assert id(node.op) in self.inflight, f"{node!r} points at a settled op"
+
+
+__all__ = ["OpKind", "TransferOp", "Transfers"]

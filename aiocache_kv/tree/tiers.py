@@ -1,0 +1,303 @@
+"""Per-tier node state of the radix tree: pins, page accounting, transitions, LRU victims.
+
+:class:`TierBook` is the base of :class:`~aiocache_kv.tree.radix.RadixTree` that owns what
+changes a node's presence in a tier: the one transition function per tier (``_set_device`` /
+``_set_host``, checked against the legal transitions below), the FILLING/RESIDENT steps of
+copies and backups, pins, the evictable/protected page counts and the victim heaps.  The
+structure (roots, match, insert, split, eviction walks) lives in ``radix.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from aiocache_kv.errors import OwnershipError
+from aiocache_kv.tree.lru import VictimHeap
+from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, TierState
+
+
+class TierBook:
+    """Pins, per-tier accounting and transitions of a tree's nodes (owned by one thread)."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._owner = threading.get_ident()
+        self._clock = 0
+        # page accounting, per tier
+        self.dev_evictable = 0
+        self.dev_protected = 0
+        self.host_evictable = 0
+        self.host_protected = 0
+        self._dev_heap: VictimHeap[Node] = VictimHeap(is_device_candidate)
+        self._host_heap: VictimHeap[Node] = VictimHeap(is_host_candidate)
+
+    def _reclaim(self, root: Node) -> None:
+        """Forget an empty namespace (the tree's structure decides; see ``RadixTree``)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- ownership
+
+    def bind_owner(self, ident: int | None = None) -> None:
+        """Make the calling thread (or ``ident``) the only one allowed to mutate the tree."""
+        self._owner = threading.get_ident() if ident is None else ident
+
+    def _check_owner(self) -> None:
+        if threading.get_ident() != self._owner:
+            raise OwnershipError(
+                f"radix tree mutated from thread {threading.current_thread().name!r}; "
+                "only the owning event-loop thread may change cache state"
+            )
+
+    # ---------------------------------------------------------------- access, pins
+
+    def _stamp(self, node: Node, clock: int) -> None:
+        """Mark the path to ``node`` used at ``clock``; re-offer the unpinned candidates."""
+        dev_offer = self._dev_heap.offer
+        host_offer = self._host_heap.offer
+        while node.parent is not None:
+            node.last_access = clock
+            if node.pins == 0:  # only unpinned leaves of a tier can be candidates
+                if node.n_dev_children == 0 and node.device is RESIDENT:
+                    dev_offer(node)
+                elif node.device is ABSENT and not node.children:
+                    host_offer(node)
+            node = node.parent
+
+    def record_hit(self, node: Node) -> None:
+        """Count a hit on every node of the path to ``node`` (for selective write-through)."""
+        while node.parent is not None:
+            node.hit_count += 1
+            node = node.parent
+
+    def pin(self, node: Node) -> None:
+        """Pin ``node`` and its ancestors: none of them can be evicted until ``unpin``."""
+        self._check_owner()
+        if node.parent is None:
+            assert node.alive, f"pin of a reclaimed root {node!r}"
+            node.pins += 1  # keeps an empty namespace's root while a handle refers to it
+            return
+        while node.parent is not None:
+            if node.pins == 0:
+                self._acct(node, -1)
+                node.pins = 1
+                self._acct(node, 1)
+            else:
+                node.pins += 1
+            node = node.parent
+
+    def unpin(self, node: Node) -> None:
+        """Drop one pin from ``node`` and its ancestors."""
+        self._check_owner()
+        if node.parent is None:
+            assert node.pins > 0, f"unpin of unpinned root {node!r}"
+            node.pins -= 1
+            self._reclaim(node)
+            return
+        while node.parent is not None:
+            assert node.pins > 0, f"unpin of unpinned {node!r}"
+            if node.pins == 1:
+                self._acct(node, -1)
+                node.pins = 0
+                self._acct(node, 1)
+                self._offer(node)
+            else:
+                node.pins -= 1
+            node = node.parent
+
+    # ---------------------------------------------------------------- tier transitions
+
+    def _npages(self, node: Node) -> int:
+        return len(node.key) // self.page_size
+
+    def _acct(self, node: Node, sign: int) -> None:
+        n = sign * (len(node.key) // self.page_size)
+        busy = node.pins > 0 or node.device is FILLING or node.host is FILLING
+        if node.device is not ABSENT:
+            if busy:
+                self.dev_protected += n
+            else:
+                self.dev_evictable += n
+        if node.host is not ABSENT:
+            if busy or node.storage is FILLING:
+                self.host_protected += n
+            else:
+                self.host_evictable += n
+
+    def _offer(self, node: Node) -> None:
+        self._dev_heap.offer(node)
+        self._host_heap.offer(node)
+
+    def _set_device(self, node: Node, state: TierState, *, accounted: bool = False) -> None:
+        """The one transition function of the device tier (accounting and heaps follow)."""
+        old = node.device
+        assert _DEVICE_OK[old, state], f"device {old.name}->{state.name} on {node!r}"
+        if not accounted:
+            self._acct(node, -1)
+        node.device = state
+        parent = node.parent
+        assert parent is not None
+        if old is ABSENT and state is not ABSENT:
+            assert parent.device is not ABSENT, f"device presence not prefix-closed at {node!r}"
+            parent.n_dev_children += 1
+        elif state is ABSENT and old is not ABSENT:
+            assert node.n_dev_children == 0, f"device-absent node with device children {node!r}"
+            parent.n_dev_children -= 1
+            node.device_pages = None
+            self._offer(parent)
+        self._acct(node, 1)
+        self._offer(node)
+
+    def _set_host(self, node: Node, state: TierState) -> None:
+        """The one transition function of the host tier."""
+        old = node.host
+        assert _HOST_OK[old, state], f"host {old.name}->{state.name} on {node!r}"
+        self._acct(node, -1)
+        node.host = state
+        if state is ABSENT:
+            node.host_pages = None
+        self._acct(node, 1)
+        self._offer(node)
+
+    def begin_host_fill(self, node: Node, host_pages: torch.Tensor, op: Any) -> None:
+        """Device-resident ``node`` starts copying to ``host_pages`` (write-through/back)."""
+        self._check_owner()
+        assert node.device is RESIDENT and node.host is ABSENT, f"cannot back up {node!r}"
+        assert node.op is None, f"{node!r} already has a transfer in flight"
+        assert host_pages.numel() == self._npages(node), "host page count mismatch"
+        node.host_pages = host_pages
+        node.op = op
+        self._set_host(node, FILLING)
+
+    def end_host_fill(self, node: Node, ok: bool) -> torch.Tensor | None:
+        """Apply a write ack; on failure return the host pages to free."""
+        self._check_owner()
+        assert node.host is FILLING, f"host ack on {node!r}"
+        node.op = None
+        if ok:
+            self._set_host(node, RESIDENT)
+            return None
+        pages = node.host_pages
+        self._set_host(node, ABSENT)
+        return pages
+
+    def begin_device_fill(self, node: Node, device_pages: torch.Tensor, op: Any) -> None:
+        """Host-only ``node`` starts loading into ``device_pages`` (load-back)."""
+        self._check_owner()
+        assert node.host is RESIDENT and node.device is ABSENT, f"cannot load back {node!r}"
+        assert node.op is None, f"{node!r} already has a transfer in flight"
+        assert device_pages.numel() == self._npages(node), "device page count mismatch"
+        node.device_pages = device_pages
+        node.op = op
+        self._set_device(node, FILLING)
+
+    def end_device_fill(self, node: Node, ok: bool) -> torch.Tensor | None:
+        """Apply a load ack; on failure return the device pages to free."""
+        self._check_owner()
+        assert node.device is FILLING, f"device ack on {node!r}"
+        node.op = None
+        if ok:
+            self._set_device(node, RESIDENT)
+            return None
+        pages = node.device_pages
+        self._set_device(node, ABSENT)
+        return pages
+
+    def begin_backup(self, node: Node, op: Any) -> None:
+        """Host-resident ``node`` starts copying to storage; its host copy is protected."""
+        self._check_owner()
+        assert node.host is RESIDENT and node.storage is ABSENT, f"cannot back up {node!r}"
+        assert node.backup is None, f"{node!r} already has a backup in flight"
+        self._acct(node, -1)
+        node.storage = FILLING
+        node.backup = op
+        self._acct(node, 1)
+
+    def end_backup(self, node: Node, ok: bool) -> None:
+        """Apply a storage ack: the node is in storage (``ok``) or not."""
+        self._check_owner()
+        assert node.storage is FILLING, f"storage ack on {node!r}"
+        self._acct(node, -1)
+        node.storage = RESIDENT if ok else ABSENT
+        node.backup = None
+        self._acct(node, 1)
+        self._offer(node)
+        up = node.parent  # a device victim skipped while this backup ran may go now
+        while up is not None and up.parent is not None and up.device is ABSENT:
+            up = up.parent
+        if up is not None and up.parent is not None:
+            self._dev_heap.offer(up)
+
+    def demote(self, node: Node) -> torch.Tensor | None:
+        """Drop the device copy of an idle device leaf that has a host copy.
+
+        Returns the freed device pages, or ``None`` when the node is pinned, busy, has
+        device children or no host copy (then nothing changes).
+        """
+        self._check_owner()
+        if not (node.alive and is_device_candidate(node) and node.host is RESIDENT):
+            return None
+        pages = node.device_pages
+        self._set_device(node, ABSENT)
+        return pages
+
+
+def is_device_candidate(node: Node) -> bool:
+    """Whether ``node`` may be chosen as a device victim now."""
+    return (
+        node.alive
+        and node.device is RESIDENT
+        and node.host is not FILLING
+        and node.pins == 0
+        and node.n_dev_children == 0
+        and node.parent is not None
+    )
+
+
+def is_host_candidate(node: Node) -> bool:
+    """Whether ``node`` may be chosen as a host victim now."""
+    return (
+        node.alive
+        and node.host is RESIDENT
+        and node.storage is not FILLING
+        and node.device is ABSENT
+        and node.pins == 0
+        and not node.children
+        and node.parent is not None
+    )
+
+
+_DEVICE_OK = {
+    (a, b): ok
+    for a in TierState
+    for b in TierState
+    for ok in [
+        (a, b)
+        in {
+            (ABSENT, RESIDENT),  # insert / adopt
+            (ABSENT, FILLING),  # load-back starts
+            (FILLING, RESIDENT),  # load-back ack
+            (FILLING, ABSENT),  # load-back failed
+            (RESIDENT, ABSENT),  # eviction / demotion
+        }
+    ]
+}
+_HOST_OK = {
+    (a, b): ok
+    for a in TierState
+    for b in TierState
+    for ok in [
+        (a, b)
+        in {
+            (ABSENT, FILLING),  # write-through / write-back starts
+            (FILLING, RESIDENT),  # ack
+            (FILLING, ABSENT),  # copy failed
+            (ABSENT, RESIDENT),  # attached from storage
+            (RESIDENT, ABSENT),  # host eviction
+        }
+    ]
+}
+
+__all__ = ["TierBook", "is_device_candidate", "is_host_candidate"]
