@@ -24,12 +24,24 @@ the cache against the simple model of ``tests/reference_model.py``:
 
 One machine class per (write policy, page size).  The event loop is created per run and driven
 with ``run_until_complete`` on this thread, which is the thread that started the cache.
+
+Budgets and seeds come from the Hypothesis profile that ``tests/conftest.py`` loads:
+
+* ``ci`` (the default, and what CI runs): 80 examples per class, the same examples on every run
+  (``derandomize``; ``--hypothesis-seed`` is ignored), no shrinking: a failure is reported at
+  once with its steps and a ``@reproduce_failure`` blob.  ``HYPOTHESIS_PROFILE=ci-shrink``
+  replays the same examples with shrinking, to minimise a CI failure.
+* ``explore``: new random examples on every run, 400 per class, full shrinking.  Run it on
+  its own, time-boxed, and turn what it finds into an explicit test in
+  ``tests/test_state_machine_regressions.py``::
+
+      HYPOTHESIS_PROFILE=explore pytest tests/test_state_machine.py --timeout=1800
+      HYPOTHESIS_PROFILE=explore pytest tests/test_state_machine.py --hypothesis-seed=7  # replay
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,17 +85,14 @@ from tests.reference_model import (
 
 # ---------------------------------------------------------------------------- settings
 
-_CI = os.environ.get("CI", "").lower() == "true"
-_COMMON: dict[str, Any] = dict(
-    deadline=None,
+# The active Hypothesis profile (tests/conftest.py: ``ci`` by default, ``explore`` to hunt)
+# sets the budget: each of the six machine classes runs ``max_examples`` examples (ci: 6 x 80,
+# about 30 s on 2 cores).
+PROFILE = settings(
+    settings.default,
     stateful_step_count=40,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-# Six machine classes share the budget: CI runs 6 x 80 examples (~30 s on 2 cores), a
-# local run 6 x 20.
-settings.register_profile("aiocache-state-machine-ci", max_examples=80, **_COMMON)
-settings.register_profile("aiocache-state-machine-dev", max_examples=20, **_COMMON)
-PROFILE = settings.get_profile("aiocache-state-machine-ci" if _CI else "aiocache-state-machine-dev")
 
 DEVICE_PAGES = 12
 HOST_PAGES = 16
