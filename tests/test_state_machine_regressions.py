@@ -45,6 +45,29 @@ def test_machine_insert_under_loading_node() -> None:
     )
 
 
+def test_machine_seed7_shrunk() -> None:
+    """The same failure as hypothesis shrank it from ``--hypothesis-seed=7`` (20 examples): the
+    load-back of ``[1]`` in tenant-b is still in flight at the last insert."""
+    _replay(
+        WriteBackP1(),
+        [
+            ("insert", dict(keep=False, tenant=None, toks=[0, 0, 0, 0, 0, 0, 0])),
+            ("insert", dict(keep=False, tenant="tenant-b", toks=[1, 0])),
+            ("insert", dict(keep=False, tenant=None, toks=[0, 0, 0, 0])),
+            ("match", dict(tenant=None, toks=[0])),
+            ("release", dict(i=0)),
+            ("finish_copy", dict(i=1, ok=True)),
+            ("match", dict(tenant="tenant-b", toks=[1])),
+            ("same_tokens_both_tenants", dict(base=0)),
+            ("match", dict(tenant=None, toks=[0])),
+            ("start_load_back", dict(i=0, start=False)),
+            ("finish_copy", dict(i=0, ok=True)),
+            ("release", dict(i=0)),
+            ("insert", dict(keep=False, tenant="tenant-b", toks=[1, 0])),  # inserted_len=1
+        ],
+    )
+
+
 async def test_insert_under_loading_node_caches_up_to_it() -> None:
     """The cache side of the same sequence, including a load-back node that the insert
     splits: the insert keeps the path up to the loading node (or the part of it the tokens
