@@ -87,7 +87,7 @@ from tests.reference_model import (
 
 # The active Hypothesis profile (tests/conftest.py: ``ci`` by default, ``explore`` to hunt)
 # sets the budget: each of the six machine classes runs ``max_examples`` examples (ci: 6 x 80,
-# about 30 s on 2 cores).
+# about 45 s on 2 cores; explore: 6 x 400).
 PROFILE = settings(
     settings.default,
     stateful_step_count=40,
