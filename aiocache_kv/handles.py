@@ -122,7 +122,13 @@ class WriteAck:
 
 
 class InsertResult(Handle):
-    """What ``insert`` did.  Holds a pin on the inserted path until released."""
+    """What ``insert`` did.  Holds a pin on the inserted path until released.
+
+    ``inserted_len`` is normally every whole page of the tokens.  It is shorter when the insert
+    met a node whose ``load_back`` was still in flight: nothing may hang below such a node on
+    device (a failed load turns it back into host-only), so the insert stops right after it,
+    pins only that far and frees the caller's pages beyond it: that KV is not cached.
+    """
 
     __slots__ = ("inserted_len", "prefix_len", "write_through")
 
@@ -136,7 +142,7 @@ class InsertResult(Handle):
     ) -> None:
         super().__init__(core, node)
         self.prefix_len = prefix_len  #: tokens that were already cached (any tier)
-        self.inserted_len = inserted_len  #: page-aligned tokens now cached
+        self.inserted_len = inserted_len  #: page-aligned tokens now cached and pinned
         self.write_through = write_through  #: awaitable host backup, or None
 
     def __repr__(self) -> str:

@@ -9,6 +9,11 @@ the cache against the simple model of ``tests/reference_model.py``:
 
 * a match never exceeds the longest prefix inserted in its own namespace and never drops below
   a prefix pinned by a live handle;
+* an insert caches all its whole pages (``inserted_len``), except that it stops right after a
+  node whose load-back is still in flight, because nothing may hang below such a node on device
+  (a failed load turns it back into host-only): ``inserted_len`` is then exactly where the first
+  loading node on its path ends, the caller's pages after it are freed, and the model records
+  only the cached part;
 * KV read back from the device pool at a live match's ``device_indices`` is bit-identical to
   what was written for those tokens, across write-through, demotion, eviction and load-back;
 * device ``free + held + evictable + protected == total`` (host: ``held == 0``) and releasing
@@ -19,12 +24,24 @@ the cache against the simple model of ``tests/reference_model.py``:
 
 One machine class per (write policy, page size).  The event loop is created per run and driven
 with ``run_until_complete`` on this thread, which is the thread that started the cache.
+
+Budgets and seeds come from the Hypothesis profile that ``tests/conftest.py`` loads:
+
+* ``ci`` (the default, and what CI runs): 80 examples per class, the same examples on every run
+  (``derandomize``; ``--hypothesis-seed`` is ignored), no shrinking: a failure is reported at
+  once with its steps and a ``@reproduce_failure`` blob.  ``HYPOTHESIS_PROFILE=ci-shrink``
+  replays the same examples with shrinking, to minimise a CI failure.
+* ``explore``: new random examples on every run, 400 per class, full shrinking.  Run it on
+  its own, time-boxed, and turn what it finds into an explicit test in
+  ``tests/test_state_machine_regressions.py``::
+
+      HYPOTHESIS_PROFILE=explore pytest tests/test_state_machine.py --timeout=1800
+      HYPOTHESIS_PROFILE=explore pytest tests/test_state_machine.py --hypothesis-seed=7  # replay
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +49,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, currently_in_test_context, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -52,8 +69,10 @@ from aiocache_kv.errors import (
     TransferError,
 )
 from aiocache_kv.handles import HandleState, InsertResult, MatchResult
+from aiocache_kv.namespace import Namespace
 from aiocache_kv.testing import ManualCopyEngine
-from aiocache_kv.tree.node import RESIDENT
+from aiocache_kv.transfer import Direction
+from aiocache_kv.tree.node import FILLING, RESIDENT
 from tests.conftest import small_config
 from tests.reference_model import (
     EventLedger,
@@ -66,17 +85,14 @@ from tests.reference_model import (
 
 # ---------------------------------------------------------------------------- settings
 
-_CI = os.environ.get("CI", "").lower() == "true"
-_COMMON: dict[str, Any] = dict(
-    deadline=None,
+# The active Hypothesis profile (tests/conftest.py: ``ci`` by default, ``explore`` to hunt)
+# sets the budget: each of the six machine classes runs ``max_examples`` examples (ci: 6 x 80,
+# about 45 s on 2 cores; explore: 6 x 400).
+PROFILE = settings(
+    settings.default,
     stateful_step_count=40,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-# Six machine classes share the budget: CI runs 6 x 80 examples (~30 s on 2 cores), a
-# local run 6 x 20.
-settings.register_profile("aiocache-state-machine-ci", max_examples=80, **_COMMON)
-settings.register_profile("aiocache-state-machine-dev", max_examples=20, **_COMMON)
-PROFILE = settings.get_profile("aiocache-state-machine-ci" if _CI else "aiocache-state-machine-dev")
 
 DEVICE_PAGES = 12
 HOST_PAGES = 16
@@ -134,6 +150,12 @@ class LoadTask:
 
     task: asyncio.Task[MatchResult]
     live: Live
+
+
+def _event(name: str) -> None:
+    """``hypothesis.event``, and nothing when a rule is called by hand (a replayed sequence)."""
+    if currently_in_test_context():
+        event(name)
 
 
 # ---------------------------------------------------------------------------- machine
@@ -251,18 +273,47 @@ class HiCacheMachine(RuleBasedStateMachine):
             return  # every device page pinned or in flight: a legitimate refusal
         self._absorb()  # alloc may have evicted
         self._write_kv(tenant, toks, slots[: len(toks)])
+        want = self._insert_stop(tenant, toks, n)
         r = self.cache.insert(list(toks), slots[: len(toks)], tenant=tenant)
         self._absorb(insert=(tenant, toks[:n]))
         if len(toks) % p:  # the unaligned tail page stays ours
             self.cache.free(slots[n:])
-        assert r.inserted_len == n, (r, n)
+        k = r.inserted_len
+        assert k == want, f"inserted_len {k}, expected {want} of {n} for {tenant!r} {toks}"
+        if k < n:
+            _event("insert: stopped at a node still loading")
+            assert any(job.direction is Direction.H2D for job, _ in self.engine.pending), (
+                f"insert stopped at {k} of {n} with no load-back in flight"
+            )
         assert r.prefix_len % p == 0 and lower <= r.prefix_len <= upper, (
             f"prefix_len {r.prefix_len} outside [{lower}, {upper}] for {toks}"
         )
-        self.model.add(tenant, toks[:n])
-        self.live.append(Live(r, tenant, toks[:n], n))
+        self.model.add(tenant, toks[:k])
+        self.live.append(Live(r, tenant, toks[:k], k))
         if not keep:
             self._release(self.live[-1])
+
+    def _insert_stop(self, tenant: Tenant, toks: Tokens, n: int) -> int:
+        """How much of ``toks[:n]`` an insert caches now: all of it, unless the path meets a
+        node whose load-back is in flight (device FILLING).  Nothing may hang below such a node
+        on device (a failed load turns it back into host-only), so the insert stops right
+        after it, or after the part of it that ``toks`` shares, and frees the pages beyond."""
+        ns = Namespace(self.cfg.namespace, tenant or "")
+        node = next((r for r in self.cache._tree.roots() if r.ns == ns), None)
+        pos = 0
+        while node is not None and pos < n:
+            parent, node = node, None
+            for child in parent.children.values():
+                common = aligned_common(child.key, toks[pos:n], self.p)
+                if not common:
+                    continue
+                if child.device is FILLING:
+                    return pos + common
+                if common == len(child.key):
+                    node = child
+                    pos += common
+                break
+        return n
 
     def _release(self, h: Live) -> None:
         self.live.remove(h)
@@ -345,7 +396,7 @@ class HiCacheMachine(RuleBasedStateMachine):
             t for ts in self.model.inserted.values() for t in ts
         )
         h = self._match(tenant, self._pick(known, base))
-        event(f"demote_then_match: host hit {h.handle.host_len > 0}")  # type: ignore[union-attr]
+        _event(f"demote_then_match: host hit {h.handle.host_len > 0}")  # type: ignore[union-attr]
         if load:
             task = self.loop.create_task(self.cache.load_back(h.handle))  # type: ignore[arg-type]
             self._await_task(LoadTask(task, h), [])
@@ -435,7 +486,7 @@ class HiCacheMachine(RuleBasedStateMachine):
     @rule(i=index_st, start=st.booleans())
     def start_load_back(self, i: int, start: bool) -> None:
         h = self._pick(self._matches(), i)
-        event(f"load_back: started with a host part {h.handle.host_len > 0}")  # type: ignore[union-attr]
+        _event(f"load_back: started with a host part {h.handle.host_len > 0}")  # type: ignore[union-attr]
         task = self.loop.create_task(self.cache.load_back(h.handle))  # type: ignore[arg-type]
         if start:
             self._tick()
@@ -446,10 +497,10 @@ class HiCacheMachine(RuleBasedStateMachine):
         task = t.task
         assert task.done()
         if task.cancelled():
-            event("load_back: cancelled")
+            _event("load_back: cancelled")
             return
         exc = task.exception()
-        event(f"load_back: {type(exc).__name__ if exc else 'ok'}")
+        _event(f"load_back: {type(exc).__name__ if exc else 'ok'}")
         if exc is not None:
             if isinstance(exc, HandleError):  # released before the task got to run
                 assert t.live.handle.state is HandleState.RELEASED, repr(exc)
