@@ -4,7 +4,8 @@ Run::
 
     pip install -e .[server]                  # aiohttp
     python examples/server.py --port 8000     # binds 127.0.0.1; FileStorage in a temp dir
-    curl -s localhost:8000/generate -d '{"tokens": [1, 2, 3], "max_new_tokens": 8}'
+    curl -s localhost:8000/generate -H 'Content-Type: application/json' \\
+        -d '{"tokens": [1, 2, 3], "max_new_tokens": 8}'
     curl -s localhost:8000/metrics
     python examples/server.py --kv-events tcp://127.0.0.1:5557   # + KV events (vLLM ZMQ format)
 
@@ -14,6 +15,9 @@ Endpoints:
   ``{"tokens": [...], "prompt_tokens", "cached_tokens": {"device", "host", "storage"},
   "computed_tokens", "ttft_ms", "total_ms"}``.  Token ids only: GPT-2's tokenizer would have
   to be downloaded, and this server downloads nothing (the weights are random, seeded).
+  A malformed request gets ``{"error": "..."}``: 400 (bad JSON, encoding or fields), 413 (body
+  over ``--max-body-bytes``, 1 MiB), 415 (a Content-Type other than JSON, or a charset other
+  than UTF-8/16/32).
 * ``GET /health`` - ``{"status": "ok", ...}`` with the cache's page counts.
 * ``POST /flush`` - waits until every copy and storage backup in flight has landed (so another
   node can read this node's pages from storage).
@@ -43,6 +47,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import structlog
 import torch
@@ -83,6 +88,7 @@ class ServerOptions:
     master: str | None = None
     metadata: str | None = None
     max_new_tokens: int = 256  #: upper bound a request may ask for
+    max_body_bytes: int = 1 << 20  #: larger ``/generate`` bodies get 413
     model_thread: bool = True  #: forward passes on a worker thread (else inline on the loop)
     kv_events: str | None = None  #: ZMQ PUB endpoint for KV events (vLLM format), or off
 
@@ -253,11 +259,163 @@ def render_metrics(m: Metrics, st: CacheStatistics, page_size: int, page_bytes: 
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------------------- request parsing
+
+#: charsets a ``/generate`` body may declare (none: UTF-8, as RFC 8259 requires of JSON)
+JSON_CHARSETS = {
+    "utf-8": "utf-8",
+    "utf8": "utf-8",
+    "us-ascii": "ascii",
+    "ascii": "ascii",
+    "utf-16": "utf-16",
+    "utf-16le": "utf-16-le",
+    "utf-16be": "utf-16-be",
+    "utf-32": "utf-32",
+    "utf-32le": "utf-32-le",
+    "utf-32be": "utf-32-be",
+}
+GENERATE_FIELDS = frozenset({"tokens", "max_new_tokens"})
+DEFAULT_MAX_NEW_TOKENS = 16
+
+
+class BadRequest(Exception):
+    """A malformed request: the HTTP status it gets and a short message naming the problem."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A validated ``POST /generate`` body."""
+
+    tokens: list[int]
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a ``/generate`` request may ask for."""
+
+    vocab_size: int
+    max_new_tokens: int  #: the server's bound on ``max_new_tokens``
+    max_positions: int  #: prompt + reply, the model's context
+    max_kv_slots: int  #: prompt + reply - 1 K/V rows, the device pool's size
+    max_body_bytes: int
+
+
+def _short(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise BadRequest(400, f"body is not valid JSON: {name} is not a JSON value")
+
+
+async def parse_generate_request(request: web.Request, limits: RequestLimits) -> GenerateRequest:
+    """Read, decode, parse and validate a ``/generate`` body.
+
+    Raises:
+        BadRequest: 413 body over ``limits.max_body_bytes``; 415 a content type other than
+            JSON or a charset outside :data:`JSON_CHARSETS`; 400 anything else malformed
+            (unreadable body, bad encoding, bad JSON, bad fields).
+    """
+    media = request.content_type  # "application/octet-stream" when the header is absent
+    if "Content-Type" in request.headers and not (
+        media == "application/json" or media.endswith("+json")
+    ):
+        raise BadRequest(415, f"content type must be application/json, got {_short(media)}")
+    declared = request.charset
+    codec = JSON_CHARSETS.get((declared or "utf-8").strip().lower())
+    if codec is None:
+        raise BadRequest(415, f"unsupported charset {_short(declared)} (send utf-8)")
+    limit = limits.max_body_bytes
+    too_large = BadRequest(413, f"body exceeds {limit} bytes")
+    if (request.content_length or 0) > limit:
+        raise too_large
+    body = bytearray()
+    try:
+        async for chunk in request.content.iter_any():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except web.RequestPayloadError as exc:  # e.g. a corrupt Content-Encoding
+        reason = str(exc).strip().splitlines()[-1].strip()  # drop aiohttp's "400, message:"
+        raise BadRequest(400, f"body could not be read: {reason}") from None
+    try:
+        text = body.decode(codec)
+    except UnicodeDecodeError as exc:
+        raise BadRequest(400, f"body is not valid {codec}: {exc.reason}") from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(400, f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest(400, "body is not valid JSON: nested too deep") from None
+    except ValueError as exc:  # e.g. int()'s digit limit: "Exceeds the limit (4300 digits) ..."
+        raise BadRequest(400, f"body is not valid JSON: {str(exc).split(':')[0]}") from None
+    return validate_generate(obj, limits)
+
+
+def validate_generate(obj: object, limits: RequestLimits) -> GenerateRequest:
+    """A parsed JSON body -> :class:`GenerateRequest` (raises :class:`BadRequest`, 400)."""
+    if not isinstance(obj, dict):
+        raise BadRequest(400, "body must be a JSON object")
+    unknown = sorted(set(obj) - GENERATE_FIELDS)
+    if unknown:
+        raise BadRequest(400, f"unknown fields {_short(unknown)}; known: tokens, max_new_tokens")
+    tokens = obj.get("tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise BadRequest(400, "tokens must be a non-empty list of token ids")
+    if len(tokens) >= limits.max_positions:
+        raise BadRequest(
+            400, f"tokens has {len(tokens)} ids; the model's context is {limits.max_positions}"
+        )
+    vocab = limits.vocab_size
+    for i, t in enumerate(tokens):
+        if type(t) is not int or not 0 <= t < vocab:  # bool is no int here
+            raise BadRequest(
+                400, f"tokens must be ints in [0, {vocab}), tokens[{i}] is {_short(t)}"
+            )
+    bound = limits.max_new_tokens
+    max_new = obj.get("max_new_tokens", min(DEFAULT_MAX_NEW_TOKENS, bound))
+    if type(max_new) is not int or not 1 <= max_new <= bound:
+        raise BadRequest(
+            400, f"max_new_tokens must be an int in [1, {bound}], got {_short(max_new)}"
+        )
+    if len(tokens) + max_new > limits.max_positions:
+        raise BadRequest(
+            400,
+            f"{len(tokens)} tokens + max_new_tokens {max_new} exceed the model's context of "
+            f"{limits.max_positions}",
+        )
+    if len(tokens) + max_new - 1 > limits.max_kv_slots:
+        raise BadRequest(
+            400,
+            f"{len(tokens)} tokens + max_new_tokens {max_new} need more KV slots than the "
+            f"device pool holds ({limits.max_kv_slots})",
+        )
+    return GenerateRequest(tokens=tokens, max_new_tokens=max_new)
+
+
+# ---------------------------------------------------------------------------- the server
+
+
 class GenerateServer:
     """The model, the cache and the HTTP handlers."""
 
     def __init__(self, opts: ServerOptions) -> None:
         self.opts = opts
+        self.limits = RequestLimits(
+            vocab_size=opts.model.vocab_size,
+            max_new_tokens=opts.max_new_tokens,
+            max_positions=opts.model.n_positions,
+            max_kv_slots=opts.device_pages * opts.page_size,
+            max_body_bytes=opts.max_body_bytes,
+        )
         self.metrics = Metrics()
         self.cache: HiCache | None = None
         self.lm: CachedLM | None = None
@@ -360,23 +518,13 @@ class GenerateServer:
     async def generate(self, request: web.Request) -> web.Response:
         """``POST /generate``."""
         try:
-            body = await request.json()
-        except json.JSONDecodeError:
-            return self._bad("body must be JSON")
-        if not isinstance(body, dict):
-            return self._bad("body must be a JSON object")
-        tokens = body.get("tokens")
-        max_new = body.get("max_new_tokens", 16)
-        if not isinstance(tokens, list) or not tokens:
-            return self._bad("tokens must be a non-empty list of token ids")
-        vocab = self.opts.model.vocab_size
-        if not all(type(t) is int and 0 <= t < vocab for t in tokens):
-            return self._bad(f"tokens must be ints in [0, {vocab})")
-        if type(max_new) is not int or not 1 <= max_new <= self.opts.max_new_tokens:
-            return self._bad(f"max_new_tokens must be an int in [1, {self.opts.max_new_tokens}]")
+            req = await parse_generate_request(request, self.limits)
+        except BadRequest as exc:
+            self.metrics.requests["bad_request"] += 1
+            return web.json_response({"error": exc.message}, status=exc.status)
         assert self.lm is not None
         try:
-            gen = await self.lm.generate(tokens, max_new)
+            gen = await self.lm.generate(req.tokens, req.max_new_tokens)
         except KVCacheError as exc:
             self.metrics.requests["error"] += 1
             status = 400 if isinstance(exc, ValueError) else 503
@@ -396,10 +544,6 @@ class GenerateServer:
                 "total_ms": round(gen.total * 1e3, 3),
             }
         )
-
-    def _bad(self, message: str) -> web.Response:
-        self.metrics.requests["bad_request"] += 1
-        return web.json_response({"error": message}, status=400)
 
     async def flush(self, request: web.Request) -> web.Response:
         """``POST /flush``: every pending write-through and storage backup settled."""
@@ -475,6 +619,12 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
     p.add_argument("--model-seed", type=int, default=0, help="weights seed (same on every node)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=ServerOptions.max_body_bytes,
+        help="larger /generate bodies get 413 (default 1 MiB)",
+    )
+    p.add_argument(
         "--inline-model", action="store_true", help="run forward passes on the loop thread"
     )
     p.add_argument(
@@ -502,6 +652,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
         master=a.master,
         metadata=a.metadata,
         max_new_tokens=a.max_new_tokens,
+        max_body_bytes=a.max_body_bytes,
         model_thread=not a.inline_model,
         kv_events=a.kv_events,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import io
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -144,11 +145,21 @@ async def test_bad_requests(server: Running) -> None:
         {"tokens": [1, 2], "max_new_tokens": 0},
         {"tokens": [1, 2], "max_new_tokens": 33},
         [1, 2, 3],
+        {"tokens": [1, True]},  # a bool is no token id
+        {"tokens": [1, 2.0]},
+        {"tokens": [1, "2"]},
+        {"tokens": {"0": 1}},
+        {"tokens": [1, 2], "max_new_tokens": True},
+        {"tokens": [1, 2], "max_new_tokens": 4.0},
+        {"tokens": [1, 2], "max_new_tokens": None},
+        {"tokens": [1] * SPEC.n_positions},  # no room for a reply in the context
+        {"tokens": [1] * (SPEC.n_positions - 4), "max_new_tokens": 5},
+        "tokens",
     ):
         status, reply = await server.post("/generate", body)
-        assert status == 400 and "error" in reply, body
+        assert status == 400 and isinstance(reply["error"], str), body
     text = await server.get_text("/metrics")
-    assert metric(text, 'aiocache_kv_requests_total{outcome="bad_request"}') == 6
+    assert metric(text, 'aiocache_kv_requests_total{outcome="bad_request"}') == 16
 
 
 async def test_concurrent_requests_and_health_while_busy(server: Running, gpt2: Any) -> None:
@@ -185,5 +196,100 @@ async def test_restarted_server_serves_from_storage(tmp_path: Path, gpt2: Any) -
         assert metric(text, 'aiocache_kv_prompt_tokens_total{source="storage"}') == 72
         assert metric(text, "aiocache_kv_prefetch_seconds_count") == 1
         assert metric(text, 'aiocache_kv_transfer_bytes_total{direction="storage_to_host"}') > 0
+    finally:
+        await stop(srv)
+
+
+VALID = b'{"tokens": [1, 2, 3], "max_new_tokens": 1}'
+JSON = "application/json"
+MiB = 1 << 20
+OVERSIZED = b'{"tokens": [' + b"1, " * (MiB // 3) + b"1]}"  # just over 1 MiB
+
+
+async def chunked(body: bytes, size: int = 64 << 10) -> AsyncIterator[bytes]:
+    """``body`` as a chunked upload (no Content-Length: the server must bound the read)."""
+    for i in range(0, len(body), size):
+        yield body[i : i + size]
+
+
+# (body, Content-Type, extra headers, status, a word the error names); "*_chunked": no length
+HOSTILE: dict[str, tuple[bytes, str, dict[str, str], int, str]] = {
+    "deep_nesting": (b"[" * 100_000, JSON, {}, 400, "deep"),
+    "deep_nesting_in_field": (b'{"tokens": ' + b"[" * 100_000, JSON, {}, 400, "deep"),
+    "5000_digit_int": (
+        b'{"tokens": [1], "max_new_tokens": ' + b"9" * 5000 + b"}",
+        JSON,
+        {},
+        400,
+        "digits",
+    ),
+    "5000_digit_token": (b'{"tokens": [' + b"7" * 5000 + b"]}", JSON, {}, 400, "digits"),
+    "invalid_utf8": (b'{"tokens": [1, 2], "x": "\xff\xfe"}', JSON, {}, 400, "utf-8"),
+    "unknown_charset": (VALID, JSON + "; charset=x-unknown", {}, 415, "charset"),
+    "non_text_codec_charset": (VALID, JSON + "; charset=base64", {}, 415, "charset"),
+    "text_plain": (VALID, "text/plain", {}, 415, "content type"),
+    "form_urlencoded": (VALID, "application/x-www-form-urlencoded", {}, 415, "content type"),
+    "corrupt_gzip": (b"not gzip at all", JSON, {"Content-Encoding": "gzip"}, 400, "body"),
+    "oversized": (OVERSIZED, JSON, {}, 413, "1048576"),
+    "oversized_chunked": (OVERSIZED, JSON, {}, 413, "1048576"),  # no Content-Length
+    "unknown_field": (b'{"tokens": [1, 2], "max_tokens": 4}', JSON, {}, 400, "max_tokens"),
+    "nan": (b'{"tokens": [1, 2], "max_new_tokens": NaN}', JSON, {}, 400, "NaN"),
+    # 300 + 32 - 1 KV slots > the 32 device pages x 8 of the test server (fits 512 positions)
+    "exceeds_device_pool": (
+        b'{"tokens": [' + b"1, " * 299 + b'1], "max_new_tokens": 32}',
+        JSON,
+        {},
+        400,
+        "pool",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+async def test_hostile_body_gets_4xx_and_server_keeps_serving(server: Running, case: str) -> None:
+    body, content_type, extra, want_status, word = HOSTILE[case]
+    headers = {"Content-Type": content_type, **extra}
+    # (a BytesIO for the big one: aiohttp warns about sending over 1 MiB of raw bytes)
+    data: Any = chunked(body) if case.endswith("_chunked") else body
+    if len(body) > MiB and isinstance(data, bytes):
+        data = io.BytesIO(body)
+    async with server.session.post(
+        server.url + "/generate", data=data, headers=headers, skip_auto_headers=["Content-Type"]
+    ) as r:
+        assert r.status == want_status, await r.text()
+        assert r.content_type == JSON
+        reply = await r.json()
+    assert isinstance(reply["error"], str) and word.lower() in reply["error"].lower(), reply
+    text = await server.get_text("/metrics")
+    assert metric(text, 'aiocache_kv_requests_total{outcome="bad_request"}') == 1
+    async with server.session.post(
+        server.url + "/generate", data=VALID, headers={"Content-Type": JSON}
+    ) as r:
+        assert r.status == 200, await r.text()
+        assert len((await r.json())["tokens"]) == 1
+
+
+async def test_body_limit_is_configurable(tmp_path: Path) -> None:
+    srv = await start(options(tmp_path / "kv", max_body_bytes=len(VALID)))
+    try:
+        big = VALID[:-1] + b" }"  # one byte over the limit
+        async with srv.session.post(
+            srv.url + "/generate", data=big, headers={"Content-Type": JSON}
+        ) as r:
+            assert r.status == 413 and str(len(VALID)) in (await r.json())["error"]
+        async with srv.session.post(
+            srv.url + "/generate", data=VALID, headers={"Content-Type": JSON}
+        ) as r:
+            assert r.status == 200, await r.text()
+    finally:
+        await stop(srv)
+
+
+async def test_default_max_new_tokens_within_server_limit(tmp_path: Path) -> None:
+    srv = await start(options(tmp_path / "kv", max_new_tokens=4))  # below the default of 16
+    try:
+        status, reply = await srv.post("/generate", {"tokens": [1, 2, 3]})
+        assert status == 200, reply
+        assert len(reply["tokens"]) == 4
     finally:
         await stop(srv)
