@@ -73,8 +73,23 @@ class StorageTimeoutError(StorageError, TimeoutError):
     """A storage-tier operation did not finish before its deadline."""
 
 
+class MooncakeNotInstalledError(StorageUnavailableError, ImportError):
+    """``mooncake.store`` cannot be imported (install ``aiocache_kv[mooncake]``)."""
+
+
 class StorageKeyError(InvalidInputError):
     """A storage key is malformed (wrong type, empty, or too long)."""
+
+
+# -- tensor parallelism, optional parts ------------------------------------------------------
+
+
+class AgreementError(KVCacheError, RuntimeError):
+    """A collective failed: the ranks can no longer agree (the group is broken)."""
+
+
+class MissingDependencyError(KVCacheError, ImportError):
+    """An optional dependency (an extra such as ``events``) is not installed."""
 
 
 class BlockingCallError(KVCacheError, RuntimeError):

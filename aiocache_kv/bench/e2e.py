@@ -33,6 +33,7 @@ import structlog
 
 from aiocache_kv.bench.report import JSON, heading, table
 from aiocache_kv.cache import HiCache
+from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.models import CachedLM, GPT2Spec, build_gpt2, cache_config_for
 from aiocache_kv.models.generate import reference_generate
 from aiocache_kv.storage import FileStorage
@@ -154,7 +155,7 @@ def run(opts: E2EBenchOptions) -> JSON:
     heading("bench e2e: TTFT vs cached prefix length, per tier (random-weight GPT-2, CPU)")
     need = max(opts.prefix_lens) + opts.suffix + 1
     if need > SPEC.n_positions:
-        raise ValueError(f"prefix + suffix ({need}) exceeds the model's {SPEC.n_positions}")
+        raise InvalidInputError(f"prefix + suffix ({need}) exceeds the model's {SPEC.n_positions}")
     t0 = time.perf_counter()
     model = build_gpt2(SPEC)
     reference_generate(model, list(range(64)), 2)  # warm up

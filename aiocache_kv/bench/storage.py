@@ -63,7 +63,7 @@ import torch
 from aiocache_kv.bench.report import JSON, fmt_bytes, heading, median, ratio, table
 from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig
-from aiocache_kv.errors import KVCacheError, StorageError
+from aiocache_kv.errors import InvalidInputError, KVCacheError, StorageError
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.pools import available_host_bytes
 from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, MooncakeStorage, PageBuffer
@@ -505,7 +505,9 @@ def _plans(opts: StorageBenchOptions, kind: str) -> tuple[list[_Plan], list[str]
     avail = available_host_bytes()
     for kib in opts.page_kib:
         if kib * KiB % TOKEN_BYTES:
-            raise ValueError(f"page size {kib} KiB is not a multiple of {TOKEN_BYTES // KiB} KiB")
+            raise InvalidInputError(
+                f"page size {kib} KiB is not a multiple of {TOKEN_BYTES // KiB} KiB"
+            )
         for batch in opts.batches:
             slot = kib * KiB + FRAME_OVERHEAD
             pages = max(opts.mib * MiB // (kib * KiB), batch) // batch * batch

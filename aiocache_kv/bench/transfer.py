@@ -45,6 +45,7 @@ from aiocache_kv.bench.report import (
 )
 from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig
+from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.handles import InsertResult, MatchResult
 from aiocache_kv.pools import available_host_bytes
 from aiocache_kv.transfer import device_to_host, host_to_device
@@ -342,7 +343,9 @@ def run(opts: TransferBenchOptions) -> JSON:
     for kib in opts.page_kib:
         page_bytes = kib * KiB
         if page_bytes % TOKEN_BYTES:
-            raise ValueError(f"page size {kib} KiB is not a multiple of {TOKEN_BYTES // KiB} KiB")
+            raise InvalidInputError(
+                f"page size {kib} KiB is not a multiple of {TOKEN_BYTES // KiB} KiB"
+            )
         pages = max(1, mib * MiB // page_bytes)
         nbytes = pages * page_bytes
         secs = asyncio.run(measure_page_size(page_bytes, pages, opts.repeats, gen))

@@ -38,13 +38,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from aiocache_kv.distributed.group import TPGroup
-from aiocache_kv.errors import KVCacheError
+from aiocache_kv.errors import AgreementError
 
 log = structlog.get_logger(__name__)
-
-
-class AgreementError(KVCacheError, RuntimeError):
-    """A collective failed: the ranks can no longer agree (the group is broken)."""
 
 
 @dataclass(eq=False)

@@ -122,6 +122,10 @@ class ExtentAllocator:
         """Aligned size of the allocated extent at ``offset`` (``KeyError`` if none)."""
         return self._used[offset]
 
+    def used_offsets(self) -> set[int]:
+        """Offsets of every allocated extent (for invariant checks)."""
+        return set(self._used)
+
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the free/used lists are inconsistent."""
         assert self._starts == sorted(self._free), "free list out of order or out of sync"

@@ -472,9 +472,8 @@ class EmbeddingCache:
             else:
                 assert e.pushes == 0, f"{e!r}: pushed while {e.state.name}"
             assert (h in self._lru) == e.evictable, f"{e!r}: LRU membership wrong"
-        assert extents == set(self._alloc._used), (
-            f"pool extents {sorted(set(self._alloc._used) - extents)} belong to no entry"
-        )
+        used = self._alloc.used_offsets()
+        assert extents == used, f"pool extents {sorted(used - extents)} belong to no entry"
         assert all(self._entries.get(h) is e for h, e in self._lru.items()), "stale LRU entry"
         evictable = sum(self._alloc.size_of(e.offset or 0) for e in self._lru.values())
         assert evictable == self._evictable_bytes, (

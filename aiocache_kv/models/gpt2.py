@@ -83,11 +83,11 @@ def build_gpt2(spec: GPT2Spec | None = None) -> Any:
         bos_token_id=s.vocab_size - 1,
         eos_token_id=s.vocab_size - 1,
     )
-    config._attn_implementation = s.attn_implementation
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(s.seed)
         model = GPT2LMHeadModel(config)
+        model.set_attn_implementation(s.attn_implementation)
     finally:
         torch.random.set_rng_state(state)
     model.eval()  # type: ignore[no-untyped-call]

@@ -111,11 +111,11 @@ def build_gemma3(spec: HybridSpec | None = None) -> Any:
         attention_dropout=0.0,
         use_cache=True,
     )
-    config._attn_implementation = s.attn_implementation
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(s.seed)
         model = Gemma3ForCausalLM(config)
+        model.set_attn_implementation(s.attn_implementation)
     finally:
         torch.random.set_rng_state(state)
     model.eval()  # type: ignore[no-untyped-call]
@@ -281,8 +281,8 @@ class _Layer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         """Write the new K/V to the pool; return the K/V this step attends over."""
         owner = self._owner
         if self.is_sliding:
-            return owner._update_sliding(self._slot, key_states, value_states)
-        return owner._update_full(self._slot, key_states, value_states)
+            return owner.update_sliding(self._slot, key_states, value_states)
+        return owner.update_full(self._slot, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """KV length and offset of the next attention (the window start for sliding layers)."""
@@ -358,7 +358,7 @@ class PagedHybridKV(Cache):
             raise CapacityError(f"sequence needs {end} KV rows, {self.rows.numel()} were allocated")
         return self.rows[self.filled : end], end
 
-    def _update_full(
+    def update_full(
         self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         new, end = self._rows_for(key_states)
@@ -371,7 +371,7 @@ class PagedHybridKV(Cache):
         v = v_pool.index_select(0, rows).permute(1, 0, 2).unsqueeze(0)
         return k.to(key_states.dtype), v.to(value_states.dtype)
 
-    def _update_sliding(
+    def update_sliding(
         self, slot: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         new, end = self._rows_for(key_states)

@@ -50,7 +50,7 @@ class _PoolLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatter the new K/V into the pool, return the whole sequence's K/V from it."""
-        return self._owner._update(self._layer, key_states, value_states)
+        return self._owner.update_layer(self._layer, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """KV length and offset of the next attention: filled rows plus the query."""
@@ -97,7 +97,7 @@ class PagedKV(Cache):
         self._step = 0
         super().__init__(layers=[_PoolLayer(self, i) for i in range(len(self.views))])
 
-    def _update(
+    def update_layer(
         self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if key_states.shape[0] != 1:

@@ -53,7 +53,12 @@ from typing import Any
 import structlog
 import torch
 
-from aiocache_kv.errors import ConfigError, StorageError, StorageUnavailableError
+from aiocache_kv.errors import (
+    ConfigError,
+    MooncakeNotInstalledError,
+    StorageError,
+    StorageUnavailableError,
+)
 from aiocache_kv.storage import integrity
 from aiocache_kv.storage.base import PageBuffer, StatsCounter, StorageStats, leading_run
 from aiocache_kv.storage.keys import check_keys
@@ -85,10 +90,6 @@ _HELPER_THREADS = 4
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-class MooncakeNotInstalledError(StorageUnavailableError, ImportError):
-    """``mooncake.store`` cannot be imported (install ``aiocache_kv[mooncake]``)."""
 
 
 def parse_size(value: int | str, name: str = "size") -> int:
