@@ -689,6 +689,8 @@ async def _serve_all(run: Run, fresh: akv.HiCache) -> None:
             run.check_rows(m, tenant, tokens, tag)
         finally:
             fresh.release(m)
+        fresh.evict(1 << 30)  # each prompt from storage alone: no pool can fill up
+        fresh.evict(1 << 30, "host")
 
 
 def describe(run: Run) -> str:
