@@ -103,3 +103,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     ):
         report.outcome = "failed"
         report.longrepr = f"skipped in CI (a missing dependency must fail): {report.longrepr}"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--stress-seed N``: run tests/test_stress.py for that one seed."""
+    parser.addoption(
+        "--stress-seed",
+        action="store",
+        type=int,
+        default=None,
+        help="run the randomized stress test (tests/test_stress.py) for this seed only",
+    )

@@ -1,0 +1,712 @@
+"""Seeded randomized stress test: many concurrent requests against one CPU ``HiCache``.
+
+Each seed builds a small scenario (page size 1 or 2, tiny pools so that eviction happens all
+the time, one of the three write policies) over a slow and flaky :class:`MemoryStorage`, and a
+copy engine that completes copies out of order and sometimes fails them.  Concurrent request
+tasks do prefetch / match_prefix / load_back / alloc or alloc_wait / insert / write-through
+waits / release, with cancellation at random await points; a chaos task evicts, flushes, checks
+invariants and cancels whole requests.  Three tenants share the same prompt prefixes.
+
+KV content is a pure function of (tenant, token prefix): the row written for position ``i`` is
+derived from a rolling hash of ``(tenant, tokens[: i + 1])``.  Every row a match serves
+(``m.device_indices`` into ``device_kv``) is compared with it, as is every page the storage
+holds (its raw payload), and every page a fresh cache reads back from the same storage.
+
+At the end: flush, check_invariants, full eviction returns every page, KV events balance per
+medium (GPU/CPU empty after eviction; STORAGE consistent with the store's contents), and a fresh
+cache on the same storage serves the stored prefixes bit-identically.
+
+Running it::
+
+    pytest tests/test_stress.py                       # the fixed seeds (a few seconds each)
+    pytest tests/test_stress.py --stress-seed 1234    # one seed (or AKV_STRESS_SEED=1234)
+    AKV_STRESS_SEEDS=1000 AKV_STRESS_START=0 pytest tests/test_stress.py   # a sweep
+    AKV_STRESS_REQUESTS=200 ...                        # more requests per seed (default 150)
+    AKV_STRESS_MIDRUN_INVARIANTS=0 ...                 # diagnostic: no check_invariants mid-run
+
+A failure message starts with the seed and ends with the last operations of the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import random
+import time
+import zlib
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+import aiocache_kv as akv
+from aiocache_kv.errors import CapacityError, TransferError
+from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from aiocache_kv.handles import HandleState, InsertResult, MatchResult
+from aiocache_kv.namespace import Namespace
+from aiocache_kv.storage.keys import storage_key
+from aiocache_kv.testing import MemoryStorage
+from aiocache_kv.transfer.engine import CopyJob, Done
+from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
+from tests.conftest import small_config
+
+T = TypeVar("T")
+
+# every (page size, write policy) pair; 3, 5, 12 and 22 also stall storage and fail copies
+FIXED_SEEDS = [1, 2, 3, 4, 5, 7, 12, 22]
+TENANTS = [None, "tenant-a", "tenant-b"]
+POLICIES = ["write_through", "write_through_selective", "write_back"]
+LAYERS, HEADS, HEAD_DIM = 2, 1, 4
+MODEL = "stress"
+
+
+def _seeds() -> list[int]:
+    one = os.environ.get("AKV_STRESS_SEED")
+    if one:
+        return [int(one)]
+    count = os.environ.get("AKV_STRESS_SEEDS")
+    if count:
+        start = int(os.environ.get("AKV_STRESS_START", "0"))
+        return list(range(start, start + int(count)))
+    return FIXED_SEEDS
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "stress_seed" in metafunc.fixturenames:
+        opt = metafunc.config.getoption("--stress-seed", default=None)
+        seeds = [int(opt)] if opt is not None else _seeds()
+        metafunc.parametrize("stress_seed", seeds, ids=[f"seed{s}" for s in seeds])
+
+
+# ---------------------------------------------------------------------------- the KV oracle
+
+
+def _tenant_seed(tenant: str | None) -> int:
+    return zlib.crc32((tenant or "").encode()) + 1
+
+
+_OFFSETS = torch.arange(HEADS * HEAD_DIM, dtype=torch.float32).view(HEADS, HEAD_DIM) / 64
+
+
+def expected_kv(tenant: str | None, tokens: list[int]) -> torch.Tensor:
+    """``[layers, 2, len(tokens), heads, head_dim]``: row ``i`` depends on ``tokens[: i + 1]``."""
+    h = _tenant_seed(tenant)
+    vals = []
+    for t in tokens:
+        h = (h * 1_000_003 + t + 1) % (1 << 61)
+        vals.append((h % 4093) / 8)  # exact in float32
+    base = torch.tensor(vals, dtype=torch.float32).view(1, 1, -1, 1, 1)
+    layer = torch.arange(LAYERS, dtype=torch.float32).view(-1, 1, 1, 1, 1) * 1024
+    kv = torch.tensor([0.0, 512.0]).view(1, 2, 1, 1, 1)
+    return base + layer + kv + _OFFSETS
+
+
+def write_rows(cache: akv.HiCache, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    for layer in range(LAYERS):
+        k, v = cache.device_kv(layer)
+        k[slots] = kv[layer, 0]
+        v[slots] = kv[layer, 1]
+
+
+def read_rows(cache: akv.HiCache, slots: torch.Tensor) -> torch.Tensor:
+    rows = []
+    for layer in range(LAYERS):
+        k, v = cache.device_kv(layer)
+        rows.append(torch.stack([k[slots], v[slots]]))
+    return torch.stack(rows)
+
+
+def page_payload(tenant: str | None, prefix: list[int], page_size: int) -> bytes:
+    """Host-pool payload bytes of the last page of ``prefix``: ``[layers, 2, page_elems]``."""
+    kv = expected_kv(tenant, prefix)[:, :, -page_size:]
+    return kv.reshape(LAYERS, 2, -1).contiguous().numpy().tobytes()
+
+
+# ---------------------------------------------------------------------------- copy engine
+
+
+class ChaosCopyEngine:
+    """Copies complete out of order, after random short delays, and sometimes fail.
+
+    A task on the loop picks a random pending job, runs the copy at that moment (the latest a
+    real engine could) and delivers ``done`` with ``call_soon`` like a worker would.
+    """
+
+    def __init__(self, rng: random.Random, fail_rate: float, max_gap: float = 0.004) -> None:
+        self.rng = rng
+        self.fail_rate = fail_rate
+        self.max_gap = max_gap
+        self.pending: list[tuple[CopyJob, Done]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.failed = 0
+        self.completed = 0
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._task = loop.create_task(self._drive())
+
+    def submit(self, job: CopyJob, done: Done) -> None:
+        self.pending.append((job, done))
+
+    def _finish_one(self, index: int, fail: bool) -> None:
+        assert self._loop is not None
+        job, done = self.pending.pop(index)
+        if fail:
+            self.failed += 1
+            self._loop.call_soon(done, RuntimeError("injected copy failure"))
+        else:
+            job.run()
+            self.completed += 1
+            self._loop.call_soon(done, None)
+
+    async def _drive(self) -> None:
+        while True:
+            await asyncio.sleep(self.rng.uniform(0, self.max_gap))
+            for _ in range(self.rng.randint(1, 3)):
+                if not self.pending:
+                    break
+                i = self.rng.randrange(len(self.pending))
+                self._finish_one(i, self.rng.random() < self.fail_rate)
+
+    def quiet(self) -> None:
+        self.fail_rate = 0.0
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        while self.pending:
+            self._finish_one(0, False)
+        await asyncio.sleep(0)
+
+
+# ---------------------------------------------------------------------------- scenario
+
+
+@dataclass
+class Scenario:
+    seed: int
+    page_size: int
+    write_policy: str
+    device_pages: int
+    host_pages: int
+    copy_fail_rate: float
+    storage: dict[str, float]
+    requests: int
+    concurrency: int
+
+    @classmethod
+    def from_seed(cls, seed: int) -> Scenario:
+        rng = random.Random(seed)
+        page_size = rng.choice([1, 2])
+        return cls(
+            seed=seed,
+            page_size=page_size,
+            write_policy=rng.choice(POLICIES),
+            device_pages=rng.randint(12, 28) // page_size + 2,
+            host_pages=rng.randint(14, 36) // page_size + 6,
+            copy_fail_rate=rng.choice([0.0, 0.03, 0.08]),
+            storage=dict(
+                max_delay=rng.choice([0.0, 0.005, 0.02]),
+                stall_probability=rng.choice([0.0, 0.02, 0.05]),
+                stall_seconds=0.3,  # beyond storage_timeout below
+                put_failure=rng.choice([0.0, 0.05]),
+                get_failure=rng.choice([0.0, 0.05]),
+                vanish=rng.choice([0.0, 0.02]),
+                corrupt=rng.choice([0.0, 0.02]),
+            ),
+            requests=int(os.environ.get("AKV_STRESS_REQUESTS", "150")),
+            concurrency=rng.randint(3, 8),
+        )
+
+
+class Cancelled:
+    """Marker: the awaited operation was cancelled by the test (not the request)."""
+
+
+CANCELLED = Cancelled()
+
+
+@dataclass
+class Run:
+    sc: Scenario
+    cache: akv.HiCache
+    storage: MemoryStorage
+    engine: ChaosCopyEngine
+    rng: random.Random
+    midrun_invariants: bool
+    systems: list[list[int]] = field(default_factory=list)
+    prompts: set[tuple[str | None, tuple[int, ...]]] = field(default_factory=set)
+    trace: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=80))
+    failures: list[str] = field(default_factory=list)
+    live: dict[str, set[int]] = field(
+        default_factory=lambda: {"GPU": set(), "CPU": set(), "STORAGE": set()}
+    )
+    t0: float = field(default_factory=time.monotonic)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def note(self, what: str) -> None:
+        self.trace.append(f"{time.monotonic() - self.t0:7.3f} {what}")
+
+    def fail(self, what: str) -> None:
+        self.note(f"FAILURE {what}")
+        self.failures.append(what)
+
+    def drain_events(self) -> None:
+        for ev in self.cache.take_events():
+            if isinstance(ev, BlockStored):
+                live = self.live[ev.medium]
+                for h in ev.block_hashes:
+                    if h in live and ev.medium != "STORAGE":
+                        self.fail(f"{ev.medium} BlockStored for a block already stored: {h:x}")
+                    live.add(h)
+            elif isinstance(ev, BlockRemoved):
+                live = self.live[ev.medium]
+                for h in ev.block_hashes:
+                    if h not in live and ev.medium != "STORAGE":
+                        self.fail(f"{ev.medium} BlockRemoved for a block not stored: {h:x}")
+                    live.discard(h)
+            elif isinstance(ev, AllBlocksCleared):
+                for live in self.live.values():
+                    live.clear()
+
+    def check_rows(self, m: MatchResult, tenant: str | None, tokens: list[int], when: str) -> None:
+        idx = m.device_indices
+        n = idx.numel()
+        if n != m.device_len:
+            self.fail(f"{when}: device_indices has {n} rows but device_len is {m.device_len}")
+            return
+        if n == 0:
+            return
+        got = read_rows(self.cache, idx)
+        want = expected_kv(tenant, tokens[:n])
+        if not torch.equal(got, want):
+            bad = [i for i in range(n) if not torch.equal(got[:, :, i], want[:, :, i])]
+            self.fail(
+                f"{when}: tenant={tenant!r} tokens={tokens[:n]} wrong KV at positions {bad} "
+                f"(rows {idx[bad].tolist()})"
+            )
+
+    def prompt(self, rng: random.Random) -> list[int]:
+        sys_prompt = rng.choice(self.systems)
+        tail = [rng.randint(1, 3) for _ in range(rng.randint(0, 7))]
+        return sys_prompt + tail
+
+    async def maybe_cancel(self, rng: random.Random, aw: Awaitable[T], p: float = 0.25) -> Any:
+        """Await ``aw`` in a task; with probability ``p`` cancel it after a random delay."""
+        task = asyncio.ensure_future(aw)
+        task.add_done_callback(_retrieve)  # an abandoned task's failure is not an error here
+        if rng.random() < p:
+            if rng.random() < 0.5:
+                for _ in range(rng.randint(0, 3)):
+                    await asyncio.sleep(0)
+            else:
+                await asyncio.wait([task], timeout=rng.uniform(0, 0.01))
+            task.cancel()
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                raise
+            return CANCELLED
+
+    # ------------------------------------------------------------------ actors
+
+    async def request(self, rid: int) -> None:
+        cache = self.cache
+        rng = random.Random(self.sc.seed * 100_003 + rid)
+        tenant = rng.choice(TENANTS)
+        tokens = self.prompt(rng)
+        p = self.sc.page_size
+        self.prompts.add((tenant, tuple(tokens)))
+        handles: list[MatchResult | InsertResult] = []
+        held: torch.Tensor | None = None
+        tag = f"r{rid} {tenant or '-'} len={len(tokens)}"
+        try:
+            if rng.random() < 0.5:
+                policy = rng.choice(["timeout", "best_effort", "wait_complete"])
+                res = await self.maybe_cancel(
+                    rng, cache.prefetch(tokens, tenant=tenant, policy=policy)
+                )
+                self.note(f"{tag} prefetch {policy}: {res}")
+            m = cache.match_prefix(tokens, tenant=tenant)
+            handles.append(m)
+            self.note(f"{tag} match dev={m.device_len} host={m.host_len}")
+            self.check_rows(m, tenant, tokens, f"{tag} match")
+            if m.host_len and rng.random() < 0.85:
+                try:
+                    res = await self.maybe_cancel(rng, cache.load_back(m))
+                    self.note(f"{tag} load_back {'cancelled' if res is CANCELLED else 'ok'}")
+                except (TransferError, CapacityError) as exc:
+                    self.note(f"{tag} load_back {type(exc).__name__}")
+                self.check_rows(m, tenant, tokens, f"{tag} after load_back")
+            dev_idx = m.device_indices  # the rows the prefix uses now (load-backs may add)
+            d = dev_idx.numel()
+            if d >= len(tokens) // p * p and len(tokens) % p == 0:
+                return  # fully cached: nothing to compute
+            n_new = len(tokens) - d
+            need = -(-n_new // p)
+            before = None
+            try:
+                if rng.random() < 0.5:
+                    before = cache.statistics()
+                    slots = cache.alloc(n_new)
+                else:
+                    # awaited in this task (a task around it could finish with slots nobody
+                    # takes): a tiny timeout cancels it at its await, if it waits at all
+                    limit = rng.uniform(0, 0.01) if rng.random() < 0.3 else None
+                    try:
+                        async with asyncio.timeout(limit):
+                            slots = await cache.alloc_wait(n_new)
+                    except TimeoutError:
+                        self.note(f"{tag} alloc_wait timed out")
+                        return
+            except CapacityError as exc:
+                after = cache.statistics()
+                self.note(f"{tag} alloc({n_new}) CapacityError")
+                hopeless = (
+                    before is not None
+                    and need > before.device.free_pages + before.device.evictable_pages
+                )
+                if (
+                    before is not None
+                    and hopeless
+                    and (after.nodes, after.device) != (before.nodes, before.device)
+                ):
+                    self.fail(
+                        f"{tag}: alloc of {need} pages that could never fit "
+                        f"(free {before.device.free_pages} + evictable "
+                        f"{before.device.evictable_pages}) changed the cache before raising "
+                        f"{exc}: {before.device} -> {after.device}, nodes {before.nodes} -> "
+                        f"{after.nodes}"
+                    )
+                return
+            held = slots
+            write_rows(cache, slots[:n_new], expected_kv(tenant, tokens)[:, :, d:])
+            kv_idx = torch.cat([dev_idx, slots[:n_new]])
+            r = cache.insert(tokens, kv_idx, tenant=tenant)
+            handles.append(r)
+            held = slots[-p:] if len(tokens) % p else None  # the unaligned tail stays ours
+            if held is not None:
+                cache.free(held)
+                held = None
+            self.note(f"{tag} insert prefix={r.prefix_len} inserted={r.inserted_len}")
+            if r.write_through is not None and rng.random() < 0.5:
+                try:
+                    await self.maybe_cancel(rng, _await(r.write_through))
+                except TransferError:
+                    self.note(f"{tag} write-through failed")
+            await asyncio.sleep(rng.uniform(0, 0.005))
+            m2 = cache.match_prefix(tokens, tenant=tenant)
+            handles.append(m2)
+            if m2.matched_len < r.inserted_len:
+                self.fail(f"{tag}: match {m2.matched_len} < pinned insert {r.inserted_len}")
+            self.check_rows(m2, tenant, tokens, f"{tag} re-match")
+            if m2.host_len and rng.random() < 0.5:
+                try:
+                    await self.maybe_cancel(rng, cache.load_back(m2))
+                except (TransferError, CapacityError) as exc:
+                    self.note(f"{tag} re-match load_back {type(exc).__name__}")
+                self.check_rows(m2, tenant, tokens, f"{tag} re-match after load_back")
+            await asyncio.sleep(rng.uniform(0, 0.01))
+        finally:
+            if held is not None:
+                cache.free(held)
+            rng.shuffle(handles)
+            for h in handles:
+                if h.state is HandleState.PINNED:
+                    cache.release(h)
+
+    async def chaos(self, requests: list[asyncio.Task[None]]) -> None:
+        cache = self.cache
+        rng = random.Random(self.sc.seed ^ 0x5EED)
+        while True:
+            await asyncio.sleep(rng.uniform(0, 0.01))
+            x = rng.random()
+            if x < 0.25:
+                k = rng.randint(1, 6)
+                self.note(f"chaos evict device {k}: {cache.evict(k)}")
+            elif x < 0.4:
+                k = rng.randint(1, 6)
+                self.note(f"chaos evict host {k}: {cache.evict(k, 'host')}")
+            elif x < 0.5:
+                res = await self.maybe_cancel(rng, cache.flush(), p=0.5)
+                self.note(f"chaos flush {'cancelled' if res is CANCELLED else 'done'}")
+            elif x < 0.7 and self.midrun_invariants:
+                try:
+                    cache.check_invariants()
+                except AssertionError as exc:
+                    self.fail(f"check_invariants mid-run: {exc}")
+            elif x < 0.78:
+                live = [t for t in requests if not t.done()]
+                if live:
+                    rng.choice(live).cancel()
+                    self.note("chaos cancelled a request")
+            self.drain_events()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def _await(aw: Awaitable[T]) -> T:
+    return await aw
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def _config(sc: Scenario, storage: MemoryStorage, **kw: Any) -> akv.CacheConfig:
+    opts: dict[str, Any] = dict(
+        page_size=sc.page_size,
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        device_pages=sc.device_pages,
+        host_pages=sc.host_pages,
+        write_policy=sc.write_policy,
+        storage=storage,
+        namespace=MODEL,
+        storage_timeout=0.2,
+        storage_retry_seconds=0.02,
+        prefetch_threshold_tokens=0,
+        prefetch_timeout_base=0.05,
+        prefetch_timeout_per_1k=0.0,
+        prefetch_timeout_max=0.1,
+        prefetch_batch_pages=2,
+    )
+    opts.update(kw)
+    return small_config(**opts)
+
+
+async def _drive(run: Run) -> None:
+    sc = run.sc
+    cache = run.cache
+    rng = run.rng
+    systems = []
+    for _ in range(3):
+        systems.append([rng.randint(100, 120) for _ in range(rng.randint(2, 8))])
+    run.systems = systems
+    sem = asyncio.Semaphore(sc.concurrency)
+
+    async def one(rid: int) -> None:
+        async with sem:
+            await run.request(rid)
+
+    tasks = [asyncio.create_task(one(i)) for i in range(sc.requests)]
+    chaos = asyncio.create_task(run.chaos(tasks))
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    chaos.cancel()
+    await asyncio.gather(chaos, return_exceptions=True)
+    for i, res in enumerate(results):
+        if isinstance(res, BaseException) and not isinstance(res, asyncio.CancelledError):
+            run.fail(f"request r{i} raised {type(res).__name__}: {res}")
+    run.drain_events()
+
+    # ---- settle: no more faults
+    run.storage.quiet()
+    run.engine.quiet()
+    await cache.flush()
+    run.note(f"settled: {cache!r}")
+    try:
+        cache.check_invariants()
+    except AssertionError as exc:
+        run.fail(f"check_invariants after flush: {exc}")
+    st = cache.statistics()
+    if st.device.held_pages or st.ops_in_flight or st.storage_in_flight:
+        run.fail(f"after flush: held/in flight left: {st}")
+    if st.device.protected_pages or st.host.protected_pages or st.prefetch_reserved_pages:
+        run.fail(f"after flush with every handle released: protected pages left: {st}")
+    run.drain_events()
+    _check_storage(run)
+
+    # ---- full eviction returns every page
+    for _ in range(10):
+        cache.evict(1 << 30)
+        await cache.flush()
+        cache.evict(1 << 30, "host")
+        st = cache.statistics()
+        if st.device.free_pages == st.device.total_pages and (
+            st.host.free_pages == st.host.total_pages
+        ):
+            break
+    st = cache.statistics()
+    if (
+        st.device.free_pages != st.device.total_pages
+        or st.host.free_pages != st.host.total_pages
+        or st.nodes
+    ):
+        run.fail(f"full eviction left pages or nodes: {st}")
+    try:
+        cache.check_invariants()
+    except AssertionError as exc:
+        run.fail(f"check_invariants after full eviction: {exc}")
+    run.drain_events()
+    for medium in ("GPU", "CPU"):
+        if run.live[medium]:
+            run.fail(
+                f"{len(run.live[medium])} {medium} blocks still reported stored after eviction"
+            )
+
+
+def _known_pages(run: Run) -> dict[str, tuple[str | None, list[int]]]:
+    """Storage key -> (tenant, token prefix ending with that page), for every prompt seen."""
+    p = run.sc.page_size
+    out: dict[str, tuple[str | None, list[int]]] = {}
+    for tenant, toks in run.prompts:
+        ns = Namespace(MODEL, tenant or "", "")
+        n = len(toks) // p * p
+        hashes = chain_hashes(namespace_seed(ns.tag), list(toks[:n]), p)
+        for j, h in enumerate(hashes):
+            out[storage_key(ns.tag, h, "kv")] = (tenant, list(toks[: (j + 1) * p]))
+    return out
+
+
+def _check_storage(run: Run, *, events: bool = True) -> None:
+    """Every stored page holds the KV of its key; STORAGE events match the store."""
+    known = _known_pages(run)
+    by_hash = {int(k.split("/")[1], 16): k for k in known}
+    contents = run.storage.contents()
+    p = run.sc.page_size
+    for key, raw in contents.items():
+        if key not in known:
+            run.fail(f"storage holds a key no prompt produced: {key}")
+            continue
+        if key in run.storage.corrupted:
+            continue
+        tenant, prefix = known[key]
+        want = page_payload(tenant, prefix, p)
+        if raw[: len(want)] != want:
+            run.fail(
+                f"storage page {key} (tenant={tenant!r} prefix={prefix}) holds other KV than "
+                "its tokens'"
+            )
+    for h in run.live["STORAGE"] if events else ():
+        key = by_hash.get(h)
+        if key is None:
+            run.fail(f"STORAGE BlockStored for an unknown block {h:x}")
+        elif key not in contents and key not in run.storage.dropped:
+            run.fail(f"STORAGE block {h:x} reported stored but the store lacks {key}")
+
+
+async def stress(seed: int, *, midrun_invariants: bool | None = None) -> Run:
+    sc = Scenario.from_seed(seed)
+    if midrun_invariants is None:
+        midrun_invariants = os.environ.get("AKV_STRESS_MIDRUN_INVARIANTS", "1") != "0"
+    rng = random.Random(seed)
+    storage = MemoryStorage(seed, **sc.storage)
+    engine = ChaosCopyEngine(random.Random(seed + 1), sc.copy_fail_rate)
+    cache = akv.HiCache(_config(sc, storage), copy_engine=engine)
+    loop = asyncio.get_running_loop()
+    run = Run(sc, cache, storage, engine, rng, midrun_invariants)
+
+    def on_error(_loop: asyncio.AbstractEventLoop, ctx: dict[str, Any]) -> None:
+        exc = ctx.get("exception")
+        run.fail(f"loop exception handler: {ctx.get('message')}: {exc!r}")
+
+    old_handler = loop.get_exception_handler()
+    loop.set_exception_handler(on_error)
+    await cache.start()
+    closed = False
+    try:
+        hung = False
+        try:
+            await asyncio.wait_for(_drive(run), timeout=40)
+        except asyncio.TimeoutError:
+            hung = True
+            run.fail(f"HANG: the run did not finish in 40 s; {cache!r}")
+        if not hung:
+            await asyncio.wait_for(cache.aclose(), timeout=10)
+            closed = True
+            _check_storage(run, events=False)  # again: puts that landed late, at close
+            try:
+                await asyncio.wait_for(_fresh_check(run), timeout=30)
+            except asyncio.TimeoutError:
+                run.fail("HANG: the fresh cache did not serve the stored prompts in 30 s")
+            finally:
+                run.cache = cache
+    finally:
+        if not closed:
+            try:
+                await asyncio.wait_for(cache.aclose(), timeout=5)
+            except Exception as exc:  # a hang or a broken cache: already reported
+                run.note(f"aclose failed: {exc!r}")
+        loop.set_exception_handler(old_handler)
+    return run
+
+
+async def _fresh_check(run: Run) -> None:
+    sc = run.sc
+    cfg = _config(
+        sc,
+        run.storage,
+        device_pages=256,
+        host_pages=256,
+        write_policy="write_through",
+        storage_timeout=5.0,
+        prefetch_policy="wait_complete",
+    )
+    run.cache = akv.HiCache(cfg)
+    async with run.cache as fresh:
+        await _serve_all(run, fresh)
+
+
+async def _serve_all(run: Run, fresh: akv.HiCache) -> None:
+    storage = run.storage
+    p = run.sc.page_size
+    contents = storage.contents()
+    for tenant, toks in sorted(run.prompts, key=lambda x: (x[0] or "", x[1])):
+        tokens = list(toks)
+        ns = Namespace(MODEL, tenant or "", "")
+        n = len(tokens) // p * p
+        if not n:
+            continue
+        keys = [
+            storage_key(ns.tag, h, "kv")
+            for h in chain_hashes(namespace_seed(ns.tag), tokens[:n], p)
+        ]
+        run_len = 0
+        for k in keys:
+            if k not in contents or k in storage.corrupted:
+                break
+            run_len += 1
+        res = await fresh.prefetch(tokens, tenant=tenant)
+        m = fresh.match_prefix(tokens, tenant=tenant)
+        try:
+            await fresh.load_back(m)
+            tag = f"fresh cache tenant={tenant!r} tokens={tokens}"
+            if m.device_len != run_len * p:
+                run.fail(
+                    f"{tag}: serves {m.device_len} tokens, storage holds a leading run of "
+                    f"{run_len * p} ({res})"
+                )
+            run.check_rows(m, tenant, tokens, tag)
+        finally:
+            fresh.release(m)
+        fresh.evict(1 << 30)  # each prompt from storage alone: no pool can fill up
+        fresh.evict(1 << 30, "host")
+
+
+def describe(run: Run) -> str:
+    sc = run.sc
+    head = (
+        f"stress seed {sc.seed} FAILED (rerun: AKV_STRESS_SEED={sc.seed} or --stress-seed "
+        f"{sc.seed}); scenario: {sc}"
+    )
+    fails = "\n  ".join(run.failures[:10])
+    more = f"\n  ... and {len(run.failures) - 10} more" if len(run.failures) > 10 else ""
+    trace = "\n    ".join(run.trace)
+    return f"{head}\nfailures:\n  {fails}{more}\nlast operations:\n    {trace}"
+
+
+async def test_stress(stress_seed: int) -> None:
+    run = await stress(stress_seed)
+    assert not run.failures, describe(run)
