@@ -1,8 +1,8 @@
 """Minimal deterministic reproductions of the bugs found by ``tests/test_stress.py``.
 
-Each test states the contract the stress test checks, in the fewest steps that break it on the
-code it was written against.  They are ``xfail(strict=True)`` until the fixes land: remove the
-marker together with the fix (a strict xfail that starts passing fails the suite).
+Each test states the contract the stress test checks, in the fewest steps that broke it on the
+code it was written against (all four failed there; the fixes are in the buffer-lease and
+core-fault commits).
 """
 
 from __future__ import annotations
@@ -62,12 +62,6 @@ def assert_all_free(cache: akv.HiCache) -> None:
 # ---------------------------------------------------------------------------- (a)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (a): a backup whose put exceeds storage_timeout releases its host pages while "
-    "the worker still holds them (StorageTier._run_backup lands the failure at once); a late "
-    "put then stores other KV under the old keys",
-)
 async def test_timed_out_backup_keeps_its_host_pages_until_the_worker_lets_go() -> None:
     storage = MemoryStorage()
     engine = ManualCopyEngine()
@@ -99,12 +93,6 @@ async def test_timed_out_backup_keeps_its_host_pages_until_the_worker_lets_go() 
 # ---------------------------------------------------------------------------- (b)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (b): load_back of a child while its parent's load is in flight starts an "
-    "independent copy; when the parent's copy fails, the rollback asserts in the completion "
-    "callback (device-absent node with device children) and the awaits never return",
-)
 async def test_failed_parent_load_rolls_back_a_child_loading_separately() -> None:
     engine = ManualCopyEngine()
     async with akv.HiCache(config(), copy_engine=engine) as cache:
@@ -146,11 +134,6 @@ async def test_failed_parent_load_rolls_back_a_child_loading_separately() -> Non
 # ---------------------------------------------------------------------------- (c)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (c): check_invariants counts only handles' pins; a prefetch in flight pins its "
-    "anchor without a handle, so check_invariants raises 'pins 1 != live handles 0'",
-)
 async def test_check_invariants_holds_during_a_prefetch_in_flight() -> None:
     storage = MemoryStorage()
     full = A + B
@@ -179,11 +162,6 @@ async def test_check_invariants_holds_during_a_prefetch_in_flight() -> None:
 # ---------------------------------------------------------------------------- (d)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (d): alloc (and load_back) of more pages than free + evictable evicts every "
-    "evictable page first and then raises CapacityError (HiCache._alloc_device)",
-)
 async def test_alloc_that_cannot_fit_changes_nothing() -> None:
     engine = ManualCopyEngine()
     async with akv.HiCache(config(device_pages=8), copy_engine=engine) as cache:
