@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import builtins
 import concurrent.futures
+import inspect
 import io
 import os
 import random
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -415,6 +415,16 @@ class MemoryStorage:
         return out
 
 
+def _caller_file(depth: int) -> str:
+    """File name of the frame ``depth`` levels above this function's caller."""
+    frame = inspect.currentframe()
+    for _ in range(depth):
+        if frame is None:
+            return ""
+        frame = frame.f_back
+    return frame.f_code.co_filename if frame is not None else ""
+
+
 def _on_loop_thread() -> bool:
     try:
         asyncio.get_running_loop()
@@ -457,7 +467,7 @@ class BlockingCallDetector:
 
         def join_blocks(thread: threading.Thread, timeout: float | None = None) -> bool:
             # asyncio's own shutdown_default_executor joins a finished helper thread
-            caller = sys._getframe(2).f_code.co_filename
+            caller = _caller_file(3)
             return thread.is_alive() and timeout != 0 and not caller.endswith(_ASYNCIO_BASE)
 
         def sleep_blocks(seconds: float) -> bool:
