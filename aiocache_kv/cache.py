@@ -31,22 +31,22 @@ from aiocache_kv.errors import (
 )
 from aiocache_kv.events import AllBlocksCleared, KVEvent
 from aiocache_kv.handles import Handle, HandleState, InsertResult, MatchResult, WriteAck
+from aiocache_kv.introspection import check_all, describe, snapshot
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.namespace import Namespace, namespace_of
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
 from aiocache_kv.pools.build import build_pools
-from aiocache_kv.stats import CacheStatistics, StorageCounters, TierStatistics
+from aiocache_kv.stats import CacheStatistics
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
 from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
 from aiocache_kv.transfer import CopyEngine, default_engine
-from aiocache_kv.transfer.ops import OpKind, TransferOp, Transfers
+from aiocache_kv.transfer.ops import OpKind, Transfers
 from aiocache_kv.tree import Node, Tier
 from aiocache_kv.validate import check_names, check_tokens, slots_to_pages
 
 log = structlog.get_logger(__name__)
 
-#: kept for callers of the first release; the one lifecycle enum is :class:`Lifecycle`
-CacheState = Lifecycle
+CacheState = Lifecycle  #: the first release's name of :class:`Lifecycle`
 
 
 class HiCache:
@@ -84,7 +84,7 @@ class HiCache:
         self._l3: StorageTier | None = None
         self._transfers = Transfers(self._core, self._engine, self._backup_to_storage)
         if config.write_policy is WritePolicy.WRITE_BACK:
-            self._core.stager = self._stage
+            self._core.stager = self._transfers.stage
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -496,16 +496,6 @@ class HiCache:
         if self._l3 is not None:
             self._l3.backup(nodes)
 
-    def _stage(self, node: Node) -> bool:
-        """Write-back: start copying an eviction victim (and its host-less ancestors) to host."""
-        op: TransferOp | None = self._transfers.backup(
-            self._core.tree.path(node), OpKind.WRITE_BACK
-        )
-        if op is None:
-            return False
-        op.evict_after = node
-        return True
-
     async def flush(self) -> None:
         """Wait until every transfer in flight (write-through, write-back, load-back) and
         every storage operation landed, bounded by their deadlines.
@@ -593,72 +583,18 @@ class HiCache:
 
     def statistics(self) -> CacheStatistics:
         """A frozen snapshot of sizes, hits and operations in flight."""
-        core = self._core
-        tree = core.tree
-
-        def tier(alloc: PageAllocator | None, ev: int, prot: int) -> TierStatistics:
-            if alloc is None:
-                return TierStatistics(0, 0, 0, 0, 0)
-            return TierStatistics(
-                alloc.num_pages,
-                alloc.num_free,
-                alloc.count(PageState.HELD),
-                ev,
-                prot,
-                alloc.quarantined,
-            )
-
-        l3 = self._l3
-        return CacheStatistics(
-            device=tier(core.dev_alloc, tree.dev_evictable, tree.dev_protected),
-            host=tier(core.host_alloc, tree.host_evictable, tree.host_protected),
-            nodes=tree.num_nodes,
-            namespaces=sum(1 for _ in tree.roots()),
-            ops_in_flight=len(self._transfers.inflight),
-            events_published=core.events.published,
-            storage_in_flight=l3.in_flight if l3 is not None else 0,
-            prefetch_reserved_pages=l3.reserved_pages if l3 is not None else 0,
-            **dataclasses.asdict(core.counters),
-            **dataclasses.asdict(l3.counters if l3 is not None else StorageCounters()),
-        )
+        return snapshot(self._core, self._transfers, self._l3)
 
     def check_invariants(self) -> None:
-        """Recompute every counter and cross-check tree, allocators and transfers.
+        """Recompute every counter and cross-check tree, allocators, handles and transfers.
 
         Raises:
             AssertionError: naming the broken invariant.
         """
-        core = self._core
-        handle_pins: dict[int, int] = {}
-        for h in self._handles.values():
-            assert h.state is HandleState.PINNED, f"released handle still registered {h!r}"
-            handle_pins[id(h.node)] = handle_pins.get(id(h.node), 0) + 1
-            assert h.node.alive, f"handle pins a removed node {h!r}"
-        for anchor in self._l3.anchors() if self._l3 is not None else []:
-            assert anchor.alive, f"prefetch pins a removed node {anchor!r}"
-            handle_pins[id(anchor)] = handle_pins.get(id(anchor), 0) + 1
-        core.tree.check_invariants(handle_pins)
-        if core.dev_alloc is not None:
-            core.dev_alloc.check_invariants(core.tree.device_pages_in_tree())
-        if core.host_alloc is not None:
-            reserved = list(self._l3.reserved.values()) if self._l3 is not None else []
-            core.host_alloc.check_invariants(core.tree.host_pages_in_tree() + reserved)
-        self._transfers.check_invariants()
+        check_all(self._core, list(self._handles.values()), self._transfers, self._l3)
 
     def __repr__(self) -> str:
-        core = self._core
-        dev, host = core.dev_alloc, core.host_alloc
-        if dev is None:
-            return f"<HiCache {self._state.name}>"
-        t = core.tree
-        return (
-            f"<HiCache {self._state.name} nodes={t.num_nodes} "
-            f"device={dev.num_pages - dev.num_free}/{dev.num_pages} "
-            f"(evictable={t.dev_evictable} protected={t.dev_protected}) "
-            f"host={t.host_evictable + t.host_protected}/{host.num_pages if host else 0} "
-            f"(evictable={t.host_evictable} protected={t.host_protected}) "
-            f"in_flight={len(self._transfers.inflight)}>"
-        )
+        return describe(self._core, self._transfers, self._state.name)
 
 
 __all__ = ["CacheState", "HiCache"]

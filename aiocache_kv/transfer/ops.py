@@ -103,6 +103,15 @@ class Transfers:
         core.counters.write_through_started += 1
         return self._start(kind, nodes, dst)
 
+    def stage(self, node: Node) -> bool:
+        """Write-back: start copying an eviction victim (and its host-less ancestors) to host;
+        its device pages are dropped when the copy lands.  ``False`` if no host pages."""
+        op = self.backup(self.core.tree.path(node), OpKind.WRITE_BACK)
+        if op is None:
+            return False
+        op.evict_after = node
+        return True
+
     def load(self, nodes: list[Node]) -> TransferOp:
         """Copy host-only ``nodes`` (a run on one path, root-most first) to device.
 

@@ -1,0 +1,86 @@
+"""What the cache reports about itself: statistics snapshots and the invariant check."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from aiocache_kv.core import CacheCore
+from aiocache_kv.handles import Handle, HandleState
+from aiocache_kv.pools import PageAllocator, PageState
+from aiocache_kv.stats import CacheStatistics, StorageCounters, TierStatistics
+from aiocache_kv.storage.tier import StorageTier
+from aiocache_kv.transfer.ops import Transfers
+
+
+def _tier(alloc: PageAllocator | None, evictable: int, protected: int) -> TierStatistics:
+    if alloc is None:
+        return TierStatistics(0, 0, 0, 0, 0)
+    return TierStatistics(
+        alloc.num_pages,
+        alloc.num_free,
+        alloc.count(PageState.HELD),
+        evictable,
+        protected,
+        alloc.quarantined,
+    )
+
+
+def snapshot(core: CacheCore, transfers: Transfers, l3: StorageTier | None) -> CacheStatistics:
+    """A frozen snapshot of sizes, hits and operations in flight (on the loop)."""
+    tree = core.tree
+    return CacheStatistics(
+        device=_tier(core.dev_alloc, tree.dev_evictable, tree.dev_protected),
+        host=_tier(core.host_alloc, tree.host_evictable, tree.host_protected),
+        nodes=tree.num_nodes,
+        namespaces=sum(1 for _ in tree.roots()),
+        ops_in_flight=len(transfers.inflight),
+        events_published=core.events.published,
+        storage_in_flight=l3.in_flight if l3 is not None else 0,
+        prefetch_reserved_pages=l3.reserved_pages if l3 is not None else 0,
+        **dataclasses.asdict(core.counters),
+        **dataclasses.asdict(l3.counters if l3 is not None else StorageCounters()),
+    )
+
+
+def check_all(
+    core: CacheCore, handles: list[Handle], transfers: Transfers, l3: StorageTier | None
+) -> None:
+    """Recompute every counter and cross-check tree, allocators, pins and transfers.
+
+    Raises:
+        AssertionError: naming the broken invariant.
+    """
+    handle_pins: dict[int, int] = {}
+    for h in handles:
+        assert h.state is HandleState.PINNED, f"released handle still registered {h!r}"
+        handle_pins[id(h.node)] = handle_pins.get(id(h.node), 0) + 1
+        assert h.node.alive, f"handle pins a removed node {h!r}"
+    for anchor in l3.anchors() if l3 is not None else []:
+        assert anchor.alive, f"prefetch pins a removed node {anchor!r}"
+        handle_pins[id(anchor)] = handle_pins.get(id(anchor), 0) + 1
+    core.tree.check_invariants(handle_pins)
+    if core.dev_alloc is not None:
+        core.dev_alloc.check_invariants(core.tree.device_pages_in_tree())
+    if core.host_alloc is not None:
+        reserved = list(l3.reserved.values()) if l3 is not None else []
+        core.host_alloc.check_invariants(core.tree.host_pages_in_tree() + reserved)
+    transfers.check_invariants()
+
+
+def describe(core: CacheCore, transfers: Transfers, state: str) -> str:
+    """A one-line ``repr`` of a cache: sizes per tier and copies in flight."""
+    dev, host = core.dev_alloc, core.host_alloc
+    if dev is None:
+        return f"<HiCache {state}>"
+    t = core.tree
+    return (
+        f"<HiCache {state} nodes={t.num_nodes} "
+        f"device={dev.num_pages - dev.num_free}/{dev.num_pages} "
+        f"(evictable={t.dev_evictable} protected={t.dev_protected}) "
+        f"host={t.host_evictable + t.host_protected}/{host.num_pages if host else 0} "
+        f"(evictable={t.host_evictable} protected={t.host_protected}) "
+        f"in_flight={len(transfers.inflight)}>"
+    )
+
+
+__all__ = ["check_all", "describe", "snapshot"]

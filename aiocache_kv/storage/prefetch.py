@@ -1,0 +1,412 @@
+"""The storage tier's prefetch path: L3 -> L2, committing only the leading run that arrived.
+
+``prefetch`` pins the cached prefix, asks storage for the leading run of present page keys
+(one batched call), reserves host pages for them (at most half the host pool across every
+prefetch in flight), reads them in chunks under page leases, and commits only the leading run
+of pages that arrived and verified.  Leftover pages are freed at once; the ones a late read
+still writes into wait in quarantine (docs/ARCHITECTURE.md, rule 2).  With tensor parallelism
+the committed end is agreed across ranks.  Storage faults never escape: the result reports
+what was committed, possibly nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from aiocache_kv.components import HitPolicy, feasible_ends
+from aiocache_kv.config import PrefetchPolicy
+from aiocache_kv.distributed.coordinator import AgreedCoordinator
+from aiocache_kv.errors import KVCacheError
+from aiocache_kv.events import BlockRemoved
+from aiocache_kv.storage.base import StorageBackend, leading_run
+from aiocache_kv.storage.tier_base import StorageTierBase
+from aiocache_kv.tree.hashing import chain_hashes
+from aiocache_kv.tree.node import Node, Tier
+
+if TYPE_CHECKING:
+    from aiocache_kv.core import CacheCore
+    from aiocache_kv.namespace import Namespace
+
+log = structlog.get_logger(__name__)
+
+
+class PrefetchStatus(enum.Enum):
+    """How a prefetch ended."""
+
+    NO_STORAGE = "no_storage"  #: the cache has no storage tier
+    BELOW_THRESHOLD = "below_threshold"  #: too few uncached tokens to be worth it
+    MISS = "miss"  #: storage has none of the next pages
+    COMPLETE = "complete"  #: every page storage reported was loaded and committed
+    PARTIAL = "partial"  #: deadline or a bad page cut it short; the leading run was committed
+    BACKGROUND = "background"  #: best effort: loading continues, commits when it lands
+    FAILED = "failed"  #: storage unreachable or failing; nothing committed
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    """What a prefetch found and committed."""
+
+    status: PrefetchStatus
+    cached_tokens: int  #: tokens already in L1/L2 before the prefetch
+    storage_hit_tokens: int  #: tokens after those that storage reported present
+    hit_tokens: int  #: tokens loaded from storage and committed to the host tier
+    error: str | None = None
+
+    @property
+    def usable_tokens(self) -> int:
+        """Tokens now matchable from device or host (cached + committed)."""
+        return self.cached_tokens + self.hit_tokens
+
+
+@dataclass(eq=False)
+class _Prefetch:
+    """One prefetch: its reservation, what storage had, what arrived, what was committed."""
+
+    rid: int
+    ns: Namespace
+    tokens: list[int]
+    cached: int  #: tokens already in the tree (the anchor's path)
+    anchor: Node
+    pages: torch.Tensor  #: reserved host pages (their slots in every pool)
+    keys: list[list[str]]  #: per pool, one key per page after ``cached``
+    hashes: list[int]
+    deadline: float
+    #: per trailing component: pages before ``cached`` that count for its window, and how
+    #: many of those the tree holds (consecutive, ending at ``cached``)
+    before: list[tuple[int, int]] = field(default_factory=list)
+    hits: int = 0  #: leading pages present for the KV and every ALL_PAGES component
+    loaded: list[list[bool]] = field(default_factory=list)  #: per pool, page arrived intact
+    committed: int = 0  #: pages attached to the tree
+    error: str | None = None
+    failed: bool = False
+    #: pages storage listed but could not deliver intact (gone or corrupt: the backend drops
+    #: a corrupt page), reported as STORAGE ``BlockRemoved``
+    vanished: list[int] = field(default_factory=list)
+
+
+def prefetch_timeout(tokens: int, base: float, per_1k: float, cap: float) -> float:
+    """Deadline of a ``timeout``-policy prefetch: base + per-1k-tokens, capped."""
+    return min(cap, base + per_1k * tokens / 1000.0)
+
+class PrefetchingTier(StorageTierBase):
+    """The prefetch half of the storage tier (reservations, reads, commits)."""
+
+    def __init__(self, core: CacheCore, backend: StorageBackend) -> None:
+        super().__init__(core, backend)
+        self.reserved: dict[int, torch.Tensor] = {}  # prefetch id -> host pages not yet in tree
+        self._jobs: dict[int, _Prefetch] = {}  # prefetches whose anchor is pinned
+        self._ids = 0
+
+    def anchors(self) -> list[Node]:
+        """Nodes pinned by prefetches in flight (one pin each, like a handle)."""
+        return [job.anchor for job in self._jobs.values()]
+
+    @property
+    def reserved_pages(self) -> int:
+        """Host pages held by prefetches in flight (not yet in the tree)."""
+        return sum(p.numel() for p in self.reserved.values())
+
+    async def prefetch(
+        self, ns: Namespace, tokens: list[int], n: int, policy: PrefetchPolicy
+    ) -> PrefetchResult:
+        """Bring the storage-resident continuation of ``tokens[:n]`` into the host tier.
+
+        Everything that shapes the tree happens synchronously here (pin, host reservation)
+        or when the agreed end is committed, never at a moment chosen by I/O timing.
+        """
+        core = self.core
+        cfg = core.config
+        tree = core.tree
+        p = cfg.page_size
+        anchor, cached = tree.match(ns, tokens, n, pin=True)
+        self.counters.prefetch_queries += 1
+        if n - cached < max(cfg.prefetch_threshold_tokens, p):
+            tree.unpin(anchor)
+            return PrefetchResult(PrefetchStatus.BELOW_THRESHOLD, cached, 0, 0)
+        assert core.host_pool is not None
+        want = min((n - cached) // p, core.host_pool.num_pages // 2 - self.reserved_pages)
+        pages = core.alloc_host(want) if want > 0 else None
+        if pages is None:
+            tree.unpin(anchor)
+            return PrefetchResult(PrefetchStatus.PARTIAL, cached, 0, 0, "host pool full")
+        prev = tree.seed(ns) if anchor.parent is None else tree.block_hashes(anchor)[-1]
+        hashes = chain_hashes(prev, tokens[cached:n], p)  # ask for all, load what fits
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            timeout = cfg.storage_timeout * 2
+        else:
+            timeout = prefetch_timeout(
+                n - cached,
+                cfg.prefetch_timeout_base,
+                cfg.prefetch_timeout_per_1k,
+                cfg.prefetch_timeout_max,
+            )
+        self._ids += 1
+        job = _Prefetch(
+            rid=self._ids,
+            ns=ns,
+            tokens=tokens,
+            cached=cached,
+            anchor=anchor,
+            pages=pages,
+            keys=[self._keys(ns, hashes, pool) for pool in range(self.pools)],
+            hashes=hashes,
+            deadline=time.monotonic() + timeout,
+            before=self._valid_before(anchor, cached // p),
+        )
+        self.reserved[job.rid] = pages
+        self._jobs[job.rid] = job
+        loop = asyncio.get_running_loop()
+        if core.coordinator.deferred:
+            # the reads run in their own task: the other ranks need this rank's answer even
+            # if the caller goes away; the agreed end is committed in ticket order
+            work = loop.create_task(self._fetch(job))
+            self._track(work)
+
+            async def ready() -> None:
+                await asyncio.wait([work])
+                for pool in range(self.pools):
+                    await self.io.wait_released(self._bufs(job.pages, pool))
+
+            width = (n - cached) // p  # the same on every rank: the tree shapes agree
+
+            def pad(flags: list[bool]) -> list[int]:
+                return [int(f) for f in flags] + [0] * (width - len(flags))
+
+            def pack() -> list[int]:
+                vec = [job.hits, int(not job.failed), *pad(self._feasible(job))]
+                for pool, _, _ in self._trailing:  # which sidecar pages every rank holds
+                    vec += pad(job.loaded[pool] if job.loaded else [])
+                return vec
+
+            def apply(agreed: list[int]) -> None:
+                job.hits, job.failed = agreed[0], agreed[1] == 0  # what every rank had
+                end = max((e + 1 for e, f in enumerate(agreed[2 : 2 + width]) if f), default=0)
+                for k, (pool, _, _) in enumerate(self._trailing):
+                    held = agreed[2 + width * (k + 1) : 2 + width * (k + 2)]
+                    job.loaded[pool] = [bool(f) for f in held[: len(job.loaded[pool])]]
+                self._finish(job, end)
+
+            extra = 2 + width * (1 + len(self._trailing))
+            coord = core.coordinator
+            assert isinstance(coord, AgreedCoordinator)
+            req = coord.agreement(ready, width=extra, pack=pack, apply=apply)
+            if policy is PrefetchPolicy.BEST_EFFORT:
+                return PrefetchResult(PrefetchStatus.BACKGROUND, cached, 0, 0)
+            await coord.settle(req)
+            return self._result(job)
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            self._track(loop.create_task(self._fetch_and_finish(job)))
+            return PrefetchResult(PrefetchStatus.BACKGROUND, cached, 0, 0)
+        await self._fetch_and_finish(job)
+        return self._result(job)
+
+    def _valid_before(self, anchor: Node, cached_pages: int) -> list[tuple[int, int]]:
+        """Per trailing component: (pages before the prefetch that its window may need,
+        how many of those the tree's path holds, consecutive up to the anchor)."""
+        out = []
+        path = self.core.tree.path(anchor)
+        p = self.core.config.page_size
+        for _, name, window in self._trailing:
+            need = min(window, cached_pages)
+            have = 0
+            for node in reversed(path):
+                if have >= need or name in node.invalid:
+                    break
+                have += len(node.key) // p
+            out.append((need, min(have, need)))
+        return out
+
+    def _feasible(self, job: _Prefetch) -> list[bool]:
+        """Per end (pages after ``cached``): could this rank commit a prefix ending there?"""
+        if not job.loaded:
+            return []
+        limit = len(job.loaded[0])
+        all_pools = [0] + [
+            i + 1
+            for i, c in enumerate(self.core.config.components)
+            if not c.window_pages(self.core.config.page_size)
+        ]
+        all_run = min(leading_run(job.loaded[i]) for i in all_pools)
+        trailing = []
+        for (pool, _, window), (need, have) in zip(self._trailing, job.before, strict=True):
+            valid = [False] * (need - have) + [True] * have + job.loaded[pool]
+            trailing.append((window, valid, need))
+        return feasible_ends(all_run, trailing, limit)
+
+    async def _fetch_and_finish(self, job: _Prefetch) -> None:
+        try:
+            await self._fetch(job)
+        finally:  # cancelled too: commit what is known good, free the rest when released
+            flags = self._feasible(job)
+            self._finish(job, max((e + 1 for e, f in enumerate(flags) if f), default=0))
+
+    def _result(self, job: _Prefetch) -> PrefetchResult:
+        p = self.core.config.page_size
+        if job.failed and job.committed == 0:
+            status = PrefetchStatus.FAILED
+        elif job.hits == 0:
+            status = PrefetchStatus.MISS
+        elif job.committed >= job.hits:
+            status = PrefetchStatus.COMPLETE
+        else:
+            status = PrefetchStatus.PARTIAL
+        return PrefetchResult(status, job.cached, job.hits * p, job.committed * p, job.error)
+
+    async def _fetch(self, job: _Prefetch) -> None:
+        """One existence check over every pool's keys, then chunked reads until the deadline;
+        record per pool which pages arrived intact (no tree change)."""
+        pools = self.pools
+        total = len(job.keys[0])
+        fits = job.pages.numel()  # pages reserved: at most half the host pool in flight
+        job.loaded = [[False] * fits for _ in range(pools)]
+        timeout = max(job.deadline - time.monotonic(), 0.001)
+        flat = [k for keys in job.keys for k in keys]
+        try:
+            present = await self.io.exists(flat, timeout=timeout)
+        except KVCacheError as exc:
+            self.counters.storage_errors += 1
+            job.failed, job.error = True, repr(exc)
+            log.warning("prefetch_exists_failed", error=job.error)
+            return
+        by_pool = [present[i * total : (i + 1) * total] for i in range(pools)]
+        comps = self.core.config.components
+        all_pools = [0] + [
+            i + 1 for i, c in enumerate(comps) if c.hit_policy is HitPolicy.ALL_PAGES
+        ]
+        job.hits = min(leading_run(by_pool[i]) for i in all_pools)
+        self.counters.prefetch_storage_hit_tokens += job.hits * self.core.config.page_size
+        # what to read: the leading run for KV/ALL pools, present pages inside it for the rest
+        plan: list[tuple[int, int]] = [
+            (pool, j)
+            for pool in range(pools)
+            for j in range(min(job.hits, fits))
+            if by_pool[pool][j]
+        ]
+        chunk = self.core.config.prefetch_batch_pages
+        alloc = self.core.host_alloc
+        assert alloc is not None
+        tasks: list[tuple[list[tuple[int, int]], asyncio.Future[list[bool]]]] = []
+        try:
+            for a in range(0, len(plan), chunk):
+                part = plan[a : a + chunk]
+                keys = [job.keys[pool][j] for pool, j in part]
+                rows = [int(job.pages[j]) for _, j in part]
+                bufs = [self._buffers[pool][row] for (pool, _), row in zip(part, rows, strict=True)]
+                remaining = max(job.deadline - time.monotonic(), 0.001)
+                leased = torch.tensor(rows, dtype=torch.int64)
+                alloc.lease(leased)  # a late read must never land in a reused page
+                task = asyncio.ensure_future(
+                    self.io.get_into(
+                        keys,
+                        bufs,
+                        timeout=remaining,
+                        on_release=functools.partial(alloc.unlease, leased),
+                    )
+                )
+                tasks.append((part, task))
+            if tasks:
+                await asyncio.wait(
+                    [t for _, t in tasks], timeout=max(job.deadline - time.monotonic(), 0.0)
+                )
+            for part, t in tasks:
+                if not t.done() or t.cancelled():
+                    continue
+                failure = t.exception()
+                if failure is not None:
+                    self.counters.storage_errors += 1
+                    job.failed, job.error = True, repr(failure)
+                    continue
+                for (pool, j), good in zip(part, t.result(), strict=True):
+                    job.loaded[pool][j] = good
+                    if not good and pool == 0:
+                        job.vanished.append(j)
+        finally:
+            for _, t in tasks:
+                if not t.done():
+                    t.cancel()
+                elif not t.cancelled():
+                    t.exception()  # retrieved: counted above
+
+    def _finish(self, job: _Prefetch, end: int) -> None:
+        """Commit the first ``end`` pages (agreed across ranks), unpin, free the rest."""
+        try:
+            job.committed = self._commit(job, end)
+            core = self.core
+            # per-rank facts about a rank's own store: not published where ranks must agree
+            if job.vanished and not core.coordinator.deferred:
+                gone = [job.hashes[j] for j in sorted(job.vanished)]
+                core.emit(BlockRemoved(gone, Tier.STORAGE.medium))
+        finally:
+            self.core.tree.unpin(job.anchor)
+            del self._jobs[job.rid]
+            self._free_reserved(job.rid)  # pages a late read still holds stay quarantined
+
+    def _commit(self, job: _Prefetch, end: int) -> int:
+        """Attach the first ``end`` loaded pages below the cached prefix; return pages used.
+
+        A trailing component's pages that did not arrive make the nodes that lack them
+        ``invalid`` for it (split where that changes), so no prefix ends inside its window.
+        """
+        if end == 0:
+            return 0
+        core = self.core
+        tree = core.tree
+        p = core.config.page_size
+        new = tree.attach_host_only(
+            job.ns, job.tokens, job.cached + end * p, job.cached, job.pages[:end]
+        )
+        used = sum(len(n.key) for n in new) // p
+        if new:  # the tail of pages[:end] now belongs to the tree
+            first = end - used
+            self.reserved[job.rid] = torch.cat([job.pages[:first], job.pages[end:]])
+            (node,) = new
+            node.hashes = job.hashes[first:end]
+            pieces = self._segments(node, first, end, job)
+            for piece, lo, hi in pieces:
+                piece.invalid = frozenset(
+                    name for pool, name, _ in self._trailing if not all(job.loaded[pool][lo:hi])
+                )
+                core.emit_stored(piece, Tier.HOST)
+        self.counters.prefetch_hit_tokens += used * p
+        return used
+
+    def _segments(
+        self, node: Node, first: int, end: int, job: _Prefetch
+    ) -> list[tuple[Node, int, int]]:
+        """Split ``node`` (pages ``first..end`` of the prefetch) where any trailing
+        component's loaded flags change; return ``(piece, lo, hi)`` root-most first."""
+        cuts = sorted(
+            {
+                j
+                for pool, _, _ in self._trailing
+                for j in range(first + 1, end)
+                if job.loaded[pool][j] != job.loaded[pool][j - 1]
+            }
+        )
+        tree = self.core.tree
+        p = self.core.config.page_size
+        pieces: list[tuple[Node, int, int]] = []
+        lo = first
+        tail = node
+        for cut in cuts:
+            head = tree.split_at(tail, (cut - lo) * p)
+            pieces.append((head, lo, cut))
+            lo = cut
+        pieces.append((tail, lo, end))
+        return pieces
+
+    def _free_reserved(self, rid: int) -> None:
+        pages = self.reserved.pop(rid)
+        if pages.numel():
+            self.counters.prefetch_pages_discarded += pages.numel()
+            alloc = self.core.host_alloc
+            assert alloc is not None
+            alloc.free([pages])
