@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
+import shutil
 import struct
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -14,6 +19,8 @@ from structlog.testing import capture_logs
 from aiocache_kv.errors import ConfigError, StorageKeyError, StorageUnavailableError
 from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, PageBuffer
 from aiocache_kv.storage.keys import parse_storage_key, storage_key
+
+T = TypeVar("T")
 
 PAGE = 4096
 SLOT = PAGE + FRAME_OVERHEAD
@@ -307,3 +314,159 @@ def test_concurrent_workers_keep_the_index_consistent(tmp_path: Path) -> None:
     assert fs.total_bytes() == sum(p.stat().st_size for p in on_disk) <= cap
     assert sorted(p.stem for p in on_disk) == sorted(fs.lru_order())
     assert fs.statistics().corrupt == 0
+
+
+# -- links, non-regular files, junk at open, full disk -----------------------------------------
+
+
+def bounded(fn: Callable[[], T], timeout: float = 5.0, unblock: Path | None = None) -> T:
+    """Run ``fn`` in a daemon thread; fail (not hang) if it takes longer than ``timeout``.
+
+    ``unblock``: a FIFO to open for writing on timeout, so that a reader stuck in ``open``
+    returns and the thread ends.
+    """
+    out: list[T] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # reported to the test below
+            err.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        if unblock is not None:  # let a reader blocked on the FIFO go
+            for flags in (os.O_WRONLY | os.O_NONBLOCK, os.O_RDONLY | os.O_NONBLOCK):
+                with contextlib.suppress(OSError):
+                    os.close(os.open(unblock, flags))
+        pytest.fail(f"call still blocked after {timeout} s")
+    if err:
+        raise err[0]
+    return out[0]
+
+
+@pytest.mark.parametrize("policy", ["never", "data"])
+def test_symlink_named_like_a_page_is_not_followed(tmp_path: Path, policy: str) -> None:
+    root, victim = tmp_path / "kv", tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    fs = FileStorage(root, fsync=policy)  # type: ignore[arg-type]
+    fs.open()
+    key = "k"
+    fs.path_of(key).symlink_to(victim)
+    [src] = pages(1)
+    got = fs.put([key], [src])
+    assert victim.read_bytes() == b"precious"
+    dst = empty(1)
+    assert fs.get_into([key], dst) == got
+    if got == [True]:  # the link was replaced by the page, not written through
+        assert not fs.path_of(key).is_symlink() and payload(dst[0]) == payload(src)
+
+
+def test_dangling_symlink_creates_nothing_outside(tmp_path: Path) -> None:
+    root, outside = tmp_path / "kv", tmp_path / "outside"
+    outside.mkdir()
+    fs = FileStorage(root)
+    fs.open()
+    fs.path_of("k").symlink_to(outside / "created")
+    fs.put(["k"], pages(1))
+    assert list(outside.iterdir()) == []
+
+
+def test_link_planted_before_open_is_a_miss_and_never_followed(tmp_path: Path) -> None:
+    root, victim = tmp_path / "kv", tmp_path / "victim"
+    fs = FileStorage(root)
+    [src] = pages(1)
+    fs.put(["k"], [src])
+    victim.write_bytes(fs.path_of("k").read_bytes())  # a valid page, but outside the root
+    fs.path_of("k").unlink()
+    fs.path_of("k").symlink_to(victim)
+    fs.close()
+    again = FileStorage(root)
+    assert again.exists(["k"]) == [False]
+    assert again.get_into(["k"], empty(1)) == [False]
+    assert again.remove(["k"]) == [False]
+    assert victim.read_bytes()[:4] == b"AKVF"
+
+
+def test_shard_replaced_by_a_symlink_after_open(tmp_path: Path) -> None:
+    root, outside = tmp_path / "kv", tmp_path / "outside"
+    outside.mkdir()
+    fs = FileStorage(root)
+    shard = fs.path_of("k0").parent
+    same = [k for k in (f"k{i}" for i in range(2000)) if fs.path_of(k).parent == shard][:3]
+    assert fs.put(same[:1], pages(1)) == [True]  # the shard's descriptor is now in use
+    other = fs.path_of("x").parent
+    assert other != shard
+    for d in (shard, other):
+        shutil.rmtree(d)
+        d.symlink_to(outside, target_is_directory=True)
+    assert fs.put([same[1], "x"], pages(2)) == [False, False]
+    assert list(outside.iterdir()) == []
+    assert fs.get_into([same[0], same[1], "x"], empty(3)) == [False] * 3
+    planted = outside / fs.path_of("x").name
+    planted.write_bytes(b"planted")
+    assert fs.remove(["x"]) == [False] and planted.read_bytes() == b"planted"
+    again = FileStorage(root)  # the links are replaced by real shard directories
+    assert again.get_into(["x"], empty(1)) == [False]
+    assert again.put(["x"], pages(1)) == [True]
+    assert sorted(p.name for p in outside.iterdir()) == [planted.name]
+    assert planted.read_bytes() == b"planted" and not other.is_symlink()
+
+
+def test_shard_replaced_by_a_symlink_before_open(tmp_path: Path) -> None:
+    root, outside = tmp_path / "kv", tmp_path / "outside"
+    outside.mkdir()
+    FileStorage(root).open()
+    shard = FileStorage(root).path_of("k").parent
+    shutil.rmtree(shard)
+    shard.symlink_to(outside, target_is_directory=True)
+    fs = FileStorage(root)
+    [src] = pages(1)
+    got = fs.put(["k"], [src])
+    assert list(outside.iterdir()) == []
+    dst = empty(1)
+    assert fs.get_into(["k"], dst) == got
+    assert outside.is_dir()  # the link was not followed when the shard was recreated
+
+
+def test_fifo_named_like_an_indexed_page_is_a_miss_not_a_hang(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    keys = ["a", "b"]
+    fs.put(keys, pages(2))
+    fifo = fs.path_of("a")
+    fifo.unlink()
+    os.mkfifo(fifo)
+    assert bounded(lambda: fs.get_into(keys, empty(2)), unblock=fifo) == [False, True]
+    [src] = pages(1, seed=3)
+    assert bounded(lambda: fs.put(["a"], [src]), unblock=fifo) == [True]
+    dst = empty(1)
+    assert fs.get_into(["a"], dst) == [True] and payload(dst[0]) == payload(src)
+
+
+@pytest.mark.parametrize("policy", ["never", "always"])
+def test_fifo_at_open_is_skipped_and_a_put_does_not_hang(tmp_path: Path, policy: str) -> None:
+    fs = FileStorage(tmp_path)
+    fs.open()
+    fifo = fs.path_of("a")
+    os.mkfifo(fifo)
+    again = FileStorage(tmp_path, fsync=policy)  # type: ignore[arg-type]
+    assert bounded(again.open, unblock=fifo) is None
+    assert again.exists(["a"]) == [False]
+    assert bounded(lambda: again.get_into(["a"], empty(1)), unblock=fifo) == [False]
+    [src] = pages(1)
+    assert bounded(lambda: again.put(["a"], [src]), unblock=fifo) == [True]
+    dst = empty(1)
+    assert again.get_into(["a"], dst) == [True] and payload(dst[0]) == payload(src)
+    assert not fs.path_of("a").is_fifo()
+
+
+def test_root_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    with pytest.raises(StorageUnavailableError, match="symbolic link"):
+        FileStorage(tmp_path / "link").open()
+    assert list(real.iterdir()) == []
