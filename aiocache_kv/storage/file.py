@@ -43,6 +43,13 @@ and pages are opened relative to their directory's descriptor with ``O_NOFOLLOW`
 like a page is a miss, never read, written or deleted through, nor waited on; a put of its key
 replaces the name.  A link in place of a shard is replaced at open; one planted later fails.
 
+Start-up and full disk.  :meth:`FileStorage.open` skips junk (links, non-regular files, a shard
+that is not a directory: one ``storage.file.junk_skipped`` warning); a bad header is found at
+its first read.  On a full file system (``ENOSPC``/``EDQUOT`` from the open probe or a write)
+it runs read-only: reads are served, puts fail per page (``False``, ``put_failed``, never
+raised), :attr:`FileStorage.writable` is ``False`` (one ``storage.file.read_only`` warning)
+until a write succeeds again.
+
 One ``FileStorage`` (one process) owns a directory: it is the only writer and its in-memory
 index decides hits.  All methods are thread-safe (an index lock; file I/O outside the lock).
 It holds one descriptor for the root and one per shard directory it has used, released by
@@ -117,7 +124,7 @@ class FileStorage:
 
     Construction only validates arguments (no I/O, safe on the event loop); :meth:`open`
     (called lazily by every method) creates the directory, checks it is writable and rebuilds
-    the LRU index.
+    the LRU index.  :attr:`writable` is ``False`` while the file system is full.
     """
 
     def __init__(
@@ -153,6 +160,7 @@ class FileStorage:
         self._opened = False
         self._closed = False
         self._active = 0  # calls using the directory descriptors (close releases them at 0)
+        self._writable = True
         self._dirs = safe_fs.ShardDirs(self._root_str)
         weakref.finalize(self, self._dirs.close)
         self._stats = StatsCounter()
@@ -168,6 +176,10 @@ class FileStorage:
     def open(self) -> None:
         """Create the directory tree, probe writability, rebuild the index (idempotent).
 
+        Junk in the directory (links, FIFOs, directories named like pages, a shard that is not
+        a directory) is skipped with one ``storage.file.junk_skipped`` warning; a full file
+        system opens read-only (see :attr:`writable`).
+
         Raises:
             StorageUnavailableError: the storage was closed, or the directory cannot be created
                 or written (permissions, a path under a regular file, read-only filesystem), or
@@ -180,20 +192,35 @@ class FileStorage:
                 return
             try:
                 self._dirs.open_root()
-                self._dirs.probe_write(f".probe-{self._pid}-{next(self._seq)}{_TMP_SUFFIX}")
+                try:
+                    self._dirs.probe_write(f".probe-{self._pid}-{next(self._seq)}{_TMP_SUFFIX}")
+                except OSError as exc:
+                    if exc.errno not in safe_fs.NO_SPACE:
+                        raise
+                    self._set_writable(False, f"{type(exc).__name__}: {exc}")
             except OSError as exc:
                 self._dirs.close()
                 raise StorageUnavailableError(
                     f"FileStorage directory {self._root_str!r} is not usable: {exc}"
                 ) from exc
-            self._dirs.prepare(_SHARDS)
-            self._rebuild_index()
+            recreated, broken = self._dirs.prepare(_SHARDS)
+            junk = self._rebuild_index()
+            if junk or recreated or broken:
+                log.warning(
+                    "storage.file.junk_skipped",
+                    path=self._root_str,
+                    count=len(junk) + len(broken),
+                    sample=junk[:3],
+                    shards_recreated=recreated,
+                    shards_unusable=broken,
+                )
             self._opened = True
             log.info(
                 "storage.file.open",
                 path=self._root_str,
                 pages=len(self._lru),
                 bytes=self._total,
+                writable=self._writable,
             )
 
     def _rebuild_index(self) -> list[str]:
@@ -221,6 +248,21 @@ class FileStorage:
             self._closed = True
             self._active += 1  # leave like a call: the last one out releases the descriptors
         self._leave()
+
+    @property
+    def writable(self) -> bool:
+        """``False`` while the file system is full (read-only mode: reads served, puts fail)."""
+        return self._writable
+
+    def _set_writable(self, writable: bool, reason: str | None = None) -> None:
+        with self._lock:
+            changed = self._writable != writable
+            self._writable = writable
+        if changed and writable:
+            log.info("storage.file.writable", path=self._root_str)
+        elif changed:
+            msg = "file system full: reads are served, puts fail until a write succeeds"
+            log.warning("storage.file.read_only", path=self._root_str, reason=reason, detail=msg)
 
     def register_buffer(self, tensor: torch.Tensor) -> None:
         """No-op: file I/O needs no registration."""
@@ -320,7 +362,8 @@ class FileStorage:
             else:
                 todo.append(i)
         errors: list[tuple[str, str]] = []
-        ok = written = 0
+        ok = written = no_space = 0
+        writable: bool | None = None  # what the last write said about free space
         for chunk in _chunks(todo, buffers):
             integrity.seal_many([buffers[i] for i in chunk], [keys[i] for i in chunk])
             for i in chunk:
@@ -341,7 +384,11 @@ class FileStorage:
                         with self._lock:
                             self._writing.discard(name)
                     errors.append((keys[i], f"{type(exc).__name__}: {exc}"))
+                    if exc.errno in safe_fs.NO_SPACE:
+                        no_space += 1
+                        writable = False
                     continue
+                writable = True
                 with self._lock:
                     if in_place:
                         self._writing.discard(name)
@@ -367,7 +414,9 @@ class FileStorage:
             put_failed=n - ok - skipped,
             bytes_written=written,
         )
-        if errors or too_big:
+        if writable is not None:
+            self._set_writable(writable, errors[-1][1] if errors else None)
+        if too_big or len(errors) > no_space:  # a full disk is reported once, by read_only
             log.warning(
                 "storage.file.put_failed",
                 path=str(self.root),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import os
 import shutil
 import struct
@@ -461,6 +462,89 @@ def test_fifo_at_open_is_skipped_and_a_put_does_not_hang(tmp_path: Path, policy:
     dst = empty(1)
     assert again.get_into(["a"], dst) == [True] and payload(dst[0]) == payload(src)
     assert not fs.path_of("a").is_fifo()
+
+
+def test_junk_in_the_directory_does_not_stop_open(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    keys = [f"key-{i}" for i in range(4)]
+    src = pages(4)
+    fs.put(keys, src)
+    fs.close()
+    junk = [fs.path_of(f"junk-{i}") for i in range(5)]
+    junk[0].symlink_to(tmp_path / "nowhere")  # dangling link
+    junk[1].symlink_to(fs.path_of(keys[0]))  # link to a valid page
+    junk[2].mkdir()  # directory named like a page
+    junk[3].write_bytes(b"AKVX not a page")  # bad header (found at its first read)
+    os.mkfifo(junk[4])
+    shard_file = next(
+        s for s in (f"{i:02x}" for i in range(256)) if not (tmp_path / s).is_symlink()
+    )
+    os.rename(tmp_path / shard_file, tmp_path / "moved")
+    (tmp_path / shard_file).write_bytes(b"a file where a shard should be")
+    with capture_logs() as logs:
+        again = FileStorage(tmp_path)
+        again.open()
+    warnings = [e for e in logs if e["event"] == "storage.file.junk_skipped"]
+    assert len(warnings) == 1 and warnings[0]["log_level"] == "warning"
+    assert warnings[0]["count"] >= 4
+    names = [p.stem for p in junk]
+    assert again.exists([f"junk-{i}" for i in range(5)]) == [False, False, False, True, False]
+    assert not set(names[:3] + names[4:]) & set(again.lru_order())
+    ok = [fs.path_of(k).parent.name != shard_file for k in keys]
+    dst = empty(4)
+    assert again.get_into(keys, dst) == ok
+    assert bounded(lambda: again.get_into([f"junk-{i}" for i in range(5)], empty(5))) == [False] * 5
+    assert (tmp_path / "nowhere").exists() is False
+
+
+def _no_space(*args: object, **kwargs: object) -> int:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_put_on_a_full_disk_fails_per_page_without_raising(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs = FileStorage(tmp_path)
+    fs.put(["old"], pages(1))
+    assert fs.writable
+    monkeypatch.setattr(os, "writev", _no_space)
+    monkeypatch.setattr(os, "write", _no_space)
+    with capture_logs() as logs:
+        assert fs.put(["a", "b", "old"], pages(3)) == [False, False, True]
+        assert fs.put(["c"], pages(1)) == [False]
+    assert not fs.writable
+    st = fs.statistics()
+    assert (st.put_failed, st.put_skipped) == (3, 1)
+    assert len([e for e in logs if e["event"] == "storage.file.read_only"]) == 1
+    assert fs.exists(["a", "b", "c"]) == [False] * 3
+    assert sorted(p.stem for p in tmp_path.rglob("*.kv")) == [fs.path_of("old").stem]
+    assert not list(tmp_path.rglob("*.tmp"))
+    monkeypatch.undo()
+    with capture_logs() as logs:
+        assert fs.put(["a"], pages(1)) == [True]
+    assert fs.writable
+    assert [e["event"] for e in logs] == ["storage.file.writable"]
+
+
+def test_open_on_a_full_disk_serves_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fs = FileStorage(tmp_path)
+    src = pages(2)
+    fs.put(["a", "b"], src)
+    fs.close()
+    monkeypatch.setattr(os, "writev", _no_space)
+    monkeypatch.setattr(os, "write", _no_space)
+    again = FileStorage(tmp_path)
+    with capture_logs() as logs:
+        again.open()
+        assert again.put(["c"], pages(1)) == [False]
+    assert not again.writable
+    assert [e["event"] for e in logs].count("storage.file.read_only") == 1
+    dst = empty(2)
+    assert again.get_into(["a", "b"], dst) == [True, True]
+    assert [payload(b) for b in dst] == [payload(b) for b in src]
+    assert again.statistics().put_failed == 1
+    monkeypatch.undo()
+    assert again.put(["c"], pages(1)) == [True] and again.writable
 
 
 def test_root_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
