@@ -554,3 +554,22 @@ def test_root_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StorageUnavailableError, match="symbolic link"):
         FileStorage(tmp_path / "link").open()
     assert list(real.iterdir()) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_close_releases_the_directory_descriptors(tmp_path: Path) -> None:
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    fs = FileStorage(tmp_path / "a")
+    fs.put(keys_for("a", 20), pages(20))
+    assert open_fds() > before  # the root and the shards used stay open
+    fs.close()
+    assert open_fds() == before
+    with pytest.raises(StorageUnavailableError):
+        fs.get_into(keys_for("a", 1), empty(1))
+    gc_fs = FileStorage(tmp_path / "b")
+    gc_fs.put(keys_for("b", 20), pages(20))
+    del gc_fs  # released when collected, without close()
+    assert open_fds() == before
