@@ -113,8 +113,8 @@ class ShardDirs:
         """Create the root (and parents) and open it; its parents may be links, it may not.
 
         Raises:
-            OSError: it cannot be created or opened (``ELOOP``: the root is a symbolic link,
-                ``ENOTDIR``: a regular file).
+            OSError: it cannot be created or opened (a symbolic link: ``ENOTDIR`` or
+                ``ELOOP`` with a message saying so; a regular file: ``ENOTDIR``).
         """
         os.makedirs(self._root, exist_ok=True)
         try:
@@ -168,7 +168,8 @@ class ShardDirs:
         """The descriptor of shard ``name``, opened on first use without following a link.
 
         Raises:
-            OSError: the shard is missing, a link (``ELOOP``) or not a directory.
+            OSError: the shard is missing (``ENOENT``), a link or not a directory
+                (``ENOTDIR``, ``ELOOP``).
         """
         fd = self._fds.get(name)
         if fd is not None:
