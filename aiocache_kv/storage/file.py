@@ -36,8 +36,24 @@ memory and rebuilt from file modification times at open (accesses of an earlier 
 reads are therefore not remembered).  A page larger than the capacity is refused (``False``).
 A corrupt page is deleted when detected so that a later put can store it again.
 
+Links and special files (see :mod:`.safe_fs`).  No symbolic link is ever followed and only
+regular files are pages: the root must be a real directory (its parents may be links); shards
+and pages are opened relative to their directory's descriptor with ``O_NOFOLLOW``, pages with
+``O_NONBLOCK`` then checked with ``fstat``.  A link, FIFO, socket, device or directory named
+like a page is a miss, never read, written or deleted through, nor waited on; a put of its key
+replaces the name.  A link in place of a shard is replaced at open; one planted later fails.
+
+Start-up and full disk.  :meth:`FileStorage.open` skips junk (links, non-regular files, a shard
+that is not a directory: one ``storage.file.junk_skipped`` warning); a bad header is found at
+its first read.  On a full file system (``ENOSPC``/``EDQUOT`` from the open probe or a write)
+it runs read-only: reads are served, puts fail per page (``False``, ``put_failed``, never
+raised), :attr:`FileStorage.writable` is ``False`` (one ``storage.file.read_only`` warning)
+until a write succeeds again.
+
 One ``FileStorage`` (one process) owns a directory: it is the only writer and its in-memory
 index decides hits.  All methods are thread-safe (an index lock; file I/O outside the lock).
+It holds one descriptor for the root and one per shard directory it has used, released by
+:meth:`FileStorage.close` (or when it is garbage-collected).
 """
 
 from __future__ import annotations
@@ -48,10 +64,9 @@ import functools
 import hashlib
 import itertools
 import os
-import struct
-import tempfile
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -59,7 +74,7 @@ import structlog
 import torch
 
 from aiocache_kv.errors import ConfigError, StorageUnavailableError
-from aiocache_kv.storage import integrity
+from aiocache_kv.storage import integrity, page_file, safe_fs
 from aiocache_kv.storage.base import PageBuffer, StatsCounter, StorageStats, leading_run
 from aiocache_kv.storage.keys import check_keys
 
@@ -69,15 +84,10 @@ log = structlog.get_logger(__name__)
 
 FsyncPolicy = Literal["never", "data", "always"]
 _FSYNC_POLICIES = ("never", "data", "always")
-_FILE_HEADER = struct.Struct("<4sI")
-_FILE_MAGIC = b"AKVF"
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
 _NAME_LEN = 40  # hex digits of BLAKE2b-160
-
-
-_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_SHARDS = [f"{i:02x}" for i in range(256)]
 #: pages are sealed / verified in groups of about this many bytes, each group right before its
 #: files are written / right after they are read, so the checksum reads bytes still in cache
 _CHUNK_BYTES = 4 << 20
@@ -86,6 +96,10 @@ _CHUNK_BYTES = 4 << 20
 @functools.lru_cache(maxsize=1 << 14)  # a prefetch hashes its keys for exists, then for reads
 def _file_name(key: str) -> str:
     return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
+
+
+def _is_page_name(name: str) -> bool:
+    return name.endswith(_SUFFIX) and len(name) == _NAME_LEN + len(_SUFFIX)
 
 
 def _chunks(idx: list[int], buffers: Sequence[PageBuffer]) -> list[list[int]]:
@@ -110,7 +124,7 @@ class FileStorage:
 
     Construction only validates arguments (no I/O, safe on the event loop); :meth:`open`
     (called lazily by every method) creates the directory, checks it is writable and rebuilds
-    the LRU index.
+    the LRU index.  :attr:`writable` is ``False`` while the file system is full.
     """
 
     def __init__(
@@ -145,6 +159,10 @@ class FileStorage:
         self._total = 0
         self._opened = False
         self._closed = False
+        self._active = 0  # calls using the directory descriptors (close releases them at 0)
+        self._writable = True
+        self._dirs = safe_fs.ShardDirs(self._root_str)
+        weakref.finalize(self, self._dirs.close)
         self._stats = StatsCounter()
 
     def __repr__(self) -> str:
@@ -158,9 +176,14 @@ class FileStorage:
     def open(self) -> None:
         """Create the directory tree, probe writability, rebuild the index (idempotent).
 
+        Junk in the directory (links, FIFOs, directories named like pages, a shard that is not
+        a directory) is skipped with one ``storage.file.junk_skipped`` warning; a full file
+        system opens read-only (see :attr:`writable`).
+
         Raises:
             StorageUnavailableError: the storage was closed, or the directory cannot be created
-                or written (permissions, a path under a regular file, read-only filesystem).
+                or written (permissions, a path under a regular file, read-only filesystem), or
+                it is a symbolic link.
         """
         with self._open_lock:
             if self._closed:
@@ -168,43 +191,42 @@ class FileStorage:
             if self._opened:
                 return
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                fd, probe = tempfile.mkstemp(dir=self.root, prefix=".probe-", suffix=_TMP_SUFFIX)
+                self._dirs.open_root()
                 try:
-                    os.write(fd, b"x")
-                finally:
-                    os.close(fd)
-                    os.unlink(probe)
-                for i in range(256):
-                    (self.root / f"{i:02x}").mkdir(exist_ok=True)
+                    self._dirs.probe_write(f".probe-{self._pid}-{next(self._seq)}{_TMP_SUFFIX}")
+                except OSError as exc:
+                    if exc.errno not in safe_fs.NO_SPACE:
+                        raise
+                    self._set_writable(False, f"{type(exc).__name__}: {exc}")
             except OSError as exc:
+                self._dirs.close()
                 raise StorageUnavailableError(
-                    f"FileStorage directory {str(self.root)!r} is not usable: {exc}"
+                    f"FileStorage directory {self._root_str!r} is not usable: {exc}"
                 ) from exc
-            self._rebuild_index()
+            recreated, broken = self._dirs.prepare(_SHARDS)
+            junk = self._rebuild_index()
+            if junk or recreated or broken:
+                log.warning(
+                    "storage.file.junk_skipped",
+                    path=self._root_str,
+                    count=len(junk) + len(broken),
+                    sample=junk[:3],
+                    shards_recreated=recreated,
+                    shards_unusable=broken,
+                )
             self._opened = True
             log.info(
-                "storage.file.open", path=str(self.root), pages=len(self._lru), bytes=self._total
+                "storage.file.open",
+                path=self._root_str,
+                pages=len(self._lru),
+                bytes=self._total,
+                writable=self._writable,
             )
 
-    def _rebuild_index(self) -> None:
-        found: list[tuple[int, str, int]] = []
-        stale = 0
-        for i in range(256):
-            shard = self.root / f"{i:02x}"
-            with os.scandir(shard) as it:
-                for entry in it:
-                    if entry.name.endswith(_TMP_SUFFIX):
-                        with contextlib.suppress(OSError):
-                            os.unlink(entry.path)
-                        stale += 1
-                        continue
-                    stem = entry.name[: -len(_SUFFIX)]
-                    if not entry.name.endswith(_SUFFIX) or len(stem) != _NAME_LEN:
-                        continue
-                    st = entry.stat()
-                    found.append((st.st_mtime_ns, stem, st.st_size))
-        found.sort()
+    def _rebuild_index(self) -> list[str]:
+        """Index the regular page files of every shard; return what was skipped as junk."""
+        scan = self._dirs.scan(_SHARDS, _is_page_name, _TMP_SUFFIX)
+        found = sorted((st.st_mtime_ns, n[: -len(_SUFFIX)], st.st_size) for _, n, st in scan.files)
         with self._lock:
             self._lru.clear()
             self._total = 0
@@ -213,13 +235,34 @@ class FileStorage:
                 self._total += size
             victims = self._pick_victims_locked()
         self._unlink_victims(victims)
-        if stale:
-            log.info("storage.file.stale_temp_removed", path=str(self.root), count=stale)
+        if scan.stale:
+            log.info("storage.file.stale_temp_removed", path=self._root_str, count=scan.stale)
+        return scan.junk
 
     def close(self) -> None:
-        """Mark the storage closed (idempotent); later calls raise ``StorageUnavailableError``."""
+        """Mark the storage closed (idempotent); later calls raise ``StorageUnavailableError``.
+
+        The directory descriptors are released now, or by the last call still running.
+        """
         with self._open_lock:
             self._closed = True
+            self._active += 1  # leave like a call: the last one out releases the descriptors
+        self._leave()
+
+    @property
+    def writable(self) -> bool:
+        """``False`` while the file system is full (read-only mode: reads served, puts fail)."""
+        return self._writable
+
+    def _set_writable(self, writable: bool, reason: str | None = None) -> None:
+        with self._lock:
+            changed = self._writable != writable
+            self._writable = writable
+        if changed and writable:
+            log.info("storage.file.writable", path=self._root_str)
+        elif changed:
+            msg = "file system full: reads are served, puts fail until a write succeeds"
+            log.warning("storage.file.read_only", path=self._root_str, reason=reason, detail=msg)
 
     def register_buffer(self, tensor: torch.Tensor) -> None:
         """No-op: file I/O needs no registration."""
@@ -243,11 +286,26 @@ class FileStorage:
         name = _file_name(key)
         return self.root / name[:2] / (name + _SUFFIX)
 
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise StorageUnavailableError(f"FileStorage at {self.root} is closed")
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """Open if needed and keep the directory descriptors alive for the call (see close)."""
         if not self._opened:
-            self.open()
+            self.open()  # raises if closed
+        with self._open_lock:
+            if self._closed:
+                raise StorageUnavailableError(f"FileStorage at {self.root} is closed")
+            self._active += 1
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        with self._open_lock:
+            self._active -= 1
+            release = self._closed and not self._active
+        if release:
+            self._dirs.close()
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -259,9 +317,8 @@ class FileStorage:
             StorageUnavailableError: closed or unusable directory.
         """
         check_keys(keys)
-        self._ensure_open()
         names = [_file_name(k) for k in keys]
-        with self._lock:
+        with self._in_use(), self._lock:
             return [n in self._lru for n in names]
 
     def leading_hits(self, keys: Sequence[str]) -> int:
@@ -279,7 +336,10 @@ class FileStorage:
             StorageUnavailableError: closed or unusable directory.
         """
         integrity.check_batch(keys, buffers)
-        self._ensure_open()
+        with self._in_use():
+            return self._put(keys, buffers)
+
+    def _put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
         n = len(keys)
         results = [False] * n
         names = [_file_name(k) for k in keys]
@@ -296,13 +356,14 @@ class FileStorage:
                     first[name] = i
         todo: list[int] = []
         for i in first.values():
-            size = _FILE_HEADER.size + len(key_bytes[i]) + buffers[i].nbytes
+            size = page_file.HEADER.size + len(key_bytes[i]) + buffers[i].nbytes
             if self.capacity_bytes is not None and size > self.capacity_bytes:
                 too_big += 1
             else:
                 todo.append(i)
         errors: list[tuple[str, str]] = []
-        ok = written = 0
+        ok = written = no_space = 0
+        writable: bool | None = None  # what the last write said about free space
         for chunk in _chunks(todo, buffers):
             integrity.seal_many([buffers[i] for i in chunk], [keys[i] for i in chunk])
             for i in chunk:
@@ -323,7 +384,11 @@ class FileStorage:
                         with self._lock:
                             self._writing.discard(name)
                     errors.append((keys[i], f"{type(exc).__name__}: {exc}"))
+                    if exc.errno in safe_fs.NO_SPACE:
+                        no_space += 1
+                        writable = False
                     continue
+                writable = True
                 with self._lock:
                     if in_place:
                         self._writing.discard(name)
@@ -349,7 +414,9 @@ class FileStorage:
             put_failed=n - ok - skipped,
             bytes_written=written,
         )
-        if errors or too_big:
+        if writable is not None:
+            self._set_writable(writable, errors[-1][1] if errors else None)
+        if too_big or len(errors) > no_space:  # a full disk is reported once, by read_only
             log.warning(
                 "storage.file.put_failed",
                 path=str(self.root),
@@ -362,44 +429,26 @@ class FileStorage:
 
     def _write_file(self, key_bytes: bytes, name: str, buf: PageBuffer, in_place: bool) -> int:
         """Write a sealed slot, in place or via a temporary file + rename (see module doc);
-        return the file size.  On error nothing is left behind."""
-        shard = f"{self._root_str}/{name[:2]}"
-        final = f"{shard}/{name}{_SUFFIX}"
+        return the file size.  On error nothing is left behind.  Never opens an existing name:
+        a leftover of any kind (stale file, link, FIFO) is replaced by the rename."""
+        dfd = self._dirs.get(name[:2])
+        final = name + _SUFFIX
+        header = page_file.header_for(key_bytes)
+        fsync = self.fsync != "never"
         if in_place:
-            tmp = final
-        else:
-            tmp = f"{shard}/.{name}-{self._pid}-{threading.get_ident():x}-{next(self._seq)}"
-            tmp += _TMP_SUFFIX
-        header = _FILE_HEADER.pack(_FILE_MAGIC, len(key_bytes)) + key_bytes
-        total = len(header) + buf.nbytes
-        fd = os.open(tmp, _WRITE_FLAGS, 0o644)
-        try:
             try:
-                done = os.writev(fd, [header, buf.view])
-                while done < total:  # short write: finish from where it stopped
-                    if done < len(header):
-                        n = os.writev(fd, [header[done:], buf.view])
-                    else:
-                        n = os.write(fd, buf.view[done - len(header) :])
-                    if not n:
-                        raise OSError(f"short write to {tmp}")
-                    done += n
-                if self.fsync != "never":
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            if not in_place:
-                os.replace(tmp, final)
+                return page_file.write_new(dfd, final, header, buf, fsync)
+            except FileExistsError:
+                pass
+        tmp = f".{name}-{self._pid}-{threading.get_ident():x}-{next(self._seq)}{_TMP_SUFFIX}"
+        total = page_file.write_new(dfd, tmp, header, buf, fsync)
+        try:
+            os.replace(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            safe_fs.unlink_quietly(tmp, dfd)
             raise
         if self.fsync == "always":
-            dfd = os.open(shard, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            os.fsync(dfd)
         return total
 
     def _pick_victims_locked(self) -> list[str]:
@@ -412,10 +461,17 @@ class FileStorage:
             victims.append(name)
         return victims
 
+    def _unlink_page(self, name: str) -> None:
+        """Delete the page file ``name`` (the name itself, never a link's target); quiet."""
+        try:
+            dfd = self._dirs.get(name[:2])
+        except OSError:
+            return
+        safe_fs.unlink_quietly(name + _SUFFIX, dfd)
+
     def _unlink_victims(self, victims: list[str]) -> None:
         for name in victims:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.root / name[:2] / (name + _SUFFIX))
+            self._unlink_page(name)
         if victims:
             self._stats.add(evictions=len(victims), removed=len(victims))
             log.debug("storage.file.evicted", path=str(self.root), count=len(victims))
@@ -428,19 +484,17 @@ class FileStorage:
             StorageUnavailableError: closed or unusable directory.
         """
         check_keys(keys)
-        self._ensure_open()
+        with self._in_use():
+            return self._remove(keys)
+
+    def _remove(self, keys: Sequence[str]) -> list[bool]:
         results: list[bool] = []
         for key in keys:
             name = _file_name(key)
-            with self._lock:
-                size = self._lru.pop(name, None)
-                if size is not None:
-                    self._total -= size
-            if size is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.root / name[:2] / (name + _SUFFIX))
+            results.append(self._forget(name))
+            if results[-1]:
+                self._unlink_page(name)
                 self._stats.add(removed=1)
-            results.append(size is not None)
         return results
 
     # -- reads -------------------------------------------------------------------------------
@@ -454,7 +508,10 @@ class FileStorage:
             StorageUnavailableError: closed or unusable directory.
         """
         integrity.check_batch(keys, buffers)
-        self._ensure_open()
+        with self._in_use():
+            return self._get_into(keys, buffers)
+
+    def _get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
         n = len(keys)
         results = [False] * n
         names = [_file_name(k) for k in keys]
@@ -471,6 +528,10 @@ class FileStorage:
                     verdict = self._read_file(keys[i], names[i], buffers[i])
                 except FileNotFoundError:
                     self._forget(names[i])
+                    misses += 1
+                    continue
+                except (safe_fs.NotRegularFileError, PermissionError):  # not a page: junk
+                    self._drop(names[i], count=False)
                     misses += 1
                     continue
                 except OSError as exc:
@@ -515,54 +576,22 @@ class FileStorage:
         return results
 
     def _read_file(self, key: str, name: str, buf: PageBuffer) -> integrity.Verdict | None:
-        """Read the file of ``key`` into ``buf`` with one ``preadv`` (header, slot, one byte to
-        detect a longer file); a failing verdict, or ``None`` when the checksum is next."""
-        path = f"{self._root_str}/{name[:2]}/{name}{_SUFFIX}"
+        """Read the file of ``key`` into ``buf`` (see :func:`.page_file.read_into`)."""
         key_bytes = key.encode("utf-8", "surrogatepass")
-        header = bytearray(_FILE_HEADER.size + len(key_bytes))
-        extra = bytearray(1)
-        want = len(header) + buf.nbytes
-        fd = os.open(path, _READ_FLAGS)
-        try:
-            got = os.preadv(fd, [header, buf.view, extra], 0)
-            while got < want:  # short read: continue until EOF (a truncated file)
-                if got < len(header):
-                    n = os.preadv(fd, [memoryview(header)[got:], buf.view, extra], got)
-                else:
-                    n = os.preadv(fd, [buf.view[got - len(header) :], extra], got)
-                if not n:
-                    break
-                got += n
-        finally:
-            os.close(fd)
-        if got < _FILE_HEADER.size:
-            return integrity.Verdict.BAD_LENGTH
-        magic, key_len = _FILE_HEADER.unpack_from(header)
-        if magic != _FILE_MAGIC:
-            return integrity.Verdict.BAD_MAGIC
-        if (
-            key_len != len(key_bytes)
-            or got < len(header)
-            or header[_FILE_HEADER.size :] != key_bytes
-        ):
-            return integrity.Verdict.BAD_KEY
-        if got != want:  # shorter (truncated) or longer (another slot size) than the slot
-            return integrity.Verdict.BAD_LENGTH
-        return None
+        return page_file.read_into(self._dirs.get(name[:2]), name + _SUFFIX, key_bytes, buf)
 
-    def _drop(self, name: str) -> None:
-        """Forget and delete a corrupt page so that a later put can store it again."""
+    def _drop(self, name: str, count: bool = True) -> None:
+        """Forget and delete a corrupt page (or junk named like one, not counted as removed)
+        so that a later put can store it again."""
+        if self._forget(name):
+            self._unlink_page(name)
+            if count:
+                self._stats.add(removed=1)
+
+    def _forget(self, name: str) -> bool:
+        """Drop ``name`` from the index; whether it was there."""
         with self._lock:
             size = self._lru.pop(name, None)
             if size is not None:
                 self._total -= size
-        if size is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{self._root_str}/{name[:2]}/{name}{_SUFFIX}")
-            self._stats.add(removed=1)
-
-    def _forget(self, name: str) -> None:
-        with self._lock:
-            size = self._lru.pop(name, None)
-            if size is not None:
-                self._total -= size
+        return size is not None

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import errno
 import os
+import shutil
 import struct
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -14,6 +20,8 @@ from structlog.testing import capture_logs
 from aiocache_kv.errors import ConfigError, StorageKeyError, StorageUnavailableError
 from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, PageBuffer
 from aiocache_kv.storage.keys import parse_storage_key, storage_key
+
+T = TypeVar("T")
 
 PAGE = 4096
 SLOT = PAGE + FRAME_OVERHEAD
@@ -307,3 +315,261 @@ def test_concurrent_workers_keep_the_index_consistent(tmp_path: Path) -> None:
     assert fs.total_bytes() == sum(p.stat().st_size for p in on_disk) <= cap
     assert sorted(p.stem for p in on_disk) == sorted(fs.lru_order())
     assert fs.statistics().corrupt == 0
+
+
+# -- links, non-regular files, junk at open, full disk -----------------------------------------
+
+
+def bounded(fn: Callable[[], T], timeout: float = 5.0, unblock: Path | None = None) -> T:
+    """Run ``fn`` in a daemon thread; fail (not hang) if it takes longer than ``timeout``.
+
+    ``unblock``: a FIFO to open for writing on timeout, so that a reader stuck in ``open``
+    returns and the thread ends.
+    """
+    out: list[T] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # reported to the test below
+            err.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        if unblock is not None:  # let a reader blocked on the FIFO go
+            for flags in (os.O_WRONLY | os.O_NONBLOCK, os.O_RDONLY | os.O_NONBLOCK):
+                with contextlib.suppress(OSError):
+                    os.close(os.open(unblock, flags))
+        pytest.fail(f"call still blocked after {timeout} s")
+    if err:
+        raise err[0]
+    return out[0]
+
+
+@pytest.mark.parametrize("policy", ["never", "data"])
+def test_symlink_named_like_a_page_is_not_followed(tmp_path: Path, policy: str) -> None:
+    root, victim = tmp_path / "kv", tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    fs = FileStorage(root, fsync=policy)  # type: ignore[arg-type]
+    fs.open()
+    key = "k"
+    fs.path_of(key).symlink_to(victim)
+    [src] = pages(1)
+    got = fs.put([key], [src])
+    assert victim.read_bytes() == b"precious"
+    dst = empty(1)
+    assert fs.get_into([key], dst) == got
+    if got == [True]:  # the link was replaced by the page, not written through
+        assert not fs.path_of(key).is_symlink() and payload(dst[0]) == payload(src)
+
+
+def test_dangling_symlink_creates_nothing_outside(tmp_path: Path) -> None:
+    root, outside = tmp_path / "kv", tmp_path / "outside"
+    outside.mkdir()
+    fs = FileStorage(root)
+    fs.open()
+    fs.path_of("k").symlink_to(outside / "created")
+    fs.put(["k"], pages(1))
+    assert list(outside.iterdir()) == []
+
+
+def test_link_planted_before_open_is_a_miss_and_never_followed(tmp_path: Path) -> None:
+    root, victim = tmp_path / "kv", tmp_path / "victim"
+    fs = FileStorage(root)
+    [src] = pages(1)
+    fs.put(["k"], [src])
+    victim.write_bytes(fs.path_of("k").read_bytes())  # a valid page, but outside the root
+    fs.path_of("k").unlink()
+    fs.path_of("k").symlink_to(victim)
+    fs.close()
+    again = FileStorage(root)
+    assert again.exists(["k"]) == [False]
+    assert again.get_into(["k"], empty(1)) == [False]
+    assert again.remove(["k"]) == [False]
+    assert victim.read_bytes()[:4] == b"AKVF"
+
+
+def test_shard_replaced_by_a_symlink_after_open(tmp_path: Path) -> None:
+    root, outside = tmp_path / "kv", tmp_path / "outside"
+    outside.mkdir()
+    fs = FileStorage(root)
+    shard = fs.path_of("k0").parent
+    same = [k for k in (f"k{i}" for i in range(2000)) if fs.path_of(k).parent == shard][:3]
+    assert fs.put(same[:1], pages(1)) == [True]  # the shard's descriptor is now in use
+    other = fs.path_of("x").parent
+    assert other != shard
+    for d in (shard, other):
+        shutil.rmtree(d)
+        d.symlink_to(outside, target_is_directory=True)
+    assert fs.put([same[1], "x"], pages(2)) == [False, False]
+    assert list(outside.iterdir()) == []
+    assert fs.get_into([same[0], same[1], "x"], empty(3)) == [False] * 3
+    planted = outside / fs.path_of("x").name
+    planted.write_bytes(b"planted")
+    assert fs.remove(["x"]) == [False] and planted.read_bytes() == b"planted"
+    again = FileStorage(root)  # the links are replaced by real shard directories
+    assert again.get_into(["x"], empty(1)) == [False]
+    assert again.put(["x"], pages(1)) == [True]
+    assert sorted(p.name for p in outside.iterdir()) == [planted.name]
+    assert planted.read_bytes() == b"planted" and not other.is_symlink()
+
+
+def test_shard_replaced_by_a_symlink_before_open(tmp_path: Path) -> None:
+    root, outside = tmp_path / "kv", tmp_path / "outside"
+    outside.mkdir()
+    FileStorage(root).open()
+    shard = FileStorage(root).path_of("k").parent
+    shutil.rmtree(shard)
+    shard.symlink_to(outside, target_is_directory=True)
+    fs = FileStorage(root)
+    [src] = pages(1)
+    got = fs.put(["k"], [src])
+    assert list(outside.iterdir()) == []
+    dst = empty(1)
+    assert fs.get_into(["k"], dst) == got
+    assert outside.is_dir()  # the link was not followed when the shard was recreated
+
+
+def test_fifo_named_like_an_indexed_page_is_a_miss_not_a_hang(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    keys = ["a", "b"]
+    fs.put(keys, pages(2))
+    fifo = fs.path_of("a")
+    fifo.unlink()
+    os.mkfifo(fifo)
+    assert bounded(lambda: fs.get_into(keys, empty(2)), unblock=fifo) == [False, True]
+    [src] = pages(1, seed=3)
+    assert bounded(lambda: fs.put(["a"], [src]), unblock=fifo) == [True]
+    dst = empty(1)
+    assert fs.get_into(["a"], dst) == [True] and payload(dst[0]) == payload(src)
+
+
+@pytest.mark.parametrize("policy", ["never", "always"])
+def test_fifo_at_open_is_skipped_and_a_put_does_not_hang(tmp_path: Path, policy: str) -> None:
+    fs = FileStorage(tmp_path)
+    fs.open()
+    fifo = fs.path_of("a")
+    os.mkfifo(fifo)
+    again = FileStorage(tmp_path, fsync=policy)  # type: ignore[arg-type]
+    assert bounded(again.open, unblock=fifo) is None
+    assert again.exists(["a"]) == [False]
+    assert bounded(lambda: again.get_into(["a"], empty(1)), unblock=fifo) == [False]
+    [src] = pages(1)
+    assert bounded(lambda: again.put(["a"], [src]), unblock=fifo) == [True]
+    dst = empty(1)
+    assert again.get_into(["a"], dst) == [True] and payload(dst[0]) == payload(src)
+    assert not fs.path_of("a").is_fifo()
+
+
+def test_junk_in_the_directory_does_not_stop_open(tmp_path: Path) -> None:
+    fs = FileStorage(tmp_path)
+    keys = [f"key-{i}" for i in range(4)]
+    src = pages(4)
+    fs.put(keys, src)
+    fs.close()
+    junk = [fs.path_of(f"junk-{i}") for i in range(5)]
+    junk[0].symlink_to(tmp_path / "nowhere")  # dangling link
+    junk[1].symlink_to(fs.path_of(keys[0]))  # link to a valid page
+    junk[2].mkdir()  # directory named like a page
+    junk[3].write_bytes(b"AKVX not a page")  # bad header (found at its first read)
+    os.mkfifo(junk[4])
+    shard_file = next(
+        s for s in (f"{i:02x}" for i in range(256)) if not (tmp_path / s).is_symlink()
+    )
+    os.rename(tmp_path / shard_file, tmp_path / "moved")
+    (tmp_path / shard_file).write_bytes(b"a file where a shard should be")
+    with capture_logs() as logs:
+        again = FileStorage(tmp_path)
+        again.open()
+    warnings = [e for e in logs if e["event"] == "storage.file.junk_skipped"]
+    assert len(warnings) == 1 and warnings[0]["log_level"] == "warning"
+    assert warnings[0]["count"] >= 4
+    names = [p.stem for p in junk]
+    assert again.exists([f"junk-{i}" for i in range(5)]) == [False, False, False, True, False]
+    assert not set(names[:3] + names[4:]) & set(again.lru_order())
+    ok = [fs.path_of(k).parent.name != shard_file for k in keys]
+    dst = empty(4)
+    assert again.get_into(keys, dst) == ok
+    assert bounded(lambda: again.get_into([f"junk-{i}" for i in range(5)], empty(5))) == [False] * 5
+    assert (tmp_path / "nowhere").exists() is False
+
+
+def _no_space(*args: object, **kwargs: object) -> int:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_put_on_a_full_disk_fails_per_page_without_raising(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs = FileStorage(tmp_path)
+    fs.put(["old"], pages(1))
+    assert fs.writable
+    monkeypatch.setattr(os, "writev", _no_space)
+    monkeypatch.setattr(os, "write", _no_space)
+    with capture_logs() as logs:
+        assert fs.put(["a", "b", "old"], pages(3)) == [False, False, True]
+        assert fs.put(["c"], pages(1)) == [False]
+    assert not fs.writable
+    st = fs.statistics()
+    assert (st.put_failed, st.put_skipped) == (3, 1)
+    assert len([e for e in logs if e["event"] == "storage.file.read_only"]) == 1
+    assert fs.exists(["a", "b", "c"]) == [False] * 3
+    assert sorted(p.stem for p in tmp_path.rglob("*.kv")) == [fs.path_of("old").stem]
+    assert not list(tmp_path.rglob("*.tmp"))
+    monkeypatch.undo()
+    with capture_logs() as logs:
+        assert fs.put(["a"], pages(1)) == [True]
+    assert fs.writable
+    assert [e["event"] for e in logs] == ["storage.file.writable"]
+
+
+def test_open_on_a_full_disk_serves_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fs = FileStorage(tmp_path)
+    src = pages(2)
+    fs.put(["a", "b"], src)
+    fs.close()
+    monkeypatch.setattr(os, "writev", _no_space)
+    monkeypatch.setattr(os, "write", _no_space)
+    again = FileStorage(tmp_path)
+    with capture_logs() as logs:
+        again.open()
+        assert again.put(["c"], pages(1)) == [False]
+    assert not again.writable
+    assert [e["event"] for e in logs].count("storage.file.read_only") == 1
+    dst = empty(2)
+    assert again.get_into(["a", "b"], dst) == [True, True]
+    assert [payload(b) for b in dst] == [payload(b) for b in src]
+    assert again.statistics().put_failed == 1
+    monkeypatch.undo()
+    assert again.put(["c"], pages(1)) == [True] and again.writable
+
+
+def test_root_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    with pytest.raises(StorageUnavailableError, match="symbolic link"):
+        FileStorage(tmp_path / "link").open()
+    assert list(real.iterdir()) == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_close_releases_the_directory_descriptors(tmp_path: Path) -> None:
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    fs = FileStorage(tmp_path / "a")
+    fs.put(keys_for("a", 20), pages(20))
+    assert open_fds() > before  # the root and the shards used stay open
+    fs.close()
+    assert open_fds() == before
+    with pytest.raises(StorageUnavailableError):
+        fs.get_into(keys_for("a", 1), empty(1))
+    gc_fs = FileStorage(tmp_path / "b")
+    gc_fs.put(keys_for("b", 20), pages(20))
+    del gc_fs  # released when collected, without close()
+    assert open_fds() == before
