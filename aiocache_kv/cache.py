@@ -42,7 +42,7 @@ from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
 from aiocache_kv.transfer import CopyEngine, default_engine
 from aiocache_kv.transfer.ops import OpKind, Transfers
 from aiocache_kv.tree import Node, Tier
-from aiocache_kv.validate import check_names, check_tokens, slots_to_pages
+from aiocache_kv.validate import check_names, check_tokens, page_slots, slots_to_pages
 
 log = structlog.get_logger(__name__)
 
@@ -302,10 +302,7 @@ class HiCache:
         if type(n) is not int or n < 1:
             raise InvalidInputError(f"alloc needs a positive int, got {n!r}")
         p = self.config.page_size
-        pages = self._core.alloc_device(-(-n // p), PageState.HELD)
-        if p == 1:
-            return pages
-        return (pages[:, None] * p + torch.arange(p)).flatten()
+        return page_slots(self._core.alloc_device(-(-n // p), PageState.HELD), p)
 
     async def alloc_wait(self, n: int) -> torch.Tensor:
         """Like :meth:`alloc`, but when pages are only held back by copies in flight

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node
+from aiocache_kv.validate import page_slots
 
 if TYPE_CHECKING:
     from aiocache_kv.core import CacheCore
@@ -93,11 +94,7 @@ class MatchResult(Handle):
     @property
     def device_indices(self) -> torch.Tensor:
         """Device token slots of the device-resident part (rows of ``device_kv`` views)."""
-        p = self.core.page_size
-        pages = self.device_pages
-        if p == 1:
-            return pages
-        return (pages[:, None] * p + torch.arange(p)).flatten()
+        return page_slots(self.device_pages, self.core.page_size)
 
     def __repr__(self) -> str:
         return (
