@@ -272,7 +272,7 @@ async def storage_setup(args: argparse.Namespace) -> AsyncIterator[StorageSetup]
         if getattr(args, "master", None):
             yield StorageSetup("mooncake", master=args.master, metadata=args.metadata)
             return
-        from aiocache_kv.bench.mooncake_master import LoopbackMaster
+        from aiocache_kv.testing.mooncake_master import LoopbackMaster
 
         master = LoopbackMaster()
         await asyncio.to_thread(master.start)

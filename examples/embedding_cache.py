@@ -102,7 +102,7 @@ async def run_node(node: str, master: str, metadata: str) -> None:
 
 
 async def main() -> None:
-    from aiocache_kv.bench.mooncake_master import LoopbackMaster
+    from aiocache_kv.testing.mooncake_master import LoopbackMaster
 
     master = LoopbackMaster()
     await asyncio.to_thread(master.start)

@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from aiocache_kv.bench.mooncake_master import LoopbackMaster, loopback_client_env
+from aiocache_kv.testing.mooncake_master import LoopbackMaster, loopback_client_env
 
 HERE = Path(__file__).resolve().parent
 LOOPBACK = "127.0.0.1"

@@ -161,7 +161,7 @@ def test_bench_transfer_tiny(tmp_path: Path) -> None:
 
 
 def _mooncake_missing() -> str | None:
-    from aiocache_kv.bench.mooncake_master import mooncake_available
+    from aiocache_kv.testing.mooncake_master import mooncake_available
 
     reason = mooncake_available()
     if reason is not None and os.environ.get("CI", "").lower() == "true":

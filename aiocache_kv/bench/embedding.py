@@ -44,12 +44,12 @@ from typing import Any
 import structlog
 import torch
 
-from aiocache_kv.bench.mooncake_master import LoopbackMaster, mooncake_available
 from aiocache_kv.bench.report import JSON, fmt_bytes, heading, median, table
 from aiocache_kv.embedding import EmbeddingCache, embedding_key
 from aiocache_kv.embedding.layout import EntryShape, pack_header
 from aiocache_kv.errors import StorageError
 from aiocache_kv.storage import MooncakeStorage
+from aiocache_kv.testing.mooncake_master import LoopbackMaster, mooncake_available
 
 log = structlog.get_logger(__name__)
 

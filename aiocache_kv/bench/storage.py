@@ -626,7 +626,7 @@ def _run_backend(ctx: _Context) -> JSON:
 
 def _mooncake_context(ctx: _Context, opts: StorageBenchOptions) -> str | None:
     """Fill in master/metadata (given, or None for a loopback master); why it can't run."""
-    from aiocache_kv.bench.mooncake_master import loopback_client_env, mooncake_available
+    from aiocache_kv.testing.mooncake_master import loopback_client_env, mooncake_available
 
     if opts.master is not None:
         try:
@@ -717,7 +717,7 @@ def run(opts: StorageBenchOptions) -> JSON:
                     results["backends"][kind] = {"skipped": reason}
                     continue
                 if ctx.loopback:
-                    from aiocache_kv.bench.mooncake_master import LoopbackMaster
+                    from aiocache_kv.testing.mooncake_master import LoopbackMaster
 
                     master = LoopbackMaster()
                     master.start()

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.mooncake
 def test_two_nodes_share_kv_through_mooncake() -> None:
     pytest.importorskip("aiohttp")
-    from aiocache_kv.bench.mooncake_master import mooncake_available
+    from aiocache_kv.testing.mooncake_master import mooncake_available
 
     reason = mooncake_available()
     if reason is not None:

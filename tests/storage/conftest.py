@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from aiocache_kv.bench.mooncake_master import LoopbackMaster
+from aiocache_kv.testing.mooncake_master import LoopbackMaster
 
 LOOPBACK = "127.0.0.1"
 RPC_TIMEOUT_MS = 1500

@@ -1,0 +1,34 @@
+"""Test helpers shipped with the package: fakes behind the real protocols, and a detector of
+blocking calls on the event loop.
+
+* :class:`ManualCopyEngine` - a :class:`~aiocache_kv.transfer.CopyEngine` whose copies run only
+  when the test says so (``complete``/``fail``), in any order, for deterministic interleavings.
+* :class:`MemoryStorage` - an in-memory, thread-safe
+  :class:`~aiocache_kv.storage.base.StorageBackend` that seals on put and verifies on get, with
+  seeded fault injection (delays and stalls, per-key put/get failures, keys that vanish,
+  corrupted pages) and raw inspection of what it holds.
+* :class:`LoopbackMaster` - a real ``mooncake_master`` on 127.0.0.1 (kill/stop/cont/restart on
+  the same ports), for tests, the demo and the examples.
+* :class:`BlockingCallDetector` - patches well-known blocking calls so that calling one on a
+  thread that is running an asyncio loop raises :class:`~aiocache_kv.errors.BlockingCallError`
+  (and is recorded, so a swallowed error still fails the test).
+"""
+
+from aiocache_kv.testing.blocking import BlockingCallDetector
+from aiocache_kv.testing.engines import ManualCopyEngine, RandomDelayEngine
+from aiocache_kv.testing.memory_storage import MemoryStorage
+from aiocache_kv.testing.mooncake_master import (
+    LoopbackMaster,
+    loopback_client_env,
+    mooncake_available,
+)
+
+__all__ = [
+    "BlockingCallDetector",
+    "LoopbackMaster",
+    "ManualCopyEngine",
+    "MemoryStorage",
+    "RandomDelayEngine",
+    "loopback_client_env",
+    "mooncake_available",
+]
