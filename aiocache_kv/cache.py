@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
-import structlog
 import torch
 
 from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
@@ -33,6 +32,7 @@ from aiocache_kv.events import AllBlocksCleared, KVEvent
 from aiocache_kv.handles import Handle, HandleState, InsertResult, MatchResult, WriteAck
 from aiocache_kv.introspection import check_all, describe, snapshot
 from aiocache_kv.lifecycle import Lifecycle
+from aiocache_kv.logs import get_logger
 from aiocache_kv.namespace import Namespace, namespace_of
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
 from aiocache_kv.pools.build import build_pools
@@ -44,7 +44,7 @@ from aiocache_kv.transfer.ops import OpKind, Transfers
 from aiocache_kv.tree import Node, Tier
 from aiocache_kv.validate import check_names, check_tokens, page_slots, slots_to_pages
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 CacheState = Lifecycle  #: the first release's name of :class:`Lifecycle`
 

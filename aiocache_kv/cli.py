@@ -1,41 +1,27 @@
 """The ``aiocache-kv`` command line: ``demo`` and ``bench [tree|transfer|storage]``.
 
 Output meant for people (walkthrough, benchmark tables) goes to stdout; logs go to stderr
-through structlog, as concise console lines.  ``main`` returns the exit code.
+as concise lines (:func:`aiocache_kv.logs.configure_console`).  ``main`` returns the exit code.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 
-import structlog
-
 from aiocache_kv.bench import SUITES
+from aiocache_kv.logs import configure_console, get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def configure_logging(level: str) -> None:
-    """Concise structlog console logs on stderr, filtered at ``level``."""
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="%H:%M:%S"),
-            structlog.processors.StackInfoRenderer(),
-            structlog.dev.ConsoleRenderer(
-                colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
-            ),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
+    """Concise log lines on stderr, filtered at ``level`` (the library is silent otherwise)."""
+    configure_console(level)
 
 
 def _positive(text: str) -> int:

@@ -40,7 +40,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-import structlog
 import torch
 
 from aiocache_kv.bench.report import heading, table
@@ -48,12 +47,13 @@ from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.errors import KVCacheError
 from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from aiocache_kv.logs import get_logger
 from aiocache_kv.models import CachedLM, GPT2Spec, build_gpt2, cache_config_for
 from aiocache_kv.models.generate import Generation, reference_generate
 from aiocache_kv.stats import CacheStatistics
 from aiocache_kv.storage import FileStorage, MooncakeStorage, StorageBackend
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: the demo's model: 6 layers x 4 heads x 64 dims, GPT-2's vocabulary, random weights
 DEMO_SPEC = GPT2Spec(n_layer=6, n_head=4, n_embd=256, vocab_size=50257, n_positions=1024)

@@ -29,16 +29,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from aiocache_kv.bench.report import JSON, heading, table
 from aiocache_kv.cache import HiCache
 from aiocache_kv.errors import InvalidInputError
+from aiocache_kv.logs import get_logger
 from aiocache_kv.models import CachedLM, GPT2Spec, build_gpt2, cache_config_for
 from aiocache_kv.models.generate import reference_generate
 from aiocache_kv.storage import FileStorage
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 SPEC = GPT2Spec(n_layer=6, n_head=4, n_embd=256, vocab_size=50257, n_positions=2112, seed=0)
 TIERS = ("device", "host", "storage")

@@ -41,17 +41,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 import torch
 
 from aiocache_kv.bench.report import JSON, fmt_bytes, heading, median, table
 from aiocache_kv.embedding import EmbeddingCache, embedding_key
 from aiocache_kv.embedding.layout import EntryShape, pack_header
 from aiocache_kv.errors import StorageError
+from aiocache_kv.logs import get_logger
 from aiocache_kv.storage import MooncakeStorage
 from aiocache_kv.testing.mooncake_master import LoopbackMaster, mooncake_available
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 MiB = 1 << 20
 TARGET_RATIO = 0.9

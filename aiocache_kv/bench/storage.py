@@ -57,13 +57,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 
 from aiocache_kv.bench.report import JSON, fmt_bytes, heading, median, ratio, table
 from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.errors import InvalidInputError, KVCacheError, StorageError
+from aiocache_kv.logs import get_logger
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.pools import available_host_bytes
 from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, MooncakeStorage, PageBuffer
@@ -74,7 +74,7 @@ from aiocache_kv.transfer import CopyJob, ThreadCopyEngine
 from aiocache_kv.transfer.engine import Done
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import structlog
 import torch
 
 from aiocache_kv.bench.report import (
@@ -47,10 +46,11 @@ from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.handles import InsertResult, MatchResult
+from aiocache_kv.logs import get_logger
 from aiocache_kv.pools import available_host_bytes
 from aiocache_kv.transfer import device_to_host, host_to_device
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 MiB = 1 << 20
 KiB = 1 << 10

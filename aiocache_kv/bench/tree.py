@@ -28,15 +28,15 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import structlog
 import torch
 
 from aiocache_kv.bench.report import JSON, fmt_ms, heading, median, ratio, table
 from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig
+from aiocache_kv.logs import get_logger
 from aiocache_kv.tree.radix import RadixTree
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 PREFIX_TOKENS = 1024
 EXTRA_MIN = 64

@@ -35,12 +35,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import structlog
-
 from aiocache_kv.distributed.group import TPGroup
 from aiocache_kv.errors import AgreementError
+from aiocache_kv.logs import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(eq=False)

@@ -51,7 +51,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import structlog
 import torch
 
 from aiocache_kv.embedding.allocator import ExtentAllocator
@@ -76,6 +75,7 @@ from aiocache_kv.errors import (
     StorageError,
     StorageKeyError,
 )
+from aiocache_kv.logs import get_logger
 from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
@@ -83,7 +83,7 @@ from aiocache_kv.storage.mooncake import MooncakeStorage
 
 __all__ = ["EmbeddingCache"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: a get_batch re-examines hashes whose fetch (by another task) failed at most this often
 _MAX_GET_ROUNDS = 3

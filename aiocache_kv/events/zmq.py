@@ -37,15 +37,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import structlog
-
 from aiocache_kv.errors import KVCacheError
 from aiocache_kv.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from aiocache_kv.logs import get_logger
 
 if TYPE_CHECKING:
     import zmq.asyncio
 
-log = structlog.get_logger("aiocache_kv.events.zmq")
+log = get_logger("aiocache_kv.events.zmq")
 
 EventEncoding = Literal["array", "map"]
 

@@ -25,16 +25,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import structlog
 import torch
 
 from aiocache_kv.cache import HiCache
 from aiocache_kv.errors import CacheClosedError, ConfigError, InvalidInputError
 from aiocache_kv.handles import MatchResult
+from aiocache_kv.logs import get_logger
 from aiocache_kv.models.gpt2 import kv_shape
 from aiocache_kv.models.paged import PagedKV
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 T = TypeVar("T")
 

@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -40,9 +39,10 @@ from aiocache_kv.cache import HiCache
 from aiocache_kv.components import Component, HitPolicy, SlidingWindow
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.errors import CapacityError, ConfigError, InvalidInputError
+from aiocache_kv.logs import get_logger
 from aiocache_kv.models.generate import CachedLM, reference_generate
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"

@@ -52,7 +52,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import structlog
 import torch
 
 from aiocache_kv.errors import (
@@ -63,11 +62,12 @@ from aiocache_kv.errors import (
     StorageTimeoutError,
     StorageUnavailableError,
 )
+from aiocache_kv.logs import get_logger
 from aiocache_kv.storage.base import PageBuffer, StorageBackend, StorageStats
 
 __all__ = ["StorageIO", "StorageIOStats"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 T = TypeVar("T")
 
 

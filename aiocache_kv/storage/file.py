@@ -70,17 +70,17 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
-import structlog
 import torch
 
 from aiocache_kv.errors import ConfigError, StorageUnavailableError
+from aiocache_kv.logs import get_logger
 from aiocache_kv.storage import integrity, page_file, safe_fs
 from aiocache_kv.storage.base import PageBuffer, StatsCounter, StorageStats, leading_run
 from aiocache_kv.storage.keys import check_keys
 
 __all__ = ["FileStorage", "FsyncPolicy"]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 FsyncPolicy = Literal["never", "data", "always"]
 _FSYNC_POLICIES = ("never", "data", "always")

@@ -56,10 +56,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import structlog
 import torch
 
 from aiocache_kv.errors import InvalidInputError
+from aiocache_kv.logs import get_logger
 from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.keys import check_keys
 
@@ -100,7 +100,7 @@ _TORCH_MIN_BYTES = 2 << 20
 #: span's rows are wanted (else: one view per run of consecutive rows)
 _DENSE = 0.5
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class Verdict(enum.Enum):

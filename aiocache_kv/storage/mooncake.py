@@ -50,7 +50,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import structlog
 import torch
 
 from aiocache_kv.errors import (
@@ -59,6 +58,7 @@ from aiocache_kv.errors import (
     StorageError,
     StorageUnavailableError,
 )
+from aiocache_kv.logs import get_logger
 from aiocache_kv.storage import integrity
 from aiocache_kv.storage.base import PageBuffer, StatsCounter, StorageStats, leading_run
 from aiocache_kv.storage.keys import check_keys
@@ -72,7 +72,7 @@ __all__ = [
     "parse_size",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 CODE_NO_SPACE = -200
 CODE_BUFFER_SIZE = -600

@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import structlog
 import torch
 
 from aiocache_kv.components import HitPolicy, feasible_ends
@@ -26,6 +25,7 @@ from aiocache_kv.config import PrefetchPolicy
 from aiocache_kv.distributed.coordinator import AgreedCoordinator
 from aiocache_kv.errors import KVCacheError
 from aiocache_kv.events import BlockRemoved
+from aiocache_kv.logs import get_logger
 from aiocache_kv.storage.base import StorageBackend, leading_run
 from aiocache_kv.storage.tier_base import StorageTierBase
 from aiocache_kv.tree.hashing import chain_hashes
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from aiocache_kv.core import CacheCore
     from aiocache_kv.namespace import Namespace
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class PrefetchStatus(enum.Enum):

@@ -37,11 +37,11 @@ import functools
 import time
 from typing import TYPE_CHECKING
 
-import structlog
 import torch
 
 from aiocache_kv.distributed.acks import AckQueue
 from aiocache_kv.errors import KVCacheError
+from aiocache_kv.logs import get_logger
 from aiocache_kv.storage.base import PageBuffer, StorageBackend
 from aiocache_kv.storage.prefetch import (
     PrefetchingTier,
@@ -55,7 +55,7 @@ from aiocache_kv.tree.node import ABSENT, RESIDENT, Node, Tier
 if TYPE_CHECKING:
     from aiocache_kv.core import CacheCore
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class BackupOp:

@@ -16,6 +16,7 @@ blocking calls on the event loop.
 
 from aiocache_kv.testing.blocking import BlockingCallDetector
 from aiocache_kv.testing.engines import ManualCopyEngine, RandomDelayEngine
+from aiocache_kv.testing.logs import capture_logs
 from aiocache_kv.testing.memory_storage import MemoryStorage
 from aiocache_kv.testing.mooncake_master import (
     LoopbackMaster,
@@ -29,6 +30,7 @@ __all__ = [
     "ManualCopyEngine",
     "MemoryStorage",
     "RandomDelayEngine",
+    "capture_logs",
     "loopback_client_env",
     "mooncake_available",
 ]

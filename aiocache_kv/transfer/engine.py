@@ -20,12 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import structlog
 import torch
 
+from aiocache_kv.logs import get_logger
 from aiocache_kv.transfer.copy import copy_page_first, device_to_host, host_to_device
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 Done = Callable[[BaseException | None], None]
 

@@ -16,17 +16,17 @@ import enum
 import time
 from collections.abc import Callable
 
-import structlog
 import torch
 
 from aiocache_kv.core import CacheCore
 from aiocache_kv.distributed.acks import AckQueue
 from aiocache_kv.errors import TransferError
+from aiocache_kv.logs import get_logger
 from aiocache_kv.transfer.engine import CopyEngine, CopyJob, Direction
 from aiocache_kv.tree import Node, Tier
 from aiocache_kv.tree.node import ABSENT, RESIDENT
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class OpKind(enum.Enum):

@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 import torch
-from structlog.testing import capture_logs
 
 from aiocache_kv.embedding import (
     DuplicateHashError,
@@ -27,6 +26,7 @@ from aiocache_kv.errors import (
     OwnershipError,
 )
 from aiocache_kv.storage.keys import parse_storage_key
+from aiocache_kv.testing import capture_logs
 
 DIM = 8
 

@@ -15,11 +15,11 @@ from typing import TypeVar
 
 import pytest
 import torch
-from structlog.testing import capture_logs
 
 from aiocache_kv.errors import ConfigError, StorageKeyError, StorageUnavailableError
 from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, PageBuffer
 from aiocache_kv.storage.keys import parse_storage_key, storage_key
+from aiocache_kv.testing import capture_logs
 
 T = TypeVar("T")
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from structlog.testing import capture_logs
 
 from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.storage import integrity
 from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD, Verdict, seal, verify
+from aiocache_kv.testing import capture_logs
 
 KEY = "tag/00000000000000ab/kv"
 
