@@ -68,6 +68,24 @@ def test_machine_seed7_shrunk() -> None:
     )
 
 
+def test_machine_prefix_len_under_loading_node() -> None:
+    """Explorer, ``--hypothesis-seed=19``: an insert that stops at a loading node reports
+    ``prefix_len`` up to there only, though a live match pins more of the same tokens; the
+    model took that match as a lower bound."""
+    _replay(
+        WriteBackP1(),
+        [
+            ("insert", dict(toks=[2, 1, 0], tenant=None, keep=False)),
+            ("evict", dict(tier="device", n=3)),  # write-back: staged to host
+            ("finish_copy", dict(i=0, ok=True)),  # [2, 1, 0] is host-only
+            ("match", dict(toks=[2], tenant=None)),  # splits it: [2] -> [1, 0]
+            ("start_load_back", dict(i=0, start=True)),  # [2] is device FILLING
+            ("match", dict(toks=[2, 1, 0], tenant=None)),  # pins all three
+            ("insert", dict(toks=[2, 1, 0, 0], tenant=None, keep=False)),  # prefix_len 1
+        ],
+    )
+
+
 async def test_insert_under_loading_node_caches_up_to_it() -> None:
     """The cache side of the same sequence, including a load-back node that the insert
     splits: the insert keeps the path up to the loading node (or the part of it the tokens
@@ -105,3 +123,4 @@ async def test_insert_under_loading_node_caches_up_to_it() -> None:
         cache.check_invariants()
         for h in (m, m2, r, r2, r3):
             cache.release(h)
+
