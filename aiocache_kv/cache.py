@@ -438,10 +438,13 @@ class HiCache:
 
         Cancelling the await does not cancel the copy: it lands (the pages become
         device-resident, owned by the tree) and nothing leaks.  ``m`` stays pinned either way.
+        Nodes below one that another ``load_back`` is still filling are copied once that copy
+        has landed (nothing may be on device below a node whose load can still fail).
 
         Raises:
             CapacityError: not enough device pages even after eviction (nothing changed).
-            TransferError: the copy failed; the nodes stay host-only.
+            TransferError: the copy failed (or another load_back's copy of a node above);
+                the nodes stay host-only.
             HandleError: ``m`` was released or belongs to another cache.
         """
         self._check()
@@ -454,7 +457,8 @@ class HiCache:
                 waits.append(node.op.future)
             else:
                 to_load.append(node)
-        if to_load:
+        below_loading = bool(waits and to_load)  # to_load hangs below a FILLING node
+        if to_load and not below_loading:
             op = self._start_load(to_load)
             waits.append(op.future)
         if waits and self._deferred:
@@ -466,6 +470,8 @@ class HiCache:
             failed = [f.exception() for f in waits if f.exception() is not None]
             if failed:
                 raise TransferError(f"load-back failed: {failed[0]}") from failed[0]
+        if below_loading:
+            return await self.load_back(m)  # the nodes above have landed: now the rest
         return m
 
     def _start_load(self, nodes: list[Node]) -> TransferOp:
