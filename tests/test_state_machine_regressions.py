@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 import aiocache_kv as akv
+from aiocache_kv.errors import TransferError
 from aiocache_kv.testing import ManualCopyEngine
 from tests.conftest import small_config
 from tests.test_state_machine import HiCacheMachine, WriteBackP1
@@ -68,6 +71,24 @@ def test_machine_seed7_shrunk() -> None:
     )
 
 
+def test_machine_prefix_len_under_loading_node() -> None:
+    """Explorer, ``--hypothesis-seed=19``: an insert that stops at a loading node reports
+    ``prefix_len`` up to there only, though a live match pins more of the same tokens; the
+    model took that match as a lower bound."""
+    _replay(
+        WriteBackP1(),
+        [
+            ("insert", dict(toks=[2, 1, 0], tenant=None, keep=False)),
+            ("evict", dict(tier="device", n=3)),  # write-back: staged to host
+            ("finish_copy", dict(i=0, ok=True)),  # [2, 1, 0] is host-only
+            ("match", dict(toks=[2], tenant=None)),  # splits it: [2] -> [1, 0]
+            ("start_load_back", dict(i=0, start=True)),  # [2] is device FILLING
+            ("match", dict(toks=[2, 1, 0], tenant=None)),  # pins all three
+            ("insert", dict(toks=[2, 1, 0, 0], tenant=None, keep=False)),  # prefix_len 1
+        ],
+    )
+
+
 async def test_insert_under_loading_node_caches_up_to_it() -> None:
     """The cache side of the same sequence, including a load-back node that the insert
     splits: the insert keeps the path up to the loading node (or the part of it the tokens
@@ -105,3 +126,68 @@ async def test_insert_under_loading_node_caches_up_to_it() -> None:
         cache.check_invariants()
         for h in (m, m2, r, r2, r3):
             cache.release(h)
+
+
+async def test_failed_load_back_under_a_second_load_back() -> None:
+    """Explorer, ``--hypothesis-seed=19``, ``TestWriteBackP1``: a second ``load_back`` whose
+    match reaches below a node still loading for the first started its own copy of the child
+    right away; when the first copy failed, the parent went back to host-only with a device
+    child (``device-absent node with device children``)."""
+    engine = ManualCopyEngine()
+    async with akv.HiCache(small_config(page_size=1), copy_engine=engine) as cache:
+        total = cache.statistics().device.free_pages
+        cache.release(cache.insert([0], cache.alloc(1)))
+        cache.release(cache.insert([0, 1], cache.alloc(2)))
+        engine.complete_all()  # write-through: [0] and [0]->[1] on device and host
+        assert cache.evict(2, "device") == 2  # both host-only
+        m1 = cache.match_prefix([0])
+        t1 = asyncio.create_task(cache.load_back(m1))
+        await asyncio.sleep(0)  # [0] is device FILLING
+        m2 = cache.match_prefix([0, 1])
+        assert (m2.device_len, m2.host_len) == (0, 2)
+        t2 = asyncio.create_task(cache.load_back(m2))
+        await asyncio.sleep(0)
+        cache.check_invariants()
+        engine.fail(0)  # the load of [0] fails
+        cache.check_invariants()
+        with pytest.raises(TransferError):
+            await t1
+        with pytest.raises(TransferError):
+            await t2
+        engine.complete_all()
+        await asyncio.sleep(0)
+        cache.check_invariants()
+        assert (m2.device_len, m2.host_len) == (0, 2)  # back to host-only, both
+        cache.release(m1)
+        cache.release(m2)
+        assert cache.evict(1 << 30, "device") == 0
+        assert cache.statistics().device.free_pages == total  # no page leaked
+
+
+async def test_load_back_below_a_loading_node_loads_the_rest_once_it_landed() -> None:
+    """The same two load-backs when the first copy succeeds: the second one copies the child
+    after it, and then reports the whole match on device."""
+    engine = ManualCopyEngine()
+    async with akv.HiCache(small_config(page_size=1), copy_engine=engine) as cache:
+        cache.release(cache.insert([0], cache.alloc(1)))
+        cache.release(cache.insert([0, 1], cache.alloc(2)))
+        engine.complete_all()
+        assert cache.evict(2, "device") == 2
+        m1 = cache.match_prefix([0])
+        t1 = asyncio.create_task(cache.load_back(m1))
+        await asyncio.sleep(0)
+        m2 = cache.match_prefix([0, 1])
+        t2 = asyncio.create_task(cache.load_back(m2))
+        await asyncio.sleep(0)
+        assert len(engine.pending) == 1  # only [0]: [1] waits for it
+        engine.complete(0)
+        assert await t1 is m1
+        await asyncio.sleep(0)
+        assert len(engine.pending) == 1  # now [1]
+        cache.check_invariants()
+        engine.complete(0)
+        assert await t2 is m2
+        assert (m2.device_len, m2.host_len) == (2, 0)
+        cache.check_invariants()
+        cache.release(m1)
+        cache.release(m2)
