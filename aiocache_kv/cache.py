@@ -199,7 +199,7 @@ class HiCache:
         tree = core.tree
         tree.root(ns, ns.tag)
         node, _ = tree.match(ns, toks, len(toks) // p * p, pin=True)
-        m = MatchResult(core, node)
+        m = MatchResult(core, node, self.release)
         self._handles[id(m)] = m
         c = core.counters
         c.match_queries += 1
@@ -293,14 +293,17 @@ class HiCache:
         """Device token slots for ``n`` tokens, in whole pages (``ceil(n / page_size)`` pages).
 
         The caller owns them until it passes them to :meth:`insert` or :meth:`free`.
+        ``alloc(0)`` returns an empty tensor (a full hit needs no new rows).
 
         Raises:
-            InvalidInputError: ``n`` is not a positive int.
+            InvalidInputError: ``n`` is not an int >= 0.
             CapacityError: too few free pages even after evicting (nothing evicted or taken).
         """
         self._check()
-        if type(n) is not int or n < 1:
-            raise InvalidInputError(f"alloc needs a positive int, got {n!r}")
+        if type(n) is not int or n < 0:
+            raise InvalidInputError(f"alloc needs an int >= 0, got {n!r}")
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
         p = self.config.page_size
         return page_slots(self._core.alloc_device(-(-n // p), PageState.HELD), p)
 
@@ -309,7 +312,7 @@ class HiCache:
         (write-through acks, write-back staging), wait for those copies and retry.
 
         Raises:
-            InvalidInputError: ``n`` is not a positive int.
+            InvalidInputError: ``n`` is not an int >= 0.
             CapacityError: too few pages even with no copy in flight (pinned by handles).
         """
         while True:
@@ -461,7 +464,8 @@ class HiCache:
             op = self._transfers.backup(tree.path(out.node), OpKind.WRITE_THROUGH)
             if op is not None:
                 ack = WriteAck(op.future)
-        r = InsertResult(core, out.node, out.prefix_tokens, out.inserted_tokens, ack)
+        got = out.inserted_tokens
+        r = InsertResult(core, out.node, out.prefix_tokens, got, ack, self.release, len(toks) - got)
         self._handles[id(r)] = r
         return r
 
@@ -509,9 +513,7 @@ class HiCache:
         coord = self._core.coordinator
         if coord.deferred:
             # one agreement per round; a round can start backups, so repeat until idle
-            while self._transfers.inflight or (
-                self._l3 is not None and self._l3.backups_pending
-            ):
+            while self._transfers.inflight or (self._l3 is not None and self._l3.backups_pending):
                 await coord.settle_all()
             if coord.pending:
                 await coord.sync()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from aiocache_kv.core import CacheCore
 
 
+H = TypeVar("H", bound="Handle")
+
+
 class HandleState(enum.IntEnum):
     """Lifecycle of a handle's pin."""
 
@@ -28,14 +31,31 @@ class HandleState(enum.IntEnum):
 
 
 class Handle:
-    """A pin on one path of the tree, owned by the caller until ``cache.release``."""
+    """A pin on one path of the tree, owned by the caller until ``cache.release``.
 
-    __slots__ = ("_node", "core", "state")
+    Also a context manager: ``with cache.match_prefix(tokens) as m: ...`` releases ``m`` at
+    the end of the block (unless it was released already).
+    """
 
-    def __init__(self, core: CacheCore, node: Node) -> None:
+    __slots__ = ("_node", "_releaser", "core", "state")
+
+    def __init__(
+        self,
+        core: CacheCore,
+        node: Node,
+        releaser: Callable[[Any], None] | None = None,
+    ) -> None:
         self.core = core  #: the state of the cache that issued the handle
         self._node = node
+        self._releaser = releaser  # the issuing cache's ``release``
         self.state = HandleState.PINNED
+
+    def __enter__(self: H) -> H:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.state is HandleState.PINNED and self._releaser is not None:
+            self._releaser(self)
 
     @property
     def node(self) -> Node:
@@ -127,7 +147,7 @@ class InsertResult(Handle):
     pins only that far and frees the caller's pages beyond it: that KV is not cached.
     """
 
-    __slots__ = ("inserted_len", "prefix_len", "write_through")
+    __slots__ = ("inserted_len", "prefix_len", "uncached_len", "write_through")
 
     def __init__(
         self,
@@ -136,8 +156,13 @@ class InsertResult(Handle):
         prefix_len: int,
         inserted_len: int,
         write_through: WriteAck | None,
+        releaser: Callable[[Any], None] | None = None,
+        uncached_len: int = 0,
     ) -> None:
-        super().__init__(core, node)
+        super().__init__(core, node, releaser)
+        #: tokens of the insert that are not cached: the unaligned tail (its slots stay the
+        #: caller's) plus whatever followed a node still loading back
+        self.uncached_len = uncached_len
         self.prefix_len = prefix_len  #: tokens that were already cached (any tier)
         self.inserted_len = inserted_len  #: page-aligned tokens now cached and pinned
         self.write_through = write_through  #: awaitable host backup, or None
@@ -145,7 +170,7 @@ class InsertResult(Handle):
     def __repr__(self) -> str:
         return (
             f"<InsertResult prefix_len={self.prefix_len} inserted_len={self.inserted_len} "
-            f"{self.state.name}>"
+            f"uncached_len={self.uncached_len} {self.state.name}>"
         )
 
 

@@ -183,8 +183,9 @@ async def test_handles_and_lifecycle_errors(engine: ManualCopyEngine) -> None:
             other.release(m)
             with pytest.raises(akv.HandleError):
                 other.release(m)
+        assert cache.alloc(0).numel() == 0  # a full hit needs no rows
         with pytest.raises(akv.InvalidInputError):
-            cache.alloc(0)
+            cache.alloc(-1)
         with pytest.raises(akv.CapacityError, match=r"need 17 pages, 16 free"):
             cache.alloc(34)
         with pytest.raises(akv.InvalidInputError):

@@ -344,3 +344,24 @@ async def test_device_tensors_are_rejected_without_reading_them(
         with pytest.raises(akv.InvalidInputError, match="kv_indices must be a CPU tensor"):
             cache.insert([1, 2], slots.to("meta"))
         cache.free(slots)
+
+
+# ---------------------------------------------------------------- first-hour seams
+
+
+async def test_handles_are_context_managers_and_alloc_zero_is_empty(
+    engine: ManualCopyEngine,
+) -> None:
+    async with akv.HiCache(small_config(), copy_engine=engine) as cache:
+        assert cache.alloc(0).numel() == 0
+        slots = cache.alloc(5)  # 3 pages: the 5th token's page is the unaligned tail
+        with cache.insert([1, 2, 3, 4, 5], slots[:5]) as r:
+            assert (r.inserted_len, r.uncached_len) == (4, 1)
+        assert r.state is akv.handles.HandleState.RELEASED
+        cache.free(slots[4:])  # the tail's page stays the caller's
+        with cache.match_prefix([1, 2, 3, 4]) as m:
+            assert m.device_len == 4
+            cache.release(m)  # released inside the block: the exit does nothing more
+        engine.complete_all()
+        cache.check_invariants()
+        assert cache.statistics().device.protected_pages == 0
