@@ -16,6 +16,7 @@ Sizes accept an int or a string with a unit (``"4gb"``, ``"512MB"``, ``"64k"``; 
 The client's own ``MC_*`` variables are read by the C++ client at :meth:`open`:
 ``MC_RPC_TIMEOUT_MS`` bounds every call to a hung master (default 30 s; set it, or pass
 ``rpc_timeout_ms``, which writes it into ``os.environ`` before ``setup``), and
+``MC_LOG_LEVEL`` defaults to ``ERROR`` here (set it to see the client's INFO lines).
 ``MC_TCP_BIND_ADDRESS`` is the address the client publishes (when unset and ``local_hostname``
 is an IP literal, :meth:`open` sets it to that address so a loopback deployment stays on
 loopback).  ``MC_STORE_CLIENT_SETUP_RETRIES`` bounds ``setup`` when no master answers.
@@ -205,6 +206,9 @@ class MooncakeStorage:
                 raise StorageUnavailableError("MooncakeStorage is closed")
             if self._store is not None:
                 return
+            # the client logs every call's INFO/WARNING lines by default, which look like
+            # failures in a healthy run; quiet them unless the user chose a level
+            os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
             try:
                 from mooncake.store import MooncakeDistributedStore
             except ImportError as exc:

@@ -48,7 +48,7 @@ def loopback_client_env() -> None:
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", LOOPBACK)
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
     os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(RPC_TIMEOUT_MS))
-    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 
 def mooncake_available() -> str | None:
