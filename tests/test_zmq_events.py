@@ -631,14 +631,19 @@ async def test_example_server_publishes_with_kv_events_flag(
 ) -> None:
     """``examples/server.py --kv-events tcp://127.0.0.1:PORT``: a request's KV, then the clear."""
     aiohttp = pytest.importorskip("aiohttp")
+    import msgspec
     from aiohttp import web
 
     from aiocache_kv.models import GPT2Spec
+    from tests import vllm_kv_events_schema as vllm
 
     mod = server_mod
     endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
     parsed = mod.parse_args(["--kv-events", endpoint, "--storage", "none"])
     assert parsed.kv_events == endpoint and mod.parse_args([]).kv_events is None
+    assert parsed.kv_events_encoding == "map"  # vLLM's current protocol unless asked
+    legacy = mod.parse_args(["--kv-events", endpoint, "--kv-events-encoding", "array"])
+    assert legacy.kv_events_encoding == "array"
     opts = mod.ServerOptions(
         port=0,
         model=GPT2Spec(n_layer=2, n_head=2, n_embd=32, vocab_size=256, n_positions=128, seed=1),
@@ -664,6 +669,9 @@ async def test_example_server_publishes_with_kv_events_flag(
             assert int.from_bytes(seq_bytes, "big") == 0
             events = decode_vllm_batch(msgpack, payload)[1]
             assert isinstance(events[0], BlockStored) and events[0].medium == "GPU"
+            batch = msgspec.msgpack.decode(payload, type=vllm.KVEventBatch)  # today's vLLM
+            assert isinstance(batch.events[0], vllm.BlockStored)
+            assert batch.events[0].token_ids == events[0].token_ids
             assert events[0].token_ids[:16] == list(range(1, 17))
             async with session.get(f"http://{host}:{port}/metrics") as r:
                 text = await r.text()
