@@ -23,6 +23,7 @@ from aiocache_kv.distributed.coordinator import Coordinator, coordinator_for
 from aiocache_kv.distributed.group import TPGroup
 from aiocache_kv.errors import CapacityError, OwnershipError
 from aiocache_kv.events import BlockRemoved, BlockStored, EventLog, KVEvent
+from aiocache_kv.events.kv_events import namespace_fields
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
 from aiocache_kv.pools.sidecar import SidecarPools
 from aiocache_kv.stats import CacheCounters
@@ -198,6 +199,7 @@ class CacheCore:
                 token_ids=list(node.key),
                 block_size=self.page_size,
                 medium=tier.medium,
+                **namespace_fields(node.ns),
             )
         )
 

@@ -65,6 +65,7 @@ from aiocache_kv import (
     StorageBackend,
 )
 from aiocache_kv.events import ZmqEventPublisher
+from aiocache_kv.events.zmq import EventEncoding
 from aiocache_kv.models import CachedLM, GPT2Spec, build_gpt2, cache_config_for
 from aiocache_kv.models.generate import Generation
 
@@ -91,6 +92,8 @@ class ServerOptions:
     max_body_bytes: int = 1 << 20  #: larger ``/generate`` bodies get 413
     model_thread: bool = True  #: forward passes on a worker thread (else inline on the loop)
     kv_events: str | None = None  #: ZMQ PUB endpoint for KV events (vLLM format), or off
+    #: ``map``: vLLM's current KV-event protocol; ``array``: the one before vLLM#42892
+    kv_events_encoding: EventEncoding = "map"
 
 
 class Histogram:
@@ -461,7 +464,7 @@ class GenerateServer:
             make_storage = await stack.enter_async_context(self._storage())
             publisher = None
             if o.kv_events:  # closed after the cache, so the last events go out
-                publisher = ZmqEventPublisher(o.kv_events)
+                publisher = ZmqEventPublisher(o.kv_events, event_encoding=o.kv_events_encoding)
                 await stack.enter_async_context(publisher)
             cfg = cache_config_for(
                 model,
@@ -633,6 +636,13 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
         help="publish KV events in vLLM's ZMQ format, e.g. tcp://127.0.0.1:5557 "
         "(needs pip install -e .[events])",
     )
+    p.add_argument(
+        "--kv-events-encoding",
+        choices=("map", "array"),
+        default=ServerOptions.kv_events_encoding,
+        help="map: vLLM's current KV-event protocol (tagged-map events, topic in replay "
+        "replies); array: the older one (positional events) for older consumers",
+    )
     a = p.parse_args(argv)
     return ServerOptions(
         host=a.host,
@@ -655,6 +665,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
         max_body_bytes=a.max_body_bytes,
         model_thread=not a.inline_model,
         kv_events=a.kv_events,
+        kv_events_encoding=a.kv_events_encoding,
     )
 
 

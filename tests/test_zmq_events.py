@@ -26,7 +26,8 @@ from aiocache_kv.events import (
     MissingDependencyError,
     ZmqEventPublisher,
 )
-from aiocache_kv.events.zmq import END_SEQ, encode_batch
+from aiocache_kv.events.kv_events import lora_id_of
+from aiocache_kv.events.zmq import END_SEQ, EventEncoding, encode_batch
 from aiocache_kv.testing import ManualCopyEngine
 from tests.conftest import small_config
 from tests.test_split_ack import insert
@@ -74,7 +75,8 @@ def decode_vllm_batch(msgpack: Any, payload: bytes) -> tuple[float, list[KVEvent
 
     Written to vLLM's declaration order: BlockStored(block_hashes, parent_block_hash, token_ids,
     block_size, lora_id, medium, lora_name, [extra_keys, group_idx, ...]),
-    BlockRemoved(block_hashes, medium, [group_idx]), AllBlocksCleared().
+    BlockRemoved(block_hashes, medium, [group_idx]), AllBlocksCleared(); or the tagged maps of
+    the same fields.  ``extra_keys`` and ``event_version`` are dropped.
     """
     batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     assert isinstance(batch, list) and len(batch) == 3, batch
@@ -100,10 +102,13 @@ def decode_vllm_batch(msgpack: Any, payload: bytes) -> tuple[float, list[KVEvent
                 "BlockRemoved": ["block_hashes", "medium"],
                 "AllBlocksCleared": [],
             }[tag]
+            if tag == "BlockStored" and len(vals) == len(names) + 1:
+                names.append("extra_keys")
             assert len(vals) == len(names), (tag, vals)
             fields = dict(zip(names, vals, strict=True))
         if tag == "BlockStored":
-            assert fields.pop("lora_name") is None
+            fields.pop("event_version", None)
+            fields.pop("extra_keys", None)  # checked against vLLM's structs where it matters
             out.append(BlockStored(**fields))
         elif tag == "BlockRemoved":
             out.append(BlockRemoved(**fields))
@@ -183,7 +188,7 @@ async def test_cache_events_reach_a_real_subscriber(
         assert topic == TOPIC.encode()
         assert len(seq_bytes) == 8 and int.from_bytes(seq_bytes, "big") == seq
         ts, events, rank = decode_vllm_batch(msgpack, payload)
-        assert t0 <= ts <= time.time() and rank is None
+        assert t0 <= ts <= time.time() and rank == 0  # vLLM's default rank
         assert events == batch
         received.extend(events)
     assert publisher.next_seq == len(sent)
@@ -213,6 +218,7 @@ async def test_wire_bytes_match_vllm_msgspec_structs() -> None:
     """Byte-for-byte against msgspec structs mirroring vLLM's; decodable by old and new ones."""
     require_events_deps()
     import msgspec  # a dev dependency: CI must run this check, never skip it
+
     h = [2**64 - 1, 12345]
     ours: list[KVEvent] = [
         BlockStored(h, 2**63 + 5, [1, 2, 3, 4], 2, "GPU"),
@@ -327,32 +333,44 @@ async def test_publish_sequence_rank_and_map_encoding(zctx: Any, msgpack: Any) -
         sub.close(linger=0)
 
 
+@pytest.mark.parametrize("encoding", ["map", "array"])
 async def test_replay_sends_missed_batches_then_end_marker(
-    publisher: ZmqEventPublisher, zctx: Any, msgpack: Any
+    zctx: Any, msgpack: Any, encoding: EventEncoding
 ) -> None:
-    """No subscriber saw anything; a DEALER (or REQ) asks the ROUTER from a start seq."""
+    """No subscriber saw anything; a DEALER (or REQ) asks the ROUTER from a start seq.
+
+    ``map`` (the default) answers in vLLM's current framing, the topic before each seq and an
+    empty topic frame before the end marker; ``array`` in the older one, without the topic.
+    """
     import zmq
 
+    publisher = ZmqEventPublisher(
+        ANY_PORT, topic=TOPIC, replay_endpoint=ANY_PORT, buffer_steps=8, event_encoding=encoding
+    )
+    await publisher.start()
     payloads = []
     for i in range(10):  # buffer_steps=8: seqs 0 and 1 fall out of the buffer
         ev = BlockRemoved([i], "GPU")
         await publisher.publish([ev], ts=float(i))
-        payloads.append(encode_batch([ev], float(i)))
+        payloads.append(encode_batch([ev], float(i), encoding=encoding))
     assert publisher.replay_endpoint is not None
     dealer = zctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(publisher.replay_endpoint)
+    topic = [TOPIC.encode()] if encoding == "map" else []
+    end = [b"", END_SEQ, b""] if encoding == "map" else [END_SEQ, b""]
     try:
         for start, expected in ((5, [5, 6, 7, 8, 9]), (0, list(range(2, 10))), (42, [])):
             await dealer.send_multipart((b"", start.to_bytes(8, "big")))
             got = []
             while True:
-                empty, seq_bytes, payload = await recv(dealer)
+                empty, *frames = await recv(dealer)
                 assert empty == b""
-                if seq_bytes == END_SEQ:
-                    assert payload == b""
-                    assert int.from_bytes(seq_bytes, "big", signed=True) == -1
+                if frames == end:
                     break
+                assert len(frames) == len(topic) + 2, frames
+                assert frames[: len(topic)] == topic
+                seq_bytes, payload = frames[len(topic) :]
                 seq = int.from_bytes(seq_bytes, "big")
                 assert payload == payloads[seq]
                 assert decode_vllm_batch(msgpack, payload)[1] == [BlockRemoved([seq], "GPU")]
@@ -361,10 +379,175 @@ async def test_replay_sends_missed_batches_then_end_marker(
         # a malformed request is ignored; the socket keeps serving
         await dealer.send_multipart((b"", b"x", b"y"))
         await dealer.send_multipart((b"", (9).to_bytes(8, "big")))
-        assert int.from_bytes((await recv(dealer))[1], "big") == 9
-        assert (await recv(dealer))[1] == END_SEQ
+        assert int.from_bytes((await recv(dealer))[-2], "big") == 9
+        assert (await recv(dealer))[1:] == end
     finally:
         dealer.close(linger=0)
+        await publisher.aclose()
+
+
+# ------------------------------------------------------------------ vLLM's current consumers
+
+
+async def test_default_stream_decodes_with_current_vllm_structs(
+    zctx: Any, engine: ManualCopyEngine
+) -> None:
+    """A vLLM consumer of today (msgspec, tagged-map events) decodes every default batch.
+
+    It subscribes like vLLM's example subscriber, misses nothing it cannot replay, and asks
+    the ROUTER for the batches again, reading replies as ``[topic, seq, payload]``.
+    """
+    require_events_deps()
+    import msgspec
+    import zmq
+
+    from tests import vllm_kv_events_schema as vllm
+
+    decoder = msgspec.msgpack.Decoder(type=vllm.KVEventBatch)
+    async with ZmqEventPublisher(ANY_PORT, topic=TOPIC, replay_endpoint=ANY_PORT) as pub:
+        sub = await subscriber(zctx, pub.endpoint)
+        async with akv.HiCache(small_config(), copy_engine=engine) as cache:
+            task = asyncio.create_task(pub.run(cache))
+            r1 = insert(cache, [1, 2, 3, 4])
+            await published(pub, 1)
+            slots = cache.alloc(4)
+            r2 = cache.insert([1, 2, 3, 4], slots, lora="adapter-a", tenant="acme")
+            await published(pub, 2)
+            engine.complete_all()
+            await cache.flush()
+            cache.release(r1)
+            cache.release(r2)
+        await asyncio.wait_for(task, RECV_TIMEOUT)
+
+        live = []
+        for seq in range(pub.next_seq):
+            topic, seq_bytes, payload = await recv(sub)
+            assert (topic, int.from_bytes(seq_bytes, "big")) == (TOPIC.encode(), seq)
+            live.append(decoder.decode(payload))  # raises on an array-shaped event
+        sub.close(linger=0)
+
+        replay = zctx.socket(zmq.DEALER)
+        replay.setsockopt(zmq.LINGER, 0)
+        replay.connect(pub.replay_endpoint)
+        await replay.send_multipart((b"", (0).to_bytes(8, "big")))
+        replayed = []
+        while True:
+            _, topic, seq_bytes, payload = await recv(replay)  # what vLLM's subscriber reads
+            if seq_bytes == vllm.END_SEQ:
+                assert (topic, payload) == (b"", b"")
+                break
+            assert topic == TOPIC.encode()
+            replayed.append(decoder.decode(payload))
+        replay.close(linger=0)
+    assert replayed == live
+
+    assert all(batch.data_parallel_rank == 0 for batch in live)
+    events = [ev for batch in live for ev in batch.events]
+    stored = [ev for ev in events if isinstance(ev, vllm.BlockStored)]
+    base, adapter = stored[0], stored[1]
+    assert (base.medium, adapter.medium) == ("GPU", "GPU")
+    assert base.lora_name is None and base.lora_id is None and base.extra_keys is None
+    assert adapter.token_ids == base.token_ids == [1, 2, 3, 4]
+    assert set(adapter.block_hashes).isdisjoint(base.block_hashes)
+    assert adapter.lora_name == "adapter-a" and adapter.lora_id == lora_id_of("adapter-a")
+    assert adapter.event_version == 1
+    # one entry per block, the adapter on each; the tenant salt is not published by default
+    assert adapter.extra_keys == [(vllm.LoRAKey(name="adapter-a"),)] * 2
+    assert isinstance(events[-1], vllm.AllBlocksCleared)
+
+
+async def test_legacy_array_option_decodes_with_pre_map_vllm_structs(
+    zctx: Any, engine: ManualCopyEngine
+) -> None:
+    """``event_encoding="array"``: what vLLM's structs before #42892 decode, adapter included."""
+    require_events_deps()
+    import msgspec
+    import zmq
+
+    from tests.vllm_kv_events_schema import legacy
+
+    decoder = msgspec.msgpack.Decoder(type=legacy.KVEventBatch)
+    async with ZmqEventPublisher(
+        ANY_PORT, topic=TOPIC, replay_endpoint=ANY_PORT, event_encoding="array"
+    ) as pub:
+        sub = await subscriber(zctx, pub.endpoint)
+        async with akv.HiCache(small_config(), copy_engine=engine) as cache:
+            task = asyncio.create_task(pub.run(cache))
+            slots = cache.alloc(4)
+            r = cache.insert([5, 6, 7, 8], slots, lora="adapter-b")
+            await published(pub, 1)
+            engine.complete_all()
+            await cache.flush()
+            cache.release(r)
+        await asyncio.wait_for(task, RECV_TIMEOUT)
+        batches = []
+        for _ in range(pub.next_seq):
+            batches.append(decoder.decode((await recv(sub))[2]))
+        sub.close(linger=0)
+
+        replay = zctx.socket(zmq.DEALER)
+        replay.setsockopt(zmq.LINGER, 0)
+        replay.connect(pub.replay_endpoint)
+        await replay.send_multipart((b"", (0).to_bytes(8, "big")))
+        replayed = []
+        while True:
+            _, seq_bytes, payload = await recv(replay)  # the older framing: no topic
+            if seq_bytes == END_SEQ:
+                assert payload == b""
+                break
+            replayed.append(decoder.decode(payload))
+        replay.close(linger=0)
+    assert replayed == batches
+    first = batches[0].events[0]
+    assert isinstance(first, legacy.BlockStored)
+    assert (first.token_ids, first.medium, first.lora_name) == ([5, 6, 7, 8], "GPU", "adapter-b")
+    assert first.lora_id == lora_id_of("adapter-b")
+    assert batches[0].data_parallel_rank == 0
+
+
+async def test_lora_namespace_block_stored_carries_adapter(engine: ManualCopyEngine) -> None:
+    """The namespace's adapter (and tenant) reach ``BlockStored`` and vLLM's ``extra_keys``."""
+    require_events_deps()
+    import msgspec
+
+    from tests import vllm_kv_events_schema as vllm
+
+    async with akv.HiCache(small_config(), copy_engine=engine) as cache:
+        slots = cache.alloc(6)
+        r = cache.insert([1, 2, 3, 4, 5, 6], slots, lora="sql-lora", tenant="acme")
+        engine.complete_all()
+        await cache.flush()
+        slots = cache.alloc(2)
+        r2 = cache.insert([7, 8], slots)  # base model, no tenant
+        events = cache.take_events()
+        cache.release(r)
+        cache.release(r2)
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    gpu, cpu, base = stored
+    assert (gpu.medium, cpu.medium, base.medium) == ("GPU", "CPU", "GPU")
+    for ev in (gpu, cpu):
+        assert ev.lora_name == "sql-lora" and ev.cache_salt == "acme"
+        assert ev.lora_id == lora_id_of("sql-lora")
+    assert (base.lora_name, base.lora_id, base.cache_salt) == (None, None, None)
+
+    # the id: stable, positive, 63-bit; distinct adapters get distinct ids
+    assert lora_id_of("sql-lora") == lora_id_of("sql-lora") and lora_id_of("") is None
+    assert 0 < lora_id_of("sql-lora") < 2**63  # type: ignore[operator]
+    assert lora_id_of("sql-lora") != lora_id_of("sql-lora2")
+
+    decoder = msgspec.msgpack.Decoder(type=vllm.KVEventBatch)
+    lora = vllm.LoRAKey(name="sql-lora")
+    plain = decoder.decode(encode_batch([gpu], 1.0)).events[0]
+    assert isinstance(plain, vllm.BlockStored)
+    assert plain.lora_name == "sql-lora" and plain.extra_keys == [(lora,)] * 3
+    salted = decoder.decode(encode_batch([gpu], 1.0, publish_cache_salt=True)).events[0]
+    assert isinstance(salted, vllm.BlockStored)
+    # vLLM: the adapter on every block, the salt on the first block of the sequence only
+    assert salted.extra_keys == [(lora, vllm.CacheSaltKey(salt="acme")), (lora,), (lora,)]
+    tail = BlockStored([7], gpu.block_hashes[-1], [7, 8], 2, "GPU", cache_salt="acme")
+    assert decoder.decode(encode_batch([tail], 1.0, publish_cache_salt=True)).events[0] == (
+        vllm.BlockStored([7], gpu.block_hashes[-1], [7, 8], 2, None, "GPU", None)
+    )
 
 
 async def test_close_ends_run_cleanly(zctx: Any, engine: ManualCopyEngine) -> None:
@@ -448,14 +631,19 @@ async def test_example_server_publishes_with_kv_events_flag(
 ) -> None:
     """``examples/server.py --kv-events tcp://127.0.0.1:PORT``: a request's KV, then the clear."""
     aiohttp = pytest.importorskip("aiohttp")
+    import msgspec
     from aiohttp import web
 
     from aiocache_kv.models import GPT2Spec
+    from tests import vllm_kv_events_schema as vllm
 
     mod = server_mod
     endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
     parsed = mod.parse_args(["--kv-events", endpoint, "--storage", "none"])
     assert parsed.kv_events == endpoint and mod.parse_args([]).kv_events is None
+    assert parsed.kv_events_encoding == "map"  # vLLM's current protocol unless asked
+    legacy = mod.parse_args(["--kv-events", endpoint, "--kv-events-encoding", "array"])
+    assert legacy.kv_events_encoding == "array"
     opts = mod.ServerOptions(
         port=0,
         model=GPT2Spec(n_layer=2, n_head=2, n_embd=32, vocab_size=256, n_positions=128, seed=1),
@@ -481,6 +669,9 @@ async def test_example_server_publishes_with_kv_events_flag(
             assert int.from_bytes(seq_bytes, "big") == 0
             events = decode_vllm_batch(msgpack, payload)[1]
             assert isinstance(events[0], BlockStored) and events[0].medium == "GPU"
+            batch = msgspec.msgpack.decode(payload, type=vllm.KVEventBatch)  # today's vLLM
+            assert isinstance(batch.events[0], vllm.BlockStored)
+            assert batch.events[0].token_ids == events[0].token_ids
             assert events[0].token_ids[:16] == list(range(1, 17))
             async with session.get(f"http://{host}:{port}/metrics") as r:
                 text = await r.text()

@@ -3,28 +3,42 @@
 Needs the ``events`` extra (``pip install 'aiocache_kv[events]'``: pyzmq and msgpack); both are
 imported when a :class:`ZmqEventPublisher` is created, not when this module is.
 
-Wire format (what a vLLM KV-event subscriber decodes):
+Wire format (what a vLLM KV-event subscriber decodes).  ``event_encoding`` picks between vLLM's
+current protocol (``"map"``, the default) and the one before vllm-project/vllm#42892
+(``"array"``, for consumers that still decode positional events):
 
 * PUB socket, one 3-frame message per batch: ``[topic, seq, payload]``.  ``topic`` is the UTF-8
   topic, ``seq`` the batch number as an 8-byte big-endian unsigned int (0, 1, 2, ...),
   ``payload`` the msgpack of the batch.
-* A batch is the array ``[ts, [event, ...], data_parallel_rank]`` (``ts`` a float64 of
-  ``time.time()``, the rank ``nil`` when ``None``: msgspec ignores ``omit_defaults`` for
-  ``array_like`` structs, so vLLM always sends three elements).
-* ``event_encoding="array"`` (default; vLLM's ``array_like=True, tag=True`` event structs):
-  each event is an array led by its class name, every field in vLLM's declaration order -
-  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``
-  (``lora_name`` is always ``nil``).  msgspec decoders of older vLLM schemas ignore trailing
-  elements they do not know; those of newer ones default the trailing fields added since
-  (``extra_keys``, ``group_idx``, ...).
-* ``event_encoding="map"``: the tagged maps vLLM sends since it dropped ``array_like`` on the
-  events (vllm-project/vllm#42892): ``{"type": "BlockStored", "block_hashes": ..., ...}``,
-  same fields, defaulted ones omitted; the batch stays an array.
+* A batch is the positional array ``[ts, [event, ...], data_parallel_rank]`` in both encodings
+  (vLLM's ``EventBatch`` stays ``array_like``): ``ts`` a float64 of ``time.time()``, the rank 0
+  unless set (vLLM's default), ``nil`` only when set to ``None``.
+* ``"map"``: each event is a map tagged under ``"type"`` (msgspec ``tag=True``,
+  ``omit_defaults=True``): ``{"type": "BlockStored", "block_hashes", "parent_block_hash",
+  "token_ids", "block_size", "lora_id", "medium", "lora_name"}`` (these always present, ``nil``
+  when unset), then, only for pages of a LoRA namespace (or a tenant when
+  ``publish_cache_salt``), ``"event_version": 1`` and ``"extra_keys"``: one entry per block, a
+  list of typed keys ``{"type": "lora", "name": ...}`` on every block and
+  ``{"type": "cache_salt", "salt": ...}`` on the first block of the sequence (a run whose
+  ``parent_block_hash`` is ``nil``), ``nil`` for a block with no key.  ``{"type":
+  "BlockRemoved", "block_hashes", "medium"}``, ``{"type": "AllBlocksCleared"}``.  The fields
+  vLLM added for its own features (``group_idx`` and ``kv_cache_spec_*`` of hybrid KV-cache
+  groups, ``locality``, ``ownership``) are left at their defaults, so omitted: the sidecars of
+  hybrid models here publish no events of their own, and every event describes this process's
+  own tiers.
+* ``"array"``: each event is an array led by its class name, every field in vLLM's declaration
+  order - ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+  medium, lora_name]`` plus ``extra_keys`` in vLLM's older raw form (per block a list of bare
+  values: the LoRA name, then the tenant salt on the first block) when there are any,
+  ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.  msgspec decoders of
+  older vLLM schemas ignore trailing elements they do not know.
 * Replay (optional ROUTER socket): a request ``[identity, b"", start_seq]`` (what a REQ or
-  DEALER client sends, ``start_seq`` 8-byte big-endian) is answered with one
-  ``[identity, b"", seq, payload]`` per buffered batch with ``seq >= start_seq``, oldest
-  first, then the end marker ``[identity, b"", (-1 as 8-byte signed big-endian), b""]``.
+  DEALER client sends, ``start_seq`` 8-byte big-endian) is answered with each buffered batch
+  with ``seq >= start_seq``, oldest first, then an end marker (``END_SEQ``: -1 as an 8-byte
+  signed big-endian int).  ``"map"`` answers as vLLM does today, each reply carrying the topic
+  like a published message: ``[identity, b"", topic, seq, payload]``, ending with
+  ``[identity, b"", b"", END_SEQ, b""]``.  ``"array"`` answers in the older framing without
+  the topic: ``[identity, b"", seq, payload]``, ending with ``[identity, b"", END_SEQ, b""]``.
 """
 
 from __future__ import annotations
@@ -76,8 +90,18 @@ def _require(module: str, package: str) -> Any:
         ) from exc
 
 
-def encode_event(event: KVEvent, encoding: EventEncoding = "array") -> list[Any] | dict[str, Any]:
-    """``event`` as the msgpack-ready value vLLM's msgspec encoder produces for it."""
+EVENT_VERSION = 1
+"""vLLM's ``BlockStored.event_version`` for events whose ``extra_keys`` are typed keys."""
+
+
+def encode_event(
+    event: KVEvent, encoding: EventEncoding = "map", *, publish_cache_salt: bool = False
+) -> list[Any] | dict[str, Any]:
+    """``event`` as the msgpack-ready value vLLM's msgspec encoder produces for it.
+
+    ``publish_cache_salt``: put a namespace's tenant salt into ``extra_keys`` (off by default:
+    the salt is a secret that storage keys never reveal either).
+    """
     if isinstance(event, BlockStored):
         fields: list[tuple[str, Any]] = [
             ("block_hashes", list(event.block_hashes)),
@@ -86,8 +110,13 @@ def encode_event(event: KVEvent, encoding: EventEncoding = "array") -> list[Any]
             ("block_size", event.block_size),
             ("lora_id", event.lora_id),
             ("medium", event.medium),
-            ("lora_name", None),
+            ("lora_name", event.lora_name),
         ]
+        extra = _extra_keys(event, encoding, publish_cache_salt)
+        if extra is not None:
+            if encoding == "map":
+                fields.append(("event_version", EVENT_VERSION))
+            fields.append(("extra_keys", extra))
     elif isinstance(event, BlockRemoved):
         fields = [("block_hashes", list(event.block_hashes)), ("medium", event.medium)]
     elif isinstance(event, AllBlocksCleared):
@@ -100,14 +129,42 @@ def encode_event(event: KVEvent, encoding: EventEncoding = "array") -> list[Any]
     return {"type": tag, **dict(fields)}
 
 
+def _extra_keys(
+    event: BlockStored, encoding: EventEncoding, publish_cache_salt: bool
+) -> list[Any] | None:
+    """vLLM's per-block ``extra_keys`` for ``event`` (``None`` when no block has any).
+
+    vLLM hashes the LoRA name into every block and the cache salt into the first block of a
+    sequence only; the entries follow that (LoRA first, then the salt).
+    """
+    salt = event.cache_salt if publish_cache_salt else None
+    first_block_salt = salt if event.parent_block_hash is None else None
+    if event.lora_name is None and first_block_salt is None:
+        return None
+    typed = encoding == "map"
+    lora: list[Any] = []
+    if event.lora_name is not None:
+        lora = [{"type": "lora", "name": event.lora_name} if typed else event.lora_name]
+    keys: list[Any] = []
+    for i in range(len(event.block_hashes)):
+        block = list(lora)
+        if i == 0 and first_block_salt is not None:
+            block.append({"type": "cache_salt", "salt": first_block_salt} if typed else salt)
+        keys.append(block or None)
+    return keys
+
+
 def encode_batch(
     events: Sequence[KVEvent],
     ts: float,
-    data_parallel_rank: int | None = None,
-    encoding: EventEncoding = "array",
+    data_parallel_rank: int | None = 0,
+    encoding: EventEncoding = "map",
+    *,
+    publish_cache_salt: bool = False,
 ) -> bytes:
     """The msgpack payload of one batch (``[ts, [events...], data_parallel_rank]``)."""
-    return _pack(_require("msgpack", "msgpack"), events, ts, data_parallel_rank, encoding)
+    msgpack = _require("msgpack", "msgpack")
+    return _pack(msgpack, events, ts, data_parallel_rank, encoding, publish_cache_salt)
 
 
 def _pack(
@@ -116,9 +173,10 @@ def _pack(
     ts: float,
     data_parallel_rank: int | None,
     encoding: EventEncoding,
+    publish_cache_salt: bool,
 ) -> bytes:
-    body = [float(ts), [encode_event(ev, encoding) for ev in events], data_parallel_rank]
-    payload: bytes = msgpack.packb(body, use_bin_type=True)
+    encoded = [encode_event(ev, encoding, publish_cache_salt=publish_cache_salt) for ev in events]
+    payload: bytes = msgpack.packb([float(ts), encoded, data_parallel_rank], use_bin_type=True)
     return payload
 
 
@@ -128,7 +186,10 @@ class ZmqEventPublisher:
     Everything runs on the event loop through ``zmq.asyncio``: a PUB socket never blocks (it
     drops messages beyond ``hwm`` for a slow subscriber), and replay requests are served by a
     task of their own.  ``endpoint`` (and ``replay_endpoint``) are bound; a ``*`` port binds a
-    free one (see :attr:`endpoint` after :meth:`start`).
+    free one (see :attr:`endpoint` after :meth:`start`).  ``event_encoding`` picks vLLM's current
+    protocol (``"map"``) or the older positional one with its replay framing (``"array"``);
+    ``publish_cache_salt`` adds each namespace's tenant salt to ``extra_keys`` (see the module
+    docstring).  ``data_parallel_rank`` defaults to 0, as vLLM's does.
 
     Use::
 
@@ -143,10 +204,11 @@ class ZmqEventPublisher:
         topic: str = "kv-events",
         replay_endpoint: str | None = None,
         buffer_steps: int = 10_000,
-        data_parallel_rank: int | None = None,
+        data_parallel_rank: int | None = 0,
         *,
         hwm: int = 100_000,
-        event_encoding: EventEncoding = "array",
+        event_encoding: EventEncoding = "map",
+        publish_cache_salt: bool = False,
     ) -> None:
         if buffer_steps < 0:
             raise ValueError(f"buffer_steps must be >= 0, got {buffer_steps}")
@@ -161,6 +223,7 @@ class ZmqEventPublisher:
         self._topic_bytes = topic.encode("utf-8")
         self.data_parallel_rank = data_parallel_rank
         self.event_encoding: EventEncoding = event_encoding
+        self.publish_cache_salt = publish_cache_salt
         self._hwm = hwm
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._next_seq = 0
@@ -258,6 +321,7 @@ class ZmqEventPublisher:
             time.time() if ts is None else ts,
             self.data_parallel_rank,
             self.event_encoding,
+            self.publish_cache_salt,
         )
         async with self._lock:
             if self._closed.is_set():
@@ -323,11 +387,16 @@ class ZmqEventPublisher:
                 continue
             identity, _, start_bytes = frames
             start = int.from_bytes(start_bytes, "big")
+            # vLLM's current replies carry the topic like a published message; older ones do not
+            topic: tuple[bytes, ...] = (self._topic_bytes,) if self.event_encoding == "map" else ()
+            end: tuple[bytes, ...] = (b"",) if self.event_encoding == "map" else ()
             try:
                 # a snapshot: publish() may append while a send is awaited
                 for seq, payload in [item for item in self._buffer if item[0] >= start]:
-                    await sock.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-                await sock.send_multipart((identity, b"", END_SEQ, b""))
+                    await sock.send_multipart(
+                        (identity, b"", *topic, seq.to_bytes(8, "big"), payload)
+                    )
+                await sock.send_multipart((identity, b"", *end, END_SEQ, b""))
             except self._zmq.ZMQError as exc:
                 log.warning("kv_events_replay_failed", error=str(exc))
 
