@@ -51,7 +51,12 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from aiocache_kv.errors import KVCacheError
+from aiocache_kv.errors import (
+    CacheClosedError,
+    InvalidInputError,
+    InvalidTypeError,
+    MissingDependencyError,
+)
 from aiocache_kv.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from aiocache_kv.logs import get_logger
 
@@ -74,10 +79,6 @@ class EventSource(Protocol):
     def events(self) -> AsyncIterator[KVEvent]: ...
 
     def take_events(self) -> list[KVEvent]: ...
-
-
-class MissingDependencyError(KVCacheError, ImportError):
-    """An optional dependency of the KV-event publisher (pyzmq, msgpack) is not installed."""
 
 
 def _require(module: str, package: str) -> Any:
@@ -122,7 +123,7 @@ def encode_event(
     elif isinstance(event, AllBlocksCleared):
         fields = []
     else:
-        raise TypeError(f"not a KV event: {event!r}")
+        raise InvalidTypeError(f"not a KV event: {event!r}")
     tag = type(event).__name__
     if encoding == "array":
         return [tag, *(value for _, value in fields)]
@@ -211,9 +212,11 @@ class ZmqEventPublisher:
         publish_cache_salt: bool = False,
     ) -> None:
         if buffer_steps < 0:
-            raise ValueError(f"buffer_steps must be >= 0, got {buffer_steps}")
+            raise InvalidInputError(f"buffer_steps must be >= 0, got {buffer_steps}")
         if event_encoding not in ("array", "map"):
-            raise ValueError(f"event_encoding must be 'array' or 'map', got {event_encoding!r}")
+            raise InvalidInputError(
+                f"event_encoding must be 'array' or 'map', got {event_encoding!r}"
+            )
         self._zmq = _require("zmq", "pyzmq")
         self._zmq_asyncio = _require("zmq.asyncio", "pyzmq")
         self._msgpack = _require("msgpack", "msgpack")
@@ -260,7 +263,7 @@ class ZmqEventPublisher:
     async def start(self) -> None:
         """Bind the PUB (and replay) sockets; start serving replay requests."""
         if self._closed.is_set():
-            raise RuntimeError("ZmqEventPublisher is closed")
+            raise CacheClosedError("ZmqEventPublisher is closed")
         if self._ctx is not None:
             return
         zmq = self._zmq
@@ -325,9 +328,9 @@ class ZmqEventPublisher:
         )
         async with self._lock:
             if self._closed.is_set():
-                raise RuntimeError("ZmqEventPublisher is closed")
+                raise CacheClosedError("ZmqEventPublisher is closed")
             if self._pub is None:
-                raise RuntimeError("ZmqEventPublisher is not started (await start() first)")
+                raise CacheClosedError("ZmqEventPublisher is not started (await start() first)")
             seq = self._next_seq
             self._next_seq += 1
             await self._pub.send_multipart((self._topic_bytes, seq.to_bytes(8, "big"), payload))
