@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import enum
 import threading
 from collections.abc import Sequence
 
@@ -59,6 +58,7 @@ from aiocache_kv.errors import (
     StorageError,
     StorageKeyError,
 )
+from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.mooncake import MooncakeStorage
 
@@ -68,14 +68,6 @@ log = structlog.get_logger(__name__)
 
 #: a get_batch re-examines hashes whose fetch (by another task) failed at most this often
 _MAX_GET_ROUNDS = 3
-
-
-class _Life(enum.Enum):
-    NEW = "new"
-    STARTING = "starting"
-    RUNNING = "running"
-    CLOSING = "closing"
-    CLOSED = "closed"
 
 
 class EmbeddingCache:
@@ -141,7 +133,7 @@ class EmbeddingCache:
             else None
         )
         self._pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._life = _Life.NEW
+        self._life = Lifecycle.NEW
         self._starting: asyncio.Future[None] | None = None
         self._owner: int | None = None
         self._counters = dict.fromkeys(COUNTERS, 0)
@@ -163,17 +155,17 @@ class EmbeddingCache:
             StorageUnavailableError / StorageTimeoutError: the store cannot be opened.
             OwnershipError: called from a thread other than the one that started it.
         """
-        if self._life is _Life.RUNNING:
+        if self._life is Lifecycle.RUNNING:
             self._check()
             return
-        if self._life in (_Life.CLOSING, _Life.CLOSED):
+        if self._life in (Lifecycle.CLOSING, Lifecycle.CLOSED):
             raise CacheClosedError(f"EmbeddingCache is {self._life.value}")
         if self._starting is not None:
             await asyncio.shield(self._starting)
             return
         loop = asyncio.get_running_loop()
         self._starting = loop.create_future()
-        self._life = _Life.STARTING
+        self._life = Lifecycle.STARTING
         try:
             pin = self._pin_memory
 
@@ -187,7 +179,7 @@ class EmbeddingCache:
                 await self._io.open()
                 await self._io.register_buffer(self._pool.memory)
         except BaseException as exc:
-            self._life = _Life.NEW
+            self._life = Lifecycle.NEW
             starting, self._starting = self._starting, None
             if isinstance(exc, Exception):
                 starting.set_exception(exc)
@@ -196,7 +188,7 @@ class EmbeddingCache:
                 starting.cancel()
             raise
         self._owner = threading.get_ident()
-        self._life = _Life.RUNNING
+        self._life = Lifecycle.RUNNING
         self._starting.set_result(None)
         log.info(
             "embedding.started",
@@ -214,11 +206,11 @@ class EmbeddingCache:
         Bounded by about ``3 * timeout`` however stuck the store is: workers that have not
         released their slots by then are abandoned (their entries stay pinned; the pool's
         memory stays alive for them)."""
-        if self._life in (_Life.CLOSING, _Life.CLOSED):
+        if self._life in (Lifecycle.CLOSING, Lifecycle.CLOSED):
             return
-        if self._life is _Life.STARTING and self._starting is not None:
+        if self._life is Lifecycle.STARTING and self._starting is not None:
             await asyncio.wait([self._starting])
-        self._life = _Life.CLOSING
+        self._life = Lifecycle.CLOSING
         try:
             if self._cleanups:
                 _, stuck = await asyncio.wait(list(self._cleanups), timeout=self.timeout)
@@ -231,7 +223,7 @@ class EmbeddingCache:
         except StorageError as exc:
             log.warning("embedding.close_failed", error=str(exc))
         finally:
-            self._life = _Life.CLOSED
+            self._life = Lifecycle.CLOSED
             log.info("embedding.closed", **self._counters)
 
     async def __aenter__(self) -> EmbeddingCache:
@@ -242,7 +234,7 @@ class EmbeddingCache:
         await self.aclose()
 
     def _check(self) -> None:
-        if self._life in (_Life.CLOSING, _Life.CLOSED):
+        if self._life in (Lifecycle.CLOSING, Lifecycle.CLOSED):
             raise CacheClosedError(f"EmbeddingCache is {self._life.value}")
         if self._owner is not None and threading.get_ident() != self._owner:
             raise OwnershipError(
@@ -252,7 +244,7 @@ class EmbeddingCache:
 
     async def _ready(self) -> None:
         self._check()
-        if self._life is not _Life.RUNNING:
+        if self._life is not Lifecycle.RUNNING:
             await self.start()
 
     # ------------------------------------------------------------------ public API
