@@ -1,9 +1,11 @@
 """Multimodal embedding cache: a local pool of per-item embeddings over a global store.
 
-``EmbeddingCache`` (cache.py) keeps ``num_tokens x dim`` tensors keyed by the caller's content
-hash in one host pool (allocator.py: variable-size extents; entries.py: per-entry state),
-pushes every inserted entry to the Mooncake store in one batch per request and reads misses
-back with one batched get (remote.py: object sizes; layout.py: the self-describing slot).
+``EmbeddingCache`` (cache.py: the facade, lifecycle and batch validation via checks.py) keeps
+``num_tokens x dim`` tensors keyed by the caller's content hash in one host pool (pool.py: the
+table, LRU and pins; allocator.py: variable-size extents; entries.py: per-entry state), pushes
+every inserted entry to the Mooncake store in one batch per request and reads misses back with
+one batched get (transfers.py: the store paths; remote.py: object sizes; layout.py: the
+self-describing slot).
 """
 
 from aiocache_kv.embedding.allocator import ExtentAllocator

@@ -3,39 +3,30 @@
 Design
 ------
 *One owner.*  The table (hash -> :class:`~aiocache_kv.embedding.entries.Entry`), the LRU of
-evictable entries and the pool allocator are touched only by synchronous code on the event-loop
-thread.  Store calls run on :class:`~aiocache_kv.storage.executor.StorageIO` workers; a worker
-only reads or writes the bytes of the slots it was handed.
+evictable entries and the pool allocator (:mod:`~aiocache_kv.embedding.pool`) are touched only
+by synchronous code on the event-loop thread.  Store calls run on
+:class:`~aiocache_kv.storage.executor.StorageIO` workers
+(:mod:`~aiocache_kv.embedding.transfers`); a worker only reads or writes the bytes of the slots
+it was handed.  The pool is registered once with the Mooncake client, so every put and get is
+zero-copy from / into it; the stored object is exactly an entry's slot, so its size and header
+tell a reader everything.
 
-*Layout.*  One host tensor of ``pool_bytes`` (pinned when CUDA is present), registered once with
-the Mooncake client, so every put and get is zero-copy from / into it.  An entry occupies one
-64-byte aligned extent: ``[header 64 B | data | integrity trailer 40 B]``
-(:mod:`~aiocache_kv.embedding.layout`); the stored object is exactly that slot, so its size and
-the header tell a reader everything.
-
-*Plan, then I/O.*  Each public call validates everything first (a bad batch changes nothing),
-then makes all its state changes in one synchronous step that returns the I/O still to do, and
-only then awaits.
+*Plan, then I/O.*  Each public call validates everything first
+(:mod:`~aiocache_kv.embedding.checks`: a bad batch changes nothing), then makes all its state
+changes in one synchronous step that returns the I/O still to do, and only then awaits.
 
 *insert_batch.*  After waiting out any entry of the batch that is being filled from the store,
 or being pushed by another call (so two inserts of one hash neither store nor send it twice),
 the plan copies each new tensor into a fresh slot *synchronously* (the entry is born ``READY``:
 complete before anyone can see it), counts entries already cached as local hits, and skips
 entries that do not fit even after evicting every unpinned entry (LRU order).  Then all of the
-batch's entries, local hits included, go to the store in ONE ``put``: the global copy may have
-been evicted or lost with a restarted master, and ``MooncakeStorage.put`` asks
-``batch_is_exist`` first and sends only the keys the store lacks, so a local hit costs a
-metadata lookup, not its bytes.  The entries are pinned (not evictable, their slots not reused)
-until the worker has released them - after a timeout or cancellation that is later than the
-caller's return, handled by a cleanup task that awaits ``StorageIO.wait_released``.
+batch's entries, local hits included, are pushed in ONE ``put``: the global copy may have been
+evicted or lost with a restarted master, and a local hit costs a metadata lookup, not its
+bytes.  The entries stay pinned until the worker has released their slots.
 
-*get_batch.*  Local ``READY`` entries are copied out at once.  The rest are fetched with one
-size lookup (:func:`~aiocache_kv.embedding.remote.mooncake_object_sizes`) and ONE
-``get_into``: each is tabled as ``LOOKUP`` (no slot), then ``FILLING`` with a slot of exactly
-the object's size, then ``READY`` once the integrity trailer and the header check out.  Other
-tasks that ask for the same hash meanwhile wait for the entry to settle instead of fetching it
-again; a reader never copies out of a ``FILLING`` slot.  On failure or cancellation every
-``LOOKUP`` entry is dropped at once and every ``FILLING`` slot once the worker released it.
+*get_batch.*  Local ``READY`` entries are copied out at once; the rest are fetched with one size
+lookup and ONE ``get_into``.  Other tasks that ask for the same hash meanwhile wait for the
+entry to settle instead of fetching it again; a reader never copies out of a ``FILLING`` slot.
 
 Store faults never raise out of ``insert_batch``/``get_batch``: a failed push is counted
 (``InsertBatchStats.push_failed``), a failed fetch is a miss; both are logged once per call.
@@ -46,39 +37,29 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import enum
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-from aiocache_kv.embedding.allocator import ExtentAllocator
+from aiocache_kv.embedding.checks import check_duplicates, check_existing, check_tensors
 from aiocache_kv.embedding.entries import Entry, EntryState
-from aiocache_kv.embedding.errors import DuplicateHashError, EmbeddingMismatchError
 from aiocache_kv.embedding.keys import canonical_hashes, embedding_key
-from aiocache_kv.embedding.layout import (
-    DTYPE_CODES,
-    HEADER_BYTES,
-    EntryShape,
-    pack_header,
-    unpack_header,
-)
-from aiocache_kv.embedding.remote import mooncake_object_sizes
-from aiocache_kv.embedding.stats import EmbeddingCacheStats, InsertBatchStats
+from aiocache_kv.embedding.layout import DTYPE_CODES, EntryShape
+from aiocache_kv.embedding.pool import EntryPool
+from aiocache_kv.embedding.stats import COUNTERS, EmbeddingCacheStats, InsertBatchStats
+from aiocache_kv.embedding.transfers import StoreTransfers
 from aiocache_kv.errors import (
     CacheClosedError,
     ConfigError,
     InvalidInputError,
-    InvalidTypeError,
     OwnershipError,
     StorageError,
     StorageKeyError,
 )
+from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
-from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.executor import StorageIO
-from aiocache_kv.storage.integrity import FRAME_OVERHEAD
 from aiocache_kv.storage.mooncake import MooncakeStorage
 
 __all__ = ["EmbeddingCache"]
@@ -87,34 +68,6 @@ log = get_logger(__name__)
 
 #: a get_batch re-examines hashes whose fetch (by another task) failed at most this often
 _MAX_GET_ROUNDS = 3
-_ALIGNMENT = 64
-
-
-class _Life(enum.Enum):
-    NEW = "new"
-    STARTING = "starting"
-    RUNNING = "running"
-    CLOSING = "closing"
-    CLOSED = "closed"
-
-
-_COUNTERS = (
-    "insert_calls",
-    "insert_new",
-    "insert_local_hits",
-    "insert_skipped",
-    "pushed",
-    "push_failed",
-    "get_calls",
-    "get_local_hits",
-    "get_store_hits",
-    "get_misses",
-    "get_no_space",
-    "get_invalid",
-    "evictions",
-    "evicted_bytes",
-    "store_errors",
-)
 
 
 class EmbeddingCache:
@@ -180,16 +133,17 @@ class EmbeddingCache:
             else None
         )
         self._pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._life = _Life.NEW
+        self._life = Lifecycle.NEW
         self._starting: asyncio.Future[None] | None = None
         self._owner: int | None = None
-        self._pool = torch.empty(0, dtype=torch.uint8)
-        self._alloc = ExtentAllocator(0, _ALIGNMENT)
-        self._entries: dict[bytes, Entry] = {}
-        self._lru: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
-        self._evictable_bytes = 0
-        self._cleanups: set[asyncio.Task[None]] = set()
-        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._pool = EntryPool(self._counters)
+        self._transfers = StoreTransfers(
+            self._pool, self._io, store, namespace=namespace, dtype=dtype
+        )
+        #: the table (hash -> entry) and the tasks waiting for workers to release slots
+        self._entries = self._pool.entries
+        self._cleanups = self._transfers.cleanups
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -201,17 +155,17 @@ class EmbeddingCache:
             StorageUnavailableError / StorageTimeoutError: the store cannot be opened.
             OwnershipError: called from a thread other than the one that started it.
         """
-        if self._life is _Life.RUNNING:
+        if self._life is Lifecycle.RUNNING:
             self._check()
             return
-        if self._life in (_Life.CLOSING, _Life.CLOSED):
+        if self._life in (Lifecycle.CLOSING, Lifecycle.CLOSED):
             raise CacheClosedError(f"EmbeddingCache is {self._life.value}")
         if self._starting is not None:
             await asyncio.shield(self._starting)
             return
         loop = asyncio.get_running_loop()
         self._starting = loop.create_future()
-        self._life = _Life.STARTING
+        self._life = Lifecycle.STARTING
         try:
             pin = self._pin_memory
 
@@ -220,13 +174,12 @@ class EmbeddingCache:
                 pool.zero_()  # touch every page now, not on the first inserts
                 return pool
 
-            self._pool = await asyncio.to_thread(build)
-            self._alloc = ExtentAllocator(self.pool_bytes, _ALIGNMENT)
+            self._pool.install(await asyncio.to_thread(build))
             if self._io is not None:
                 await self._io.open()
-                await self._io.register_buffer(self._pool)
+                await self._io.register_buffer(self._pool.memory)
         except BaseException as exc:
-            self._life = _Life.NEW
+            self._life = Lifecycle.NEW
             starting, self._starting = self._starting, None
             if isinstance(exc, Exception):
                 starting.set_exception(exc)
@@ -235,7 +188,7 @@ class EmbeddingCache:
                 starting.cancel()
             raise
         self._owner = threading.get_ident()
-        self._life = _Life.RUNNING
+        self._life = Lifecycle.RUNNING
         self._starting.set_result(None)
         log.info(
             "embedding.started",
@@ -253,11 +206,11 @@ class EmbeddingCache:
         Bounded by about ``3 * timeout`` however stuck the store is: workers that have not
         released their slots by then are abandoned (their entries stay pinned; the pool's
         memory stays alive for them)."""
-        if self._life in (_Life.CLOSING, _Life.CLOSED):
+        if self._life in (Lifecycle.CLOSING, Lifecycle.CLOSED):
             return
-        if self._life is _Life.STARTING and self._starting is not None:
+        if self._life is Lifecycle.STARTING and self._starting is not None:
             await asyncio.wait([self._starting])
-        self._life = _Life.CLOSING
+        self._life = Lifecycle.CLOSING
         try:
             if self._cleanups:
                 _, stuck = await asyncio.wait(list(self._cleanups), timeout=self.timeout)
@@ -270,7 +223,7 @@ class EmbeddingCache:
         except StorageError as exc:
             log.warning("embedding.close_failed", error=str(exc))
         finally:
-            self._life = _Life.CLOSED
+            self._life = Lifecycle.CLOSED
             log.info("embedding.closed", **self._counters)
 
     async def __aenter__(self) -> EmbeddingCache:
@@ -281,7 +234,7 @@ class EmbeddingCache:
         await self.aclose()
 
     def _check(self) -> None:
-        if self._life in (_Life.CLOSING, _Life.CLOSED):
+        if self._life in (Lifecycle.CLOSING, Lifecycle.CLOSED):
             raise CacheClosedError(f"EmbeddingCache is {self._life.value}")
         if self._owner is not None and threading.get_ident() != self._owner:
             raise OwnershipError(
@@ -291,7 +244,7 @@ class EmbeddingCache:
 
     async def _ready(self) -> None:
         self._check()
-        if self._life is not _Life.RUNNING:
+        if self._life is not Lifecycle.RUNNING:
             await self.start()
 
     # ------------------------------------------------------------------ public API
@@ -323,8 +276,8 @@ class EmbeddingCache:
         """
         self._check()
         hs = canonical_hashes(hashes)
-        ts = self._check_tensors(tensors, len(hs))
-        self._check_duplicates(hs)
+        ts = check_tensors(tensors, len(hs), self.dtype)
+        check_duplicates(hs)
         await self._ready()
         if not hs:
             self._counters["insert_calls"] += 1
@@ -332,7 +285,7 @@ class EmbeddingCache:
         shapes = [EntryShape(int(t.shape[0]), int(t.shape[1]), self.dtype) for t in ts]
         loop = asyncio.get_running_loop()
         while True:
-            self._check_existing(hs, shapes)
+            check_existing(self._entries, hs, shapes)
             waits: list[asyncio.Future[None]] = []
             for h in hs:
                 e = self._entries.get(h)
@@ -353,9 +306,9 @@ class EmbeddingCache:
         batch, stats = self._plan_insert(hs, ts, shapes)
         if self._io is None or not batch:
             for e in batch:
-                self._unpin(e)
+                self._pool.unpin(e)
             return self._log_insert(stats, pushed=0)
-        stats = dataclasses.replace(stats, push_failed=await self._push(batch))
+        stats = dataclasses.replace(stats, push_failed=await self._transfers.push(batch))
         return self._log_insert(stats, pushed=len(batch))
 
     async def get_batch(self, hashes: Sequence[str | bytes]) -> list[torch.Tensor | None]:
@@ -392,15 +345,15 @@ class EmbeddingCache:
                     else:
                         fetch.append(h)
                 elif e.state is EntryState.READY:
-                    found[h] = self._read(e)
-                    self._touch(e)
+                    found[h] = self._pool.read(e)
+                    self._pool.touch(e)
                     local += 1
                 else:
                     assert e.settled is not None, f"{e!r} has no settle future"
                     waits.append(e.settled)
                     later.append(h)
             if fetch:
-                await self._fetch(fetch, found)
+                await self._transfers.fetch(fetch, found)
             if not later:
                 break
             await asyncio.wait(waits)
@@ -433,52 +386,23 @@ class EmbeddingCache:
         return EmbeddingCacheStats(
             state=self._life.value,
             pool_bytes=self.pool_bytes,
-            used_bytes=self._alloc.used_bytes,
-            free_bytes=self._alloc.free_bytes,
-            largest_free_bytes=self._alloc.largest_free(),
+            used_bytes=self._pool.alloc.used_bytes,
+            free_bytes=self._pool.alloc.free_bytes,
+            largest_free_bytes=self._pool.alloc.largest_free(),
             entries=len(self._entries),
             ready=by_state[EntryState.READY],
             filling=by_state[EntryState.FILLING],
             lookup=by_state[EntryState.LOOKUP],
             pinned=sum(1 for e in self._entries.values() if e.pushes),
-            evictable=len(self._lru),
-            evictable_bytes=self._evictable_bytes,
+            evictable=len(self._pool.lru),
+            evictable_bytes=self._pool.evictable_bytes,
             cleanups_pending=len(self._cleanups),
             **self._counters,
         )
 
     def check_invariants(self) -> None:
         """Recompute every derived quantity and raise ``AssertionError`` on any inconsistency."""
-        self._alloc.check_invariants()
-        base = int(self._pool.data_ptr()) if self._pool.numel() else 0
-        extents: set[int] = set()
-        for h, e in self._entries.items():
-            assert e.hash == h, f"{e!r} filed under another hash"
-            assert e.key == embedding_key(self.namespace, h), f"{e!r} has a wrong key"
-            assert e.state is not EntryState.GONE, f"{e!r} is GONE but still tabled"
-            assert e.pushes >= 0, f"{e!r} has negative pushes"
-            if e.state is EntryState.LOOKUP:
-                assert e.offset is None and e.buffer is None, f"{e!r}: LOOKUP with a slot"
-                continue
-            assert e.offset is not None and e.buffer is not None, f"{e!r}: no slot"
-            assert e.buffer.ptr == base + e.offset, f"{e!r}: buffer not at its offset"
-            assert e.buffer.nbytes <= self._alloc.size_of(e.offset), f"{e!r}: slot overflows"
-            assert e.offset not in extents, f"{e!r}: extent shared"
-            extents.add(e.offset)
-            if e.state is EntryState.READY:
-                assert e.shape is not None and e.buffer.nbytes == e.shape.slot_nbytes, (
-                    f"{e!r}: slot size differs from its shape"
-                )
-            else:
-                assert e.pushes == 0, f"{e!r}: pushed while {e.state.name}"
-            assert (h in self._lru) == e.evictable, f"{e!r}: LRU membership wrong"
-        used = self._alloc.used_offsets()
-        assert extents == used, f"pool extents {sorted(used - extents)} belong to no entry"
-        assert all(self._entries.get(h) is e for h, e in self._lru.items()), "stale LRU entry"
-        evictable = sum(self._alloc.size_of(e.offset or 0) for e in self._lru.values())
-        assert evictable == self._evictable_bytes, (
-            f"evictable bytes {self._evictable_bytes} != recomputed {evictable}"
-        )
+        self._pool.check_invariants(self.namespace)
 
     def __repr__(self) -> str:
         by_state = collections.Counter(e.state.name.lower() for e in self._entries.values())
@@ -488,7 +412,7 @@ class EmbeddingCache:
             f"EmbeddingCache(state={self._life.value}, namespace={self.namespace!r}, "
             f"dtype={self.dtype}, entries={len(self._entries)} ({states}), "
             f"pinned={sum(1 for e in self._entries.values() if e.pushes)}, "
-            f"used={self._alloc.used_bytes}/{self.pool_bytes}, store={store})"
+            f"used={self._pool.alloc.used_bytes}/{self.pool_bytes}, store={store})"
         )
 
     def evict(self, nbytes: int | None = None) -> int:
@@ -503,66 +427,11 @@ class EmbeddingCache:
         self._check()
         if nbytes is not None and nbytes < 0:
             raise InvalidInputError(f"evict needs nbytes >= 0, got {nbytes}")
-        freed = 0
-        while self._lru and (nbytes is None or freed < nbytes):
-            _, victim = self._lru.popitem(last=False)
-            freed += self._evict_popped(victim)
-        return freed
+        return self._pool.evict(nbytes)
 
     def lru_order(self) -> list[bytes]:
         """Hashes of evictable entries, next victim first (tests and diagnostics)."""
-        return list(self._lru)
-
-    # ------------------------------------------------------------------ validation
-
-    def _check_tensors(self, tensors: Sequence[torch.Tensor], n: int) -> list[torch.Tensor]:
-        given: object = tensors
-        if isinstance(given, torch.Tensor):
-            raise InvalidTypeError(
-                "tensors must be a sequence of tensors (one per hash), got a single Tensor"
-            )
-        ts = list(tensors)
-        if len(ts) != n:
-            raise InvalidInputError(f"{n} hashes but {len(ts)} tensors")
-        for i, t in enumerate(ts):
-            if not isinstance(t, torch.Tensor):
-                raise InvalidTypeError(
-                    f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}"
-                )
-            if t.dim() != 2:
-                raise InvalidInputError(
-                    f"tensors[{i}] must be 2-D (num_tokens, dim), got shape {tuple(t.shape)}"
-                )
-            if t.shape[0] < 1 or t.shape[1] < 1:
-                raise InvalidInputError(f"tensors[{i}] has an empty dimension: {tuple(t.shape)}")
-            if t.dtype != self.dtype:
-                raise InvalidInputError(
-                    f"tensors[{i}] has dtype {t.dtype}, the cache holds {self.dtype}"
-                )
-        return ts
-
-    @staticmethod
-    def _check_duplicates(hs: list[bytes]) -> None:
-        if len(set(hs)) != len(hs):
-            counts = collections.Counter(hs)
-            dups = [h for h, c in counts.items() if c > 1]
-            raise DuplicateHashError(
-                f"{len(dups)} duplicate hash(es) in one insert_batch: {dups[:3]!r}"
-            )
-
-    def _check_existing(self, hs: list[bytes], shapes: list[EntryShape]) -> None:
-        bad: list[str] = []
-        for h, shape in zip(hs, shapes, strict=True):
-            e = self._entries.get(h)
-            if e is not None and e.shape is not None and e.shape != shape:
-                bad.append(
-                    f"{h[:32]!r}: cached {e.shape.num_tokens}x{e.shape.dim} {e.shape.dtype}, "
-                    f"given {shape.num_tokens}x{shape.dim} {shape.dtype}"
-                )
-        if bad:
-            raise EmbeddingMismatchError(
-                f"{len(bad)} hash(es) already cached with another shape: {'; '.join(bad[:3])}"
-            )
+        return list(self._pool.lru)
 
     # ------------------------------------------------------------------ insert internals
 
@@ -580,53 +449,19 @@ class EmbeddingCache:
                     f"plan met {e!r}"
                 )
                 hit += 1
-                self._pin(e)
+                self._pool.pin(e)
                 batch.append(e)
                 continue
-            offset = self._reserve(shape.slot_nbytes)
-            if offset is None:
+            e = self._pool.add_ready(h, self.namespace, shape, t)
+            if e is None:
                 skipped += 1
                 continue
-            e = Entry(h, embedding_key(self.namespace, h), EntryState.READY)
-            e.shape = shape
-            e.offset = offset
-            e.buffer = self._slot(offset, shape.slot_nbytes)
-            e.buffer.view[:HEADER_BYTES] = pack_header(shape)
-            self._data(e).copy_(t.detach())
-            self._entries[h] = e
             new += 1
-            e.pushes = 1  # born pinned by this batch (READY, never in the LRU yet)
             batch.append(e)
         self._counters["insert_new"] += new
         self._counters["insert_local_hits"] += hit
         self._counters["insert_skipped"] += skipped
         return batch, InsertBatchStats(new=new, local_hit=hit, skipped=skipped)
-
-    async def _push(self, batch: list[Entry]) -> int:
-        """One put of every entry in ``batch``; returns how many the store did not confirm.
-        Unpins the entries once no worker holds their slots (maybe after returning)."""
-        assert self._io is not None
-        io = self._io
-        bufs = [e.buffer for e in batch if e.buffer is not None]
-        self._counters["pushed"] += len(batch)
-        failed = len(batch)
-        try:
-            ok = await io.put([e.key for e in batch], bufs)
-            failed = sum(1 for x in ok if not x)
-        except StorageError as exc:
-            self._counters["store_errors"] += 1
-            log.warning(
-                "embedding.push_failed", entries=len(batch), error=f"{type(exc).__name__}: {exc}"
-            )
-        finally:
-
-            def unpin_all() -> None:
-                for e in batch:
-                    self._unpin(e)
-
-            self._after_release(bufs, unpin_all)
-        self._counters["push_failed"] += failed
-        return failed
 
     def _log_insert(self, stats: InsertBatchStats, *, pushed: int) -> InsertBatchStats:
         log.info(
@@ -639,171 +474,3 @@ class EmbeddingCache:
             push_failed=stats.push_failed,
         )
         return stats
-
-    # ------------------------------------------------------------------ get internals
-
-    async def _fetch(self, hs: list[bytes], found: dict[bytes, torch.Tensor | None]) -> None:
-        """Fetch ``hs`` (absent locally) from the store into the pool; fill ``found``."""
-        assert self._io is not None and self._store is not None
-        io, store = self._io, self._store
-        loop = asyncio.get_running_loop()
-        entries = []
-        for h in hs:
-            e = Entry(h, embedding_key(self.namespace, h), EntryState.LOOKUP, loop.create_future())
-            self._entries[h] = e
-            entries.append(e)
-            found[h] = None
-        keys = [e.key for e in entries]
-        filling: list[Entry] = []
-        try:
-            try:
-                sizes = await io.call("emb_sizes", mooncake_object_sizes, store, keys)
-            except StorageError as exc:
-                self._store_error("sizes", exc, len(keys))
-                sizes = [-1] * len(keys)
-            for e, size in zip(entries, sizes, strict=True):
-                offset = self._reserve(size) if self._plausible(size) else None
-                if offset is None:
-                    if size > 0:
-                        why = "get_no_space" if self._plausible(size) else "get_invalid"
-                        self._counters[why] += 1
-                    self._drop(e)
-                    continue
-                e.offset = offset
-                e.buffer = self._slot(offset, size)
-                e.transition(EntryState.FILLING)
-                filling.append(e)
-            if not filling:
-                return
-            bufs = [e.buffer for e in filling if e.buffer is not None]
-            try:
-                ok = await io.get_into([e.key for e in filling], bufs)
-            except StorageError as exc:
-                self._store_error("get", exc, len(filling))
-                ok = [False] * len(filling)
-            if io.holds(bufs):  # only after a timeout: a worker still writes into the slots
-                return
-            for e, good in zip(filling, ok, strict=True):
-                assert e.buffer is not None
-                shape = unpack_header(bytes(e.buffer.view[:HEADER_BYTES]), e.buffer.nbytes)
-                if not good or shape is None or shape.dtype != self.dtype:
-                    if good:
-                        self._counters["get_invalid"] += 1
-                    self._drop(e)
-                    continue
-                e.shape = shape
-                e.transition(EntryState.READY)
-                self._lru_add(e)
-                found[e.hash] = self._read(e)
-                self._counters["get_store_hits"] += 1
-            filling = []
-        finally:
-            for e in entries:
-                if e.state is EntryState.LOOKUP:
-                    self._drop(e)
-            held = [e for e in filling if e.state is EntryState.FILLING]
-            if held:
-
-                def drop_held() -> None:
-                    for e in held:
-                        if e.state is EntryState.FILLING:
-                            self._drop(e)
-
-                self._after_release([e.buffer for e in held if e.buffer is not None], drop_held)
-
-    def _plausible(self, size: int) -> bool:
-        return HEADER_BYTES + FRAME_OVERHEAD < size <= self._alloc.capacity
-
-    def _store_error(self, what: str, exc: StorageError, n: int) -> None:
-        self._counters["store_errors"] += 1
-        log.warning(
-            "embedding.fetch_failed", step=what, entries=n, error=f"{type(exc).__name__}: {exc}"
-        )
-
-    # ------------------------------------------------------------------ pool and LRU
-
-    def _slot(self, offset: int, nbytes: int) -> PageBuffer:
-        return PageBuffer.from_tensor(self._pool[offset : offset + nbytes])
-
-    def _data(self, e: Entry) -> torch.Tensor:
-        assert e.offset is not None and e.shape is not None
-        start = e.offset + HEADER_BYTES
-        raw = self._pool[start : start + e.shape.data_nbytes]
-        return raw.view(e.shape.dtype).view(e.shape.num_tokens, e.shape.dim)
-
-    def _read(self, e: Entry) -> torch.Tensor:
-        assert e.state is EntryState.READY, f"read of {e!r}"
-        return self._data(e).clone()
-
-    def _reserve(self, nbytes: int) -> int | None:
-        """An extent of ``nbytes``, evicting LRU entries as needed; ``None`` if impossible."""
-        size = self._alloc.aligned(nbytes)
-        if size > self._alloc.capacity or size > self._alloc.free_bytes + self._evictable_bytes:
-            return None
-        while (offset := self._alloc.alloc(nbytes)) is None:
-            if not self._lru:
-                return None
-            _, victim = self._lru.popitem(last=False)
-            self._evict_popped(victim)
-        return offset
-
-    def _evict_popped(self, victim: Entry) -> int:
-        """Drop ``victim``, just popped from the LRU; returns the bytes freed."""
-        assert victim.offset is not None and victim.evictable, f"evicting {victim!r}"
-        freed = self._alloc.size_of(victim.offset)
-        self._evictable_bytes -= freed
-        self._counters["evictions"] += 1
-        self._counters["evicted_bytes"] += freed
-        self._drop(victim)
-        return freed
-
-    def _drop(self, e: Entry) -> None:
-        """Remove ``e`` from the table and the LRU and free its extent (-> GONE)."""
-        if e.hash in self._lru:
-            self._lru_remove(e)
-        if self._entries.get(e.hash) is e:
-            del self._entries[e.hash]
-        if e.offset is not None:
-            self._alloc.free(e.offset)
-            e.offset = None
-            e.buffer = None
-        e.transition(EntryState.GONE)
-
-    def _lru_add(self, e: Entry) -> None:
-        assert e.evictable and e.offset is not None, f"LRU add of {e!r}"
-        self._lru[e.hash] = e
-        self._evictable_bytes += self._alloc.size_of(e.offset)
-
-    def _lru_remove(self, e: Entry) -> None:
-        assert e.offset is not None
-        del self._lru[e.hash]
-        self._evictable_bytes -= self._alloc.size_of(e.offset)
-
-    def _touch(self, e: Entry) -> None:
-        if e.hash in self._lru:
-            self._lru.move_to_end(e.hash)
-
-    def _pin(self, e: Entry) -> None:
-        if e.hash in self._lru:
-            self._lru_remove(e)
-        e.pin_push()
-
-    def _unpin(self, e: Entry) -> None:
-        e.unpin_push()
-        if e.evictable and self._entries.get(e.hash) is e:
-            self._lru_add(e)  # most recently used
-
-    def _after_release(self, bufs: list[PageBuffer], then: Callable[[], Any]) -> None:
-        """Run ``then`` now if no worker holds ``bufs``, else once the worker released them."""
-        if self._io is None or not self._io.holds(bufs):
-            then()
-            return
-        io = self._io
-
-        async def wait_then() -> None:
-            await io.wait_released(bufs)
-            then()
-
-        task = asyncio.get_running_loop().create_task(wait_then(), name="aiocache-kv-emb-release")
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)

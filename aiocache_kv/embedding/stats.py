@@ -4,7 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["EmbeddingCacheStats", "InsertBatchStats"]
+__all__ = ["COUNTERS", "EmbeddingCacheStats", "InsertBatchStats"]
+
+#: the cache's running counters, each a field of :class:`EmbeddingCacheStats` of that name
+COUNTERS = (
+    "insert_calls",
+    "insert_new",
+    "insert_local_hits",
+    "insert_skipped",
+    "pushed",
+    "push_failed",
+    "get_calls",
+    "get_local_hits",
+    "get_store_hits",
+    "get_misses",
+    "get_no_space",
+    "get_invalid",
+    "evictions",
+    "evicted_bytes",
+    "store_errors",
+)
 
 
 @dataclasses.dataclass(frozen=True)
