@@ -124,7 +124,7 @@ BAD_INPUTS = (
     "slots_scrambled",
     "evict_negative",
     "evict_bad_tier",
-    "alloc_zero",
+    "alloc_negative",
     "alloc_bool",
     "free_not_held",
     "release_not_a_handle",
@@ -649,8 +649,8 @@ class HiCacheMachine(RuleBasedStateMachine):
             call = lambda: c.evict(-1, "device")  # noqa: E731
         elif kind == "evict_bad_tier":
             call = lambda: c.evict(1, "disk")  # noqa: E731
-        elif kind == "alloc_zero":
-            call = lambda: c.alloc(0)  # noqa: E731
+        elif kind == "alloc_negative":  # alloc(0) is legal: an empty tensor
+            call = lambda: c.alloc(-1)  # noqa: E731
         elif kind == "alloc_bool":
             call = lambda: c.alloc(True)  # noqa: E731
         elif kind == "free_not_held":
