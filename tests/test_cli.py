@@ -75,6 +75,10 @@ def test_demo_without_storage_other_page_size_and_seed() -> None:
     assert "page_size=8" in proc.stdout
     assert "identity check PASSED: 4/4" in proc.stdout
     assert "restarted node" not in proc.stdout and "STORAGE" not in proc.stdout
+    # the summary claims only what this run has: one node, no storage tier
+    assert "both nodes" not in proc.stdout and "every tier" not in proc.stdout
+    (hits,) = [line for line in proc.stdout.splitlines() if line.startswith("tokens hit per")]
+    assert "storage" not in hits.split(" - ")[0]
 
 
 def test_demo_too_small_device_pool_fails_cleanly() -> None:

@@ -23,6 +23,14 @@ from typing import Any, TextIO
 import torch
 from rich import box
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.progress import Progress as RichProgress
 from rich.table import Table
 from rich.text import Text
 
@@ -147,6 +155,46 @@ def heading(text: str, *, out: TextIO | None = None) -> None:
     stream = out if out is not None else sys.stdout
     console(stream).print(Text(f"\n== {text} ==", style="bold"))
     stream.flush()
+
+
+class Progress:
+    """A progress bar (``rich.progress``: steps, elapsed, ETA, the current step) on
+    ``stream`` (default stderr) when it is a terminal; nothing otherwise.
+
+    :meth:`clear` takes it off the screen (before printing a table on stdout, which may be
+    the same terminal), :meth:`draw` brings it back.  While it shows, log lines written to
+    ``sys.stderr`` are printed above it.
+    """
+
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.active = is_terminal(self.stream)
+        self.bar = RichProgress(
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.description}"),
+            console=console(self.stream),
+            transient=True,
+            redirect_stdout=False,  # stdout (the tables) may be a file: never onto stderr
+            disable=not self.active,
+        )
+        self.task = self.bar.add_task("", total=max(1, total))
+
+    def advance(self, label: str = "") -> None:
+        """One step done; show ``label`` as the current step."""
+        self.bar.update(self.task, advance=1, description=label)
+        self.draw()
+
+    def draw(self) -> None:
+        """Show the bar (again)."""
+        self.bar.start()
+
+    def clear(self) -> None:
+        """Take the bar off the screen; :meth:`draw` brings it back."""
+        self.bar.stop()
 
 
 def timed(fn: Callable[[], object]) -> float:
