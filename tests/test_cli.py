@@ -283,3 +283,14 @@ def test_bench_rejects_unknown_suite(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "storage", "--batch", "16,x"])
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_help_lists_every_bench_suite(capsys: pytest.CaptureFixture[str]) -> None:
+    suites = ("tree", "transfer", "storage", "embedding", "e2e")
+    for argv in (["--help"], ["bench", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(argv)
+        assert exc.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(name in text for name in suites), (argv, text)
+    assert build_parser().parse_args(["bench", "e2e"]).suite == "e2e"
