@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -250,6 +251,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from aiocache_kv.bench import report
 
     suites = SUITES if args.suite == "all" else (args.suite,)
+    if args.plot and "e2e" in suites and importlib.util.find_spec("matplotlib") is None:
+        from aiocache_kv.bench.e2e import PLOT_HINT
+
+        print(f"bench e2e: {PLOT_HINT}", file=sys.stderr)  # before a long run, not after
+        return 2
     results: dict[str, report.JSON] = {}
     e2e_failed = False
     print(

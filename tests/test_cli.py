@@ -294,3 +294,18 @@ def test_help_lists_every_bench_suite(capsys: pytest.CaptureFixture[str]) -> Non
         text = " ".join(capsys.readouterr().out.split())
         assert all(name in text for name in suites), (argv, text)
     assert build_parser().parse_args(["bench", "e2e"]).suite == "e2e"
+
+
+def test_plot_without_matplotlib_exits_2_with_the_readme_hint(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from aiocache_kv.bench.e2e import PLOT_HINT
+    from aiocache_kv.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not importable
+    png = tmp_path / "ttft.png"
+    assert main(["bench", "e2e", "--plot", str(png), "--prefix-lens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert PLOT_HINT in err and not png.exists()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "pip install -e .[plot]" in PLOT_HINT and "pip install -e .[plot]" in readme
