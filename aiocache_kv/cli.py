@@ -1,4 +1,4 @@
-"""The ``aiocache-kv`` command line: ``demo`` and ``bench [tree|transfer|storage]``.
+"""The ``aiocache-kv`` command line: ``demo`` and ``bench [tree|transfer|storage|embedding|e2e]``.
 
 Output meant for people (walkthrough, benchmark tables) goes to stdout; logs go to stderr
 as concise lines (:func:`aiocache_kv.logs.configure_console`).  ``main`` returns the exit code.
@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import sys
 from collections.abc import Sequence
 
-from aiocache_kv.bench import SUITES
+from aiocache_kv.bench import SUITE_HELP, SUITES
 from aiocache_kv.logs import configure_console, get_logger
 
 log = get_logger(__name__)
@@ -122,17 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: radix tree, device<->host transfer, storage tier (all by default)",
+        help=f"benchmarks: {', '.join(SUITES)} (all by default)",
         description="Run benchmark suites; numbers are printed next to their targets and as "
         "ratios against baselines measured in the same run. Timings on a shared machine are "
-        "noisy: compare medians, not single runs.",
+        "noisy: compare medians, not single runs. Suites: "
+        + "; ".join(f"{name}: {text}" for name, text in SUITE_HELP.items())
+        + ".",
     )
     bench.add_argument(
         "suite",
         nargs="?",
-        choices=[*SUITES, "embedding", "e2e", "all"],
+        choices=[*SUITES, "all"],
         default="all",
-        help="suite (default: all)",
+        help="the suite to run (default: all, in this order)",
     )
     bench.add_argument("--json", metavar="PATH", help="write a JSON report to PATH")
     tree = bench.add_argument_group("tree suite")
@@ -247,7 +250,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``aiocache-kv bench [SUITE|all]``."""
     from aiocache_kv.bench import report
 
-    suites = (*SUITES, "embedding", "e2e") if args.suite == "all" else (args.suite,)
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    if args.plot and "e2e" in suites and importlib.util.find_spec("matplotlib") is None:
+        from aiocache_kv.bench.e2e import PLOT_HINT
+
+        print(f"bench e2e: {PLOT_HINT}", file=sys.stderr)  # before a long run, not after
+        return 2
     results: dict[str, report.JSON] = {}
     e2e_failed = False
     print(

@@ -42,7 +42,7 @@ from typing import Any, TextIO
 
 import torch
 
-from aiocache_kv.bench.report import heading, table
+from aiocache_kv.bench.report import Progress, heading, table
 from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.errors import KVCacheError
@@ -147,44 +147,6 @@ class DemoLog:
 
     results: list[TurnResult] = field(default_factory=list)
     events: list[KVEvent] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------------------- progress bar
-
-
-class Progress:
-    """A one-line progress bar on a terminal (nothing when the stream is not a terminal)."""
-
-    def __init__(self, total: int, stream: TextIO | None = None, width: int = 28) -> None:
-        self.total = max(1, total)
-        self.done = 0
-        self.stream = stream if stream is not None else sys.stderr
-        self.width = width
-        self.active = self.stream.isatty()
-        self.started = time.monotonic()
-        self.label = ""
-
-    def advance(self, label: str = "") -> None:
-        """One step done; redraw."""
-        self.done += 1
-        self.label = label
-        self.draw()
-
-    def draw(self) -> None:
-        """Redraw the bar in place."""
-        if not self.active:
-            return
-        filled = self.width * self.done // self.total
-        bar = "#" * filled + "." * (self.width - filled)
-        elapsed = time.monotonic() - self.started
-        self.stream.write(f"\r\033[K[{bar}] {self.done}/{self.total} {elapsed:5.1f}s {self.label}")
-        self.stream.flush()
-
-    def clear(self) -> None:
-        """Erase the bar (before printing a table); the next :meth:`draw` brings it back."""
-        if self.active:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
 
 
 # ---------------------------------------------------------------------------- storage
@@ -415,6 +377,24 @@ def print_statistics(st: CacheStatistics, out: TextIO) -> None:
     table(["counter", "value"], [[k, getattr(st, k)] for k in keys], out=out)
 
 
+def hits_line(results: Sequence[TurnResult], storage: bool) -> str:
+    """Tokens hit per tier (the tiers this run has), and whether each of them served hits."""
+    hits = {
+        "device": sum(r.got.hit_device for r in results),
+        "host": sum(r.got.hit_host for r in results),
+    }
+    if storage:
+        hits["storage"] = sum(r.got.hit_storage for r in results)
+    idle = [k for k, v in hits.items() if not v]
+    if not idle:
+        verdict = "every tier served hits" if storage else "both tiers served hits (no storage)"
+    else:
+        verdict = f"no hits from {' or '.join(idle)} (pools too large for the workload?)"
+    return (
+        "tokens hit per tier: " + ", ".join(f"{k} {v}" for k, v in hits.items()) + f" - {verdict}"
+    )
+
+
 # ---------------------------------------------------------------------------- the run
 
 
@@ -445,13 +425,35 @@ class ChatDemo:
         """A cache config for a new node (each gets its own storage backend object)."""
         return demo_config(self.args, self.model, self.setup.make())
 
+    async def warm_up(self) -> None:
+        """Run both paths, untimed, on a throwaway cache and a prompt as long as the first
+        turn's, so that neither path's first timed run pays the other's warm-up (first calls
+        of a shape, allocations): a miss then shows ~1x."""
+        rng = random.Random(-1)
+        n = len(self.chats[0].history) + len(self.chats[0].messages[0])
+        cfg = demo_config(self.args, self.model)  # no storage: nothing outlives the warm-up
+        async with HiCache(cfg) as scratch:
+            lm = CachedLM(self.model, scratch)
+            for _ in range(2):
+                prompt = [rng.randrange(int(self.model.config.vocab_size)) for _ in range(n)]
+                await lm.generate(prompt, self.new_tokens, keep_logits=True)
+                reference_generate(self.model, prompt, self.new_tokens, keep_logits=True)
+
     async def turn(self, lm: CachedLM, chat: Conversation, turn: int, node: str) -> TurnResult:
-        """Send the chat's next message; generate without and with the cache; compare."""
+        """Send the chat's next message; generate without and with the cache; compare.
+
+        The two run in alternating order (by turn and chat), so neither is always the one
+        that finds the processor caches warm."""
         prompt = chat.history + chat.messages[chat.replies]
+        cached_first = (turn + self.chats.index(chat)) % 2 == 1
+        if cached_first:
+            got = await lm.generate(prompt, self.new_tokens, keep_logits=True)
+            self.progress.advance(f"{node} turn {turn} {chat.name}: cache")
         ref = reference_generate(self.model, prompt, self.new_tokens, keep_logits=True)
         self.progress.advance(f"{node} turn {turn} {chat.name}: no cache")
-        got = await lm.generate(prompt, self.new_tokens, keep_logits=True)
-        self.progress.advance(f"{node} turn {turn} {chat.name}: cache")
+        if not cached_first:
+            got = await lm.generate(prompt, self.new_tokens, keep_logits=True)
+            self.progress.advance(f"{node} turn {turn} {chat.name}: cache")
         assert ref.logits is not None and got.logits is not None
         diff = float((ref.logits - got.logits).abs().max())
         chat.history = prompt + got.tokens
@@ -470,6 +472,15 @@ class ChatDemo:
 
     async def run(self) -> bool:
         """Node 1 plays every turn; node 2 (restarted, same storage) one more turn each."""
+        try:
+            await self.warm_up()
+            await self.play()
+        finally:
+            self.progress.clear()
+        return self.summary()
+
+    async def play(self) -> None:
+        """The turns of node 1, then (with a storage tier) node 2's."""
         async with contextlib.AsyncExitStack() as stack:
             cache = await stack.enter_async_context(HiCache(self.config()))
             lm = CachedLM(self.model, cache)
@@ -498,33 +509,17 @@ class ChatDemo:
                     heading("node 2: statistics()", out=self.out)
                     print_statistics(cache2.statistics(), self.out)
                     self.log.events += cache2.take_events()
-        self.progress.clear()
-        return self.summary()
 
     def summary(self) -> bool:
         """The tables across all turns; True when every generation was identical."""
         results = self.log.results
         out = self.out
-        heading("KV events (both nodes)", out=out)
+        restarted = self.setup.kind != "none"
+        heading("KV events (both nodes)" if restarted else "KV events", out=out)
         print_event_summary(self.log.events, out)
         heading("TTFT by the deepest tier that served the prefix", out=out)
         print_ttft_by_source(results, out)
-        hits = {
-            "device": sum(r.got.hit_device for r in results),
-            "host": sum(r.got.hit_host for r in results),
-            "storage": sum(r.got.hit_storage for r in results),
-        }
-        expected = ("device", "host", "storage") if self.setup.kind != "none" else ("device",)
-        print(
-            "\ntokens hit per tier: "
-            + ", ".join(f"{k} {v}" for k, v in hits.items())
-            + (
-                " - every tier served hits"
-                if all(hits[k] for k in expected)
-                else " - some tier served no hits (pools too large for the workload?)"
-            ),
-            file=out,
-        )
+        print("\n" + hits_line(results, restarted), file=out)
         bad = [r for r in results if not r.identical]
         worst = max((r.max_logit_diff for r in results), default=0.0)
         if bad:

@@ -51,7 +51,7 @@ def get_logger(name: str) -> Any:
 def configure_console(level: str = "info", stream: TextIO | None = None) -> None:
     """Print the library's (and the tools') logs at ``level`` and above as short lines on
     ``stream`` (default stderr).  For programs, not for the library itself."""
-    handler = _ConsoleHandler(stream if stream is not None else sys.stderr)
+    handler = _ConsoleHandler(stream)
     handler.setFormatter(
         logging.Formatter("%(asctime)s %(levelname)-7s %(message)s", datefmt="%H:%M:%S")
     )
@@ -63,7 +63,19 @@ def configure_console(level: str = "info", stream: TextIO | None = None) -> None
 
 
 class _ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """The handler :func:`configure_console` installs (so it can replace its own)."""
+    """The handler :func:`configure_console` installs (so it can replace its own).
+
+    Without a stream it writes to whatever ``sys.stderr`` is at the time of each record, so
+    a progress bar that redirects stderr (``rich``) prints log lines above itself."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        super().__init__(stream if stream is not None else sys.stderr)
+        self.follow_stderr = stream is None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.follow_stderr:
+            self.stream = sys.stderr
+        super().emit(record)
 
 
 __all__ = ["ROOT", "configure_console", "get_logger"]

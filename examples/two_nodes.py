@@ -12,7 +12,8 @@ then:
 3. node B serves the prompt again: now a device hit.
 
 Run: ``python examples/two_nodes.py`` (needs the ``mooncake`` and ``server`` extras).  Exit code
-0 when node B's output equals node A's and node B's prefix came from storage.
+0 when node B's output equals node A's and node B's prefix came from storage.  The servers'
+logs go to a temporary directory, removed on success and kept (its path printed) otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import contextlib
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -149,6 +151,21 @@ async def run(args: argparse.Namespace) -> int:
     prompt = [rng.randrange(50257) for _ in range(args.prompt_tokens)]
     extra = ["--model-seed", str(args.seed), "--layers", "4", "--hidden", "256"]
     logdir = await asyncio.to_thread(tempfile.mkdtemp, prefix="aiocache-kv-two-nodes-")
+    code = 1
+    try:
+        code = await serve_and_compare(args, prompt, extra, logdir)
+    finally:  # the server logs are kept only when something went wrong
+        if code == 0:
+            await asyncio.to_thread(shutil.rmtree, logdir, True)
+        else:
+            print(f"server logs kept in {logdir}", file=sys.stderr)
+    return code
+
+
+async def serve_and_compare(
+    args: argparse.Namespace, prompt: list[int], extra: Sequence[str], logdir: str
+) -> int:
+    """Node A computes ``prompt``, node B serves it from storage; 0 when they agree."""
     async with master(args) as (rpc, metadata), aiohttp.ClientSession() as session:
         print(f"mooncake master {rpc} (metadata {metadata}); server logs in {logdir}")
         a = Node("A", free_port(), logdir)

@@ -75,6 +75,10 @@ def test_demo_without_storage_other_page_size_and_seed() -> None:
     assert "page_size=8" in proc.stdout
     assert "identity check PASSED: 4/4" in proc.stdout
     assert "restarted node" not in proc.stdout and "STORAGE" not in proc.stdout
+    # the summary claims only what this run has: one node, no storage tier
+    assert "both nodes" not in proc.stdout and "every tier" not in proc.stdout
+    (hits,) = [line for line in proc.stdout.splitlines() if line.startswith("tokens hit per")]
+    assert "storage" not in hits.split(" - ")[0]
 
 
 def test_demo_too_small_device_pool_fails_cleanly() -> None:
@@ -279,3 +283,29 @@ def test_bench_rejects_unknown_suite(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "storage", "--batch", "16,x"])
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_help_lists_every_bench_suite(capsys: pytest.CaptureFixture[str]) -> None:
+    suites = ("tree", "transfer", "storage", "embedding", "e2e")
+    for argv in (["--help"], ["bench", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(argv)
+        assert exc.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(name in text for name in suites), (argv, text)
+    assert build_parser().parse_args(["bench", "e2e"]).suite == "e2e"
+
+
+def test_plot_without_matplotlib_exits_2_with_the_readme_hint(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from aiocache_kv.bench.e2e import PLOT_HINT
+    from aiocache_kv.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not importable
+    png = tmp_path / "ttft.png"
+    assert main(["bench", "e2e", "--plot", str(png), "--prefix-lens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert PLOT_HINT in err and not png.exists()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "pip install -e .[plot]" in PLOT_HINT and "pip install -e .[plot]" in readme

@@ -56,3 +56,20 @@ def test_console_goes_to_the_given_stream_once(capsys: pytest.CaptureFixture[str
         assert err.count("slow_store") == 1 and "ms=12" in err
     finally:
         root.handlers[:], _ = before[0], root.setLevel(before[1])
+
+
+def test_console_follows_sys_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a stream, log lines go to the current ``sys.stderr`` (a progress bar that
+    redirects it prints them above itself)."""
+    import io
+
+    root = logging.getLogger("aiocache_kv")
+    before = list(root.handlers), root.level
+    try:
+        configure_console("warning")
+        redirected = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", redirected)
+        get_logger("aiocache_kv.test").warning("slow_store", ms=12)
+        assert "slow_store ms=12" in redirected.getvalue()
+    finally:
+        root.handlers[:], _ = before[0], root.setLevel(before[1])

@@ -2,12 +2,14 @@
 
 A suite returns a plain ``dict`` (JSON-able: str, int, float, bool, lists, dicts).  The CLI
 merges the suites into one report with :func:`make_report` and writes it with
-:func:`write_json`; each suite prints its own table through :func:`table` as it goes, so a
-long run shows progress.
+:func:`write_json`; each suite prints its own table through :func:`table` (``rich.table``:
+fitted to a terminal, plain aligned text in a pipe or a file) as it goes, so a long run shows
+progress.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
@@ -19,6 +21,18 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from rich import box
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.progress import Progress as RichProgress
+from rich.table import Table
+from rich.text import Text
 
 JSON = dict[str, Any]
 
@@ -63,6 +77,39 @@ def fmt_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+#: the plain-text look of a table when the output is not a terminal: headers, a dashed rule,
+#: rows; columns separated by spaces, no other drawing characters (greppable, diffable)
+PLAIN_BOX = box.Box("    \n    \n -  \n    \n    \n    \n    \n    \n", ascii=True)
+
+
+def is_terminal(stream: TextIO) -> bool:
+    """``stream`` is an interactive terminal (not a pipe, a file or a ``StringIO``)."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
+def console(stream: TextIO | None = None) -> Console:
+    """A ``rich`` console writing to ``stream`` (default stdout).
+
+    On a terminal: its width, colours, bold headers.  Anywhere else (a pipe, a file, a
+    ``StringIO``): no escape codes and no wrapping, whatever ``FORCE_COLOR`` or ``COLUMNS``
+    say, so the output stays plain text a script can parse.
+    """
+    stream = stream if stream is not None else sys.stdout
+    tty = is_terminal(stream)
+    return Console(
+        file=stream,
+        force_terminal=tty,
+        color_system="auto" if tty else None,
+        width=None if tty else 1_000_000,
+        highlight=False,
+        markup=False,
+        emoji=False,
+    )
+
+
 def table(
     headers: Sequence[str],
     rows: Sequence[Sequence[object]],
@@ -70,35 +117,84 @@ def table(
     out: TextIO | None = None,
     align: str | None = None,
 ) -> None:
-    """Print ``rows`` under ``headers`` as a plain aligned text table.
+    """Print ``rows`` under ``headers`` as a table (``rich.table``).
 
     ``align`` is one character per column, ``l`` or ``r`` (default: first column left, the
-    rest right).
+    rest right).  On a terminal the table fits its width (long cells wrap); elsewhere it is
+    plain aligned text, one line per row, no trailing spaces.
     """
     stream = out if out is not None else sys.stdout
-    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     spec = align if align is not None else "l" + "r" * (len(headers) - 1)
-
-    def line(row: Sequence[str]) -> str:
-        parts = [
-            c.ljust(w) if a == "l" else c.rjust(w)
-            for c, w, a in zip(row, widths, spec, strict=True)
-        ]
-        return "  ".join(parts).rstrip()
-
-    print(line(cells[0]), file=stream)
-    print("  ".join("-" * w for w in widths), file=stream)
-    for row in cells[1:]:
-        print(line(row), file=stream)
+    if len(spec) != len(headers):
+        raise ValueError(f"align {spec!r} has {len(spec)} columns, headers {len(headers)}")
+    tty = is_terminal(stream)
+    grid = Table(
+        box=box.SIMPLE_HEAD if tty else PLAIN_BOX,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 0, 0, 1),
+        header_style="bold" if tty else "",
+    )
+    for name, a in zip(headers, spec, strict=True):
+        grid.add_column(Text(str(name)), justify="left" if a == "l" else "right", no_wrap=not tty)
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"row {list(row)!r} has {len(row)} cells, headers {len(headers)}")
+        grid.add_row(*(Text(str(c)) for c in row))
+    if tty:
+        console(stream).print(grid)
+    else:  # rendered aside, then written without the cells' trailing padding
+        buf = io.StringIO()
+        console(buf).print(grid)
+        stream.write("".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines()))
     stream.flush()
 
 
 def heading(text: str, *, out: TextIO | None = None) -> None:
-    """Print a section heading."""
+    """Print a section heading (``== text ==`` after a blank line; bold on a terminal)."""
     stream = out if out is not None else sys.stdout
-    print(f"\n== {text} ==", file=stream)
+    console(stream).print(Text(f"\n== {text} ==", style="bold"))
     stream.flush()
+
+
+class Progress:
+    """A progress bar (``rich.progress``: steps, elapsed, ETA, the current step) on
+    ``stream`` (default stderr) when it is a terminal; nothing otherwise.
+
+    :meth:`clear` takes it off the screen (before printing a table on stdout, which may be
+    the same terminal), :meth:`draw` brings it back.  While it shows, log lines written to
+    ``sys.stderr`` are printed above it.
+    """
+
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.active = is_terminal(self.stream)
+        self.bar = RichProgress(
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.description}"),
+            console=console(self.stream),
+            transient=True,
+            redirect_stdout=False,  # stdout (the tables) may be a file: never onto stderr
+            disable=not self.active,
+        )
+        self.task = self.bar.add_task("", total=max(1, total))
+
+    def advance(self, label: str = "") -> None:
+        """One step done; show ``label`` as the current step."""
+        self.bar.update(self.task, advance=1, description=label)
+        self.draw()
+
+    def draw(self) -> None:
+        """Show the bar (again)."""
+        self.bar.start()
+
+    def clear(self) -> None:
+        """Take the bar off the screen; :meth:`draw` brings it back."""
+        self.bar.stop()
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.mooncake
-def test_two_nodes_share_kv_through_mooncake() -> None:
+def test_two_nodes_share_kv_through_mooncake(tmp_path: Path) -> None:
     pytest.importorskip("aiohttp")
     from aiocache_kv.testing.mooncake_master import mooncake_available
 
@@ -30,6 +30,7 @@ def test_two_nodes_share_kv_through_mooncake() -> None:
         timeout=240,
         check=False,
         cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -42,3 +43,5 @@ def test_two_nodes_share_kv_through_mooncake() -> None:
     # node B, first request: 288 of 300 prompt tokens from storage (18 pages), 12 computed
     assert (prompt, device, host, storage, computed) == (300, 0, 0, 288, 12)
     assert int(rows[2][-5]) == 288  # node B again: a device hit
+    # the servers' log dir and the master's are removed (torch may leave its own caches)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("aiocache-kv-")] == []
