@@ -79,8 +79,9 @@ class CacheCollector:
         cache: the cache to report (started or not: an unstarted cache reports zeros).
         prompts: the serving loop's prompt attribution (e.g. ``CachedLM.prompt_tokens``);
             without it ``aiocache_kv_prompt_tokens_total`` is not exported.
-        labels: constant labels added to every sample, e.g. ``{"model": "gpt2"}`` when one
-            registry reports several caches.
+        labels: constant labels added to every sample, e.g. ``{"rank": "0"}``.  A registry
+            holds one collector (two would export the same families, which the registry
+            refuses): give each cache its own registry.
         registry: register into this ``CollectorRegistry`` at once.
 
     Raises:
