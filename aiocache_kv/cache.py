@@ -581,7 +581,8 @@ class HiCache:
     # ------------------------------------------------------------------ introspection
 
     def statistics(self) -> CacheStatistics:
-        """A frozen snapshot of sizes, hits and operations in flight."""
+        """A frozen snapshot of sizes, hits, latencies and operations in flight."""
+        self._core.check_owner()
         return snapshot(self._core, self._transfers, self._l3)
 
     def check_invariants(self) -> None:

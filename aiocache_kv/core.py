@@ -27,6 +27,7 @@ from aiocache_kv.events.kv_events import namespace_fields
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
 from aiocache_kv.pools.sidecar import SidecarPools
 from aiocache_kv.stats import CacheCounters
+from aiocache_kv.telemetry import Latencies
 from aiocache_kv.tree import Node, RadixTree, Tier
 
 SplitHook = Callable[[Node, Node], None]
@@ -50,6 +51,7 @@ class CacheCore:
         self.tree = RadixTree(config.page_size, on_split=self._on_split)
         self.events = EventLog(enabled=config.enable_kv_events)
         self.counters = CacheCounters()
+        self.latencies = Latencies()  #: observed when copies, backups, prefetches end
         self.loop: asyncio.AbstractEventLoop | None = None
         self.owner: int | None = None
         self.device_pool: DeviceKVPool | None = None
@@ -158,8 +160,10 @@ class CacheCore:
         """Evict at least ``num_pages`` device pages if possible; return pages freed now."""
         ev = self.tree.evict_device(num_pages, self.stager)
         self.free_device(ev.pages)
+        self.counters.evicted_pages_device += ev.num_pages
         if ev.host_pages:
             self.free_host(ev.host_pages)
+            self.counters.evicted_pages_host += sum(p.numel() for p in ev.host_pages)
         self.emit_removed(ev.nodes, Tier.DEVICE)
         self.emit_removed(ev.host_nodes, Tier.HOST)
         return ev.num_pages
@@ -170,6 +174,7 @@ class CacheCore:
             return 0
         ev = self.tree.evict_host(num_pages)
         self.free_host(ev.pages)
+        self.counters.evicted_pages_host += ev.num_pages
         self.emit_removed(ev.nodes, Tier.HOST)
         return ev.num_pages
 
@@ -178,6 +183,7 @@ class CacheCore:
         pages = self.tree.demote(node)
         if pages is not None:
             self.free_device([pages])
+            self.counters.evicted_pages_device += pages.numel()
             self.emit_removed([node], Tier.DEVICE)
 
     # ------------------------------------------------------------------ events

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from aiocache_kv.telemetry import HistogramSnapshot
 
 
 @dataclass(slots=True)
@@ -22,6 +25,8 @@ class CacheCounters:
     load_back_failed: int = 0
     bytes_device_to_host: int = 0
     bytes_host_to_device: int = 0
+    evicted_pages_device: int = 0  #: device copies dropped (demoted or deleted)
+    evicted_pages_host: int = 0  #: host copies dropped
 
 
 @dataclass(slots=True)
@@ -86,3 +91,9 @@ class CacheStatistics:
     prefetch_hit_tokens: int = 0  #: committed to the host tier
     prefetch_pages_discarded: int = 0  #: loaded or reserved but not committed
     storage_errors: int = 0
+    evicted_pages_device: int = 0  #: device copies dropped by eviction (demoted or deleted)
+    evicted_pages_host: int = 0  #: host copies dropped by eviction
+    events_pending: int = 0  #: KV events buffered and not yet taken or streamed
+    events_dropped: int = 0  #: KV events dropped because the buffer was full
+    #: seconds per operation: load_back, write_through, write_back, backup, prefetch
+    latency: Mapping[str, HistogramSnapshot] = field(default_factory=dict)

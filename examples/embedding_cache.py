@@ -146,12 +146,9 @@ if __name__ == "__main__":
     args = ap.parse_args()
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     if args.node:
-        import structlog
+        from aiocache_kv.logs import configure_console
 
-        structlog.configure(
-            logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-            wrapper_class=structlog.make_filtering_bound_logger(30),
-        )
+        configure_console("warning")  # stdout carries the node's results
         asyncio.run(run_node(args.node, args.master, args.metadata))
     else:
         asyncio.run(main())

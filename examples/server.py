@@ -2,7 +2,7 @@
 
 Run::
 
-    pip install -e .[server]                  # aiohttp
+    pip install -e .[server]                  # aiohttp, prometheus_client
     python examples/server.py --port 8000     # binds 127.0.0.1; FileStorage in a temp dir
     curl -s localhost:8000/generate -H 'Content-Type: application/json' \\
         -d '{"tokens": [1, 2, 3], "max_new_tokens": 8}'
@@ -13,16 +13,22 @@ Endpoints:
 
 * ``POST /generate`` - ``{"tokens": [int, ...], "max_new_tokens": int}`` ->
   ``{"tokens": [...], "prompt_tokens", "cached_tokens": {"device", "host", "storage"},
-  "computed_tokens", "ttft_ms", "total_ms"}``.  Token ids only: GPT-2's tokenizer would have
-  to be downloaded, and this server downloads nothing (the weights are random, seeded).
+  "computed_tokens", "ttft_ms", "total_ms"}``: ``cached_tokens`` are the prompt tokens the
+  model did not recompute, by the tier their KV came from, so cached + computed is the prompt
+  (a fully cached prompt still recomputes its last page).  Token ids only: GPT-2's tokenizer
+  would have to be downloaded, and this server downloads nothing (the weights are random,
+  seeded).
   A malformed request gets ``{"error": "..."}``: 400 (bad JSON, encoding or fields), 413 (body
   over ``--max-body-bytes``, 1 MiB), 415 (a Content-Type other than JSON, or a charset other
   than UTF-8/16/32).
 * ``GET /health`` - ``{"status": "ok", ...}`` with the cache's page counts.
 * ``POST /flush`` - waits until every copy and storage backup in flight has landed (so another
   node can read this node's pages from storage).
-* ``GET /metrics`` - Prometheus text format: prompt tokens per tier, prefetch / load-back /
-  write-through bytes and latency, storage backups, pool usage, KV events.
+* ``GET /metrics`` - Prometheus text format: the cache's metrics from
+  :class:`aiocache_kv.metrics.CacheCollector` (hits and prompt tokens per tier, bytes per
+  direction, load-back / write-through / backup / prefetch latency, pool pages, evictions,
+  storage errors, operations in flight, event queue depth) and the server's own (requests,
+  generated tokens, TTFT, KV events drained).  Collected in the handler, on the loop thread.
 
 Each request awaits the cache the way a serving loop does (:class:`CachedLM`): ``prefetch``
 (storage -> host), ``match_prefix``, ``load_back`` (host -> device), prefill of the uncached
@@ -44,19 +50,18 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-import structlog
 import torch
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import generate_latest
 
 from aiocache_kv import (
     BlockRemoved,
     BlockStored,
-    CacheStatistics,
     FileStorage,
     HiCache,
     KVCacheError,
@@ -66,12 +71,17 @@ from aiocache_kv import (
 )
 from aiocache_kv.events import ZmqEventPublisher
 from aiocache_kv.events.zmq import EventEncoding
+from aiocache_kv.logs import get_logger
+from aiocache_kv.metrics import CacheCollector
 from aiocache_kv.models import CachedLM, GPT2Spec, build_gpt2, cache_config_for
 from aiocache_kv.models.generate import Generation
 
-log = structlog.get_logger("aiocache_kv.examples.server")
+log = get_logger("aiocache_kv.examples.server")
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass
@@ -96,170 +106,41 @@ class ServerOptions:
     kv_events_encoding: EventEncoding = "map"
 
 
-class Histogram:
-    """A Prometheus histogram (cumulative buckets, sum, count)."""
+class ServerMetrics:
+    """What the server counts itself, in the registry that also holds the cache's collector.
 
-    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)
-        self.sum = 0.0
-        self.count = 0
+    The cache's own metrics (hits per tier, prompt tokens per source, bytes, latencies, pool
+    pages, evictions, storage errors, operations in flight, the event queue) come from
+    :class:`aiocache_kv.metrics.CacheCollector`, registered once the cache is open.
+    """
 
-    def observe(self, value: float) -> None:
-        """Record one observation."""
-        self.sum += value
-        self.count += 1
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-
-    def lines(self, name: str, labels: str = "") -> list[str]:
-        """Exposition lines for this histogram."""
-        sep = "," if labels else ""
-        out = [
-            f'{name}_bucket{{{labels}{sep}le="{bound}"}} {n}'
-            for bound, n in zip(self.buckets, self.counts, strict=True)
-        ]
-        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')
-        suffix = f"{{{labels}}}" if labels else ""
-        out.append(f"{name}_sum{suffix} {self.sum:.6f}")
-        out.append(f"{name}_count{suffix} {self.count}")
-        return out
-
-
-@dataclass
-class Metrics:
-    """What the server counts itself (the cache's own counters come from ``statistics()``)."""
-
-    requests: Counter[str] = field(default_factory=Counter)  #: by outcome
-    prompt_tokens: Counter[str] = field(default_factory=Counter)  #: by tier / computed
-    generated_tokens: int = 0
-    events: Counter[tuple[str, str]] = field(default_factory=Counter)  #: (type, medium)
-    ttft: Histogram = field(default_factory=Histogram)
-    prefetch: Histogram = field(default_factory=Histogram)
-    load_back: Histogram = field(default_factory=Histogram)
-    write_through: Histogram = field(default_factory=Histogram)
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "aiocache_kv_requests", "Generate requests by outcome.", ["outcome"], registry=registry
+        )
+        for outcome in ("ok", "bad_request", "error"):
+            self.requests.labels(outcome=outcome)
+        self.generated_tokens = Counter(
+            "aiocache_kv_generated_tokens", "Tokens generated.", registry=registry
+        )
+        self.ttft = Histogram(
+            "aiocache_kv_ttft_seconds",
+            "Time to first token, per request.",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.events = Counter(
+            "aiocache_kv_events",
+            "KV events drained by the server, by type and medium.",
+            ["type", "medium"],
+            registry=registry,
+        )
 
     def record(self, gen: Generation) -> None:
-        """Account one finished generation."""
-        self.requests["ok"] += 1
-        self.prompt_tokens["device"] += gen.hit_device
-        self.prompt_tokens["host"] += gen.hit_host
-        self.prompt_tokens["storage"] += gen.hit_storage
-        self.prompt_tokens["computed"] += gen.computed
-        self.generated_tokens += len(gen.tokens)
+        """Account one finished generation (its prompt attribution is the ``CachedLM``'s)."""
+        self.requests.labels(outcome="ok").inc()
+        self.generated_tokens.inc(len(gen.tokens))
         self.ttft.observe(gen.ttft)
-        if gen.prefetch_s:
-            self.prefetch.observe(gen.prefetch_s)
-        if gen.load_back_s:
-            self.load_back.observe(gen.load_back_s)
-        if gen.backup_s:
-            self.write_through.observe(gen.backup_s)
-
-
-def render_metrics(m: Metrics, st: CacheStatistics, page_size: int, page_bytes: int) -> str:
-    """The Prometheus text exposition of the server's and the cache's counters."""
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float | int]]) -> None:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            lines.append(f"{name}{{{labels}}} {value}" if labels else f"{name} {value}")
-
-    def hist(name: str, help_: str, h: Histogram) -> None:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} histogram")
-        lines.extend(h.lines(name))
-
-    metric(
-        "aiocache_kv_requests_total",
-        "counter",
-        "Generate requests by outcome.",
-        [(f'outcome="{k}"', v) for k, v in sorted(m.requests.items())] or [('outcome="ok"', 0)],
-    )
-    metric(
-        "aiocache_kv_prompt_tokens_total",
-        "counter",
-        "Prompt tokens by where their KV came from (device/host/storage hit, or computed).",
-        [(f'source="{k}"', m.prompt_tokens[k]) for k in ("device", "host", "storage", "computed")],
-    )
-    metric(
-        "aiocache_kv_generated_tokens_total", "counter", "Tokens generated.",
-        [("", m.generated_tokens)],
-    )  # fmt: skip
-    hist("aiocache_kv_ttft_seconds", "Time to first token, per request.", m.ttft)
-    hist("aiocache_kv_prefetch_seconds", "Awaiting prefetch (storage -> host).", m.prefetch)
-    hist("aiocache_kv_load_back_seconds", "Awaiting load_back (host -> device).", m.load_back)
-    hist(
-        "aiocache_kv_write_through_seconds",
-        "Awaiting the write-through ack (device -> host) after insert.",
-        m.write_through,
-    )
-    metric(
-        "aiocache_kv_cache_hit_tokens_total",
-        "counter",
-        "Tokens matched per tier by match_prefix, and committed by prefetch.",
-        [
-            ('tier="device"', st.hit_tokens_device),
-            ('tier="host"', st.hit_tokens_host),
-            ('tier="storage"', st.prefetch_hit_tokens),
-        ],
-    )
-    metric(
-        "aiocache_kv_transfer_bytes_total",
-        "counter",
-        "Bytes moved between tiers.",
-        [
-            ('direction="device_to_host"', st.bytes_device_to_host),
-            ('direction="host_to_device"', st.bytes_host_to_device),
-            ('direction="host_to_storage"', st.backup_pages_ok * page_bytes),
-            ('direction="storage_to_host"', st.prefetch_hit_tokens // page_size * page_bytes),
-        ],
-    )
-    metric(
-        "aiocache_kv_storage_pages_total",
-        "counter",
-        "Storage tier pages: backed up, failed, prefetched (committed), discarded.",
-        [
-            ('op="backup_ok"', st.backup_pages_ok),
-            ('op="backup_failed"', st.backup_pages_failed),
-            ('op="backup_skipped"', st.backup_skipped_pages),
-            ('op="prefetch_discarded"', st.prefetch_pages_discarded),
-        ],
-    )
-    metric(
-        "aiocache_kv_storage_errors_total", "counter", "Storage errors.", [("", st.storage_errors)]
-    )
-    metric(
-        "aiocache_kv_pool_pages",
-        "gauge",
-        "Pages per pool by state.",
-        [
-            (f'tier="{name}",state="{state}"', getattr(t, f"{state}_pages"))
-            for name, t in (("device", st.device), ("host", st.host))
-            for state in ("total", "free", "held", "evictable", "protected")
-        ],
-    )
-    metric(
-        "aiocache_kv_operations_in_flight",
-        "gauge",
-        "Copies and storage operations in flight.",
-        [('kind="copy"', st.ops_in_flight), ('kind="storage"', st.storage_in_flight)],
-    )
-    metric(
-        "aiocache_kv_events_published_total",
-        "counter",
-        "KV events published by the cache.",
-        [("", st.events_published)],
-    )
-    metric(
-        "aiocache_kv_events_total",
-        "counter",
-        "KV events drained by the server, by type and medium.",
-        [(f'type="{t}",medium="{md}"', n) for (t, md), n in sorted(m.events.items())],
-    )
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------- request parsing
@@ -419,10 +300,11 @@ class GenerateServer:
             max_kv_slots=opts.device_pages * opts.page_size,
             max_body_bytes=opts.max_body_bytes,
         )
-        self.metrics = Metrics()
+        #: scraped on the loop (``/metrics``): the cache's collector reads loop-owned state
+        self.registry = CollectorRegistry()
+        self.metrics = ServerMetrics(self.registry)
         self.cache: HiCache | None = None
         self.lm: CachedLM | None = None
-        self.page_bytes = 0
         self.started = time.monotonic()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -479,7 +361,6 @@ class GenerateServer:
                 prefetch_policy="timeout",
                 prefetch_threshold_tokens=o.page_size,
             )
-            self.page_bytes = cfg.page_bytes
             self.cache = await stack.enter_async_context(HiCache(cfg))
             runner = None
             if o.model_thread:
@@ -487,6 +368,10 @@ class GenerateServer:
                 stack.callback(self._executor.shutdown, wait=False)
                 runner = self._run_in_model_thread
             self.lm = CachedLM(model, self.cache, runner=runner)
+            collector = CacheCollector(
+                self.cache, prompts=self.lm.prompt_tokens, registry=self.registry
+            )
+            stack.callback(self.registry.unregister, collector)
             drain = asyncio.get_running_loop().create_task(
                 self._drain_events(self.cache, publisher)
             )
@@ -511,10 +396,8 @@ class GenerateServer:
 
     def _count_events(self, events: list[KVEvent]) -> None:
         for ev in events:
-            if isinstance(ev, (BlockStored, BlockRemoved)):
-                self.metrics.events[(type(ev).__name__, ev.medium)] += 1
-            else:
-                self.metrics.events[(type(ev).__name__, "")] += 1
+            medium = ev.medium if isinstance(ev, (BlockStored, BlockRemoved)) else ""
+            self.metrics.events.labels(type=type(ev).__name__, medium=medium).inc()
 
     # ------------------------------------------------------------------ handlers
 
@@ -523,26 +406,23 @@ class GenerateServer:
         try:
             req = await parse_generate_request(request, self.limits)
         except BadRequest as exc:
-            self.metrics.requests["bad_request"] += 1
+            self.metrics.requests.labels(outcome="bad_request").inc()
             return web.json_response({"error": exc.message}, status=exc.status)
         assert self.lm is not None
         try:
             gen = await self.lm.generate(req.tokens, req.max_new_tokens)
         except KVCacheError as exc:
-            self.metrics.requests["error"] += 1
+            self.metrics.requests.labels(outcome="error").inc()
             status = 400 if isinstance(exc, ValueError) else 503
             return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=status)
         self.metrics.record(gen)
+        src = gen.attribution  # only reused tokens count as cached: cached + computed = prompt
         return web.json_response(
             {
                 "tokens": gen.tokens,
                 "prompt_tokens": gen.prompt_len,
-                "cached_tokens": {
-                    "device": gen.hit_device,
-                    "host": gen.hit_host,
-                    "storage": gen.hit_storage,
-                },
-                "computed_tokens": gen.computed,
+                "cached_tokens": {"device": src.device, "host": src.host, "storage": src.storage},
+                "computed_tokens": src.computed,
                 "ttft_ms": round(gen.ttft * 1e3, 3),
                 "total_ms": round(gen.total * 1e3, 3),
             }
@@ -579,12 +459,11 @@ class GenerateServer:
         )
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
-        """``GET /metrics`` (Prometheus text format 0.0.4)."""
-        assert self.cache is not None
-        text = render_metrics(
-            self.metrics, self.cache.statistics(), self.opts.page_size, self.page_bytes
-        )
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+        """``GET /metrics`` (Prometheus text format 0.0.4), collected here on the loop thread."""
+        if self.cache is None:
+            return web.json_response({"status": "starting"}, status=503)
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 SERVER: web.AppKey[GenerateServer] = web.AppKey("server", GenerateServer)
@@ -675,6 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_logging("info")
     opts = parse_args(argv)
+    log.info("server_listening", url=f"http://{opts.host}:{opts.port}")
     web.run_app(make_app(opts), host=opts.host, port=opts.port, print=None)
     return 0
 

@@ -140,8 +140,8 @@ async def test_bad_slots_raise_and_change_nothing(engine: ManualCopyEngine) -> N
     async with akv.HiCache(small_config(), copy_engine=engine) as cache:
         r = insert(cache, [1, 2, 3, 4])
         held = cache.alloc(4)
-        before = cache.statistics()
         events = cache.take_events()
+        before = cache.statistics()  # after the drain: it counts the events pending
         bad: list[object] = [
             held.float(),  # wrong dtype
             held.view(2, 2),  # wrong shape

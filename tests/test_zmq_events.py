@@ -675,7 +675,16 @@ async def test_example_server_publishes_with_kv_events_flag(
             assert events[0].token_ids[:16] == list(range(1, 17))
             async with session.get(f"http://{host}:{port}/metrics") as r:
                 text = await r.text()
-            assert 'aiocache_kv_events_total{type="BlockStored",medium="GPU"}' in text
+            from prometheus_client.parser import text_string_to_metric_families
+
+            stored = [
+                s
+                for fam in text_string_to_metric_families(text)
+                for s in fam.samples
+                if s.name == "aiocache_kv_events_total"
+                and s.labels == {"type": "BlockStored", "medium": "GPU"}
+            ]
+            assert stored and stored[0].value > 0
     finally:
         await runner.cleanup()  # the cache closes before the publisher: the clear goes out
         try:

@@ -21,6 +21,11 @@ class EventLog:
         self.published = 0
         self.dropped = 0
 
+    @property
+    def pending(self) -> int:
+        """Events buffered and not yet taken or streamed."""
+        return len(self._buf)
+
     def append(self, event: KVEvent) -> None:
         """Record one event (dropping the oldest beyond ``max_buffered``)."""
         if len(self._buf) >= self._max:

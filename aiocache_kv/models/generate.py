@@ -33,6 +33,7 @@ from aiocache_kv.handles import MatchResult
 from aiocache_kv.logs import get_logger
 from aiocache_kv.models.gpt2 import kv_shape
 from aiocache_kv.models.paged import PagedKV
+from aiocache_kv.telemetry import PromptAttribution, PromptCounters, attribute
 
 log = get_logger(__name__)
 
@@ -57,7 +58,9 @@ class Generation:
     tokens: list[int]  #: generated token ids
     ttft: float  #: seconds from the request to the first generated token
     total: float  #: seconds for the whole request
-    hit_device: int = 0  #: prompt tokens whose KV was on device at match time
+    #: prompt tokens whose KV was on device at match time (the match, not what was reused:
+    #: see :attr:`attribution`)
+    hit_device: int = 0
     hit_host: int = 0  #: ... on host (loaded back)
     hit_storage: int = 0  #: ... in storage (prefetched to host, then loaded back)
     reused: int = 0  #: prompt tokens not recomputed (<= the hits: the last one is always run)
@@ -71,6 +74,19 @@ class Generation:
     def hit_tokens(self) -> int:
         """Prompt tokens found in any tier."""
         return self.hit_device + self.hit_host + self.hit_storage
+
+    @property
+    def attribution(self) -> PromptAttribution:
+        """Where the prompt's KV came from, counting only the ``reused`` tokens as cached
+        (a fully cached prompt still recomputes its last page): ``cached + computed`` is the
+        prompt, which is what a server reports as ``cached_tokens`` per request."""
+        return attribute(
+            self.prompt_len,
+            self.reused,
+            device=self.hit_device,
+            host=self.hit_host,
+            storage=self.hit_storage,
+        )
 
 
 def _argmax(logits: torch.Tensor) -> int:
@@ -196,7 +212,8 @@ class CachedLM:
 
     Call :meth:`generate` on the loop thread that runs ``cache``.  Forward passes run through
     ``runner`` (default: inline on the loop; pass one that uses a single worker thread to keep
-    the loop responsive in a server).
+    the loop responsive in a server).  :attr:`prompt_tokens` sums every finished request's
+    :attr:`Generation.attribution` (export it with ``aiocache_kv.metrics.CacheCollector``).
 
     Raises:
         ConfigError: the cache's KV shape does not match the model.
@@ -220,6 +237,8 @@ class CachedLM:
         self.await_backup = await_backup
         self.yield_every = max(1, yield_every)
         self.max_positions = max_positions(model)
+        #: prompt tokens of the finished requests by source (device/host/storage/computed)
+        self.prompt_tokens = PromptCounters()
 
     def _check_model(self, model: Any, cache: HiCache) -> None:
         """Raise ``ConfigError`` unless ``cache`` is laid out for ``model``."""
@@ -306,6 +325,7 @@ class CachedLM:
         gen.hit_device, gen.hit_host, gen.hit_storage = hit_device, hit_host, hit_storage
         gen.reused = reused
         gen.prefetch_s, gen.load_back_s, gen.backup_s = prefetch_s, load_back_s, backup_s
+        self.prompt_tokens.record(gen.attribution)
         log.debug(
             "generated",
             prompt=len(toks),

@@ -90,6 +90,7 @@ class _Prefetch:
     #: pages storage listed but could not deliver intact (gone or corrupt: the backend drops
     #: a corrupt page), reported as STORAGE ``BlockRemoved``
     vanished: list[int] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
 
 
 def prefetch_timeout(tokens: int, base: float, per_1k: float, cap: float) -> float:
@@ -340,6 +341,7 @@ class PrefetchingTier(StorageTierBase):
         try:
             job.committed = self._commit(job, end)
             core = self.core
+            core.latencies.prefetch.observe(time.monotonic() - job.started)
             # per-rank facts about a rank's own store: not published where ranks must agree
             if job.vanished and not core.coordinator.deferred:
                 gone = [job.hashes[j] for j in sorted(job.vanished)]

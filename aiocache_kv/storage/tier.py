@@ -61,7 +61,7 @@ log = get_logger(__name__)
 class BackupOp:
     """A batch of nodes whose pages are being put to storage, in page order."""
 
-    __slots__ = ("entry_pages", "error", "future", "results", "targets")
+    __slots__ = ("entry_pages", "error", "future", "results", "started", "targets")
 
     def __init__(self, targets: list[Node], future: asyncio.Future[None]) -> None:
         self.targets = targets
@@ -70,6 +70,7 @@ class BackupOp:
         self.entry_pages: list[int] = []
         self.results: list[bool] = []
         self.error: str | None = None
+        self.started = time.monotonic()
 
 class StorageTier(PrefetchingTier):
     """L3 for one cache.  Created and driven by :class:`~aiocache_kv.cache.HiCache`."""
@@ -220,6 +221,7 @@ class StorageTier(PrefetchingTier):
                 core.emit_stored(node, Tier.STORAGE)
         assert i == pages, f"backup covers {pages} pages but targets {i}"
         failed = pages - ok_pages
+        core.latencies.backup.observe(time.monotonic() - op.started)
         self.counters.backup_pages_ok += ok_pages
         self.counters.backup_pages_failed += failed
         if failed:

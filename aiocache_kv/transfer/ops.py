@@ -183,6 +183,9 @@ class Transfers:
                 core.emit_stored(node, tier)
         if freed:
             (core.free_device if load else core.free_host)(freed)
+        t = core.latencies
+        hists = {OpKind.LOAD_BACK: t.load_back, OpKind.WRITE_THROUGH: t.write_through}
+        hists.get(op.kind, t.write_back).observe(time.monotonic() - op.started)
         if load:
             c.load_back_done += ok
             c.load_back_failed += not ok

@@ -13,11 +13,14 @@ from typing import Any
 
 import pytest
 
+import aiocache_kv as akv
 from aiocache_kv.models import reference_generate
 from tests.e2e.conftest import SPEC, random_tokens
 
 aiohttp = pytest.importorskip("aiohttp")
+pytest.importorskip("prometheus_client")
 from aiohttp import web  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,11 +100,25 @@ async def server(tmp_path: Path) -> AsyncIterator[Running]:
         await stop(srv)
 
 
-def metric(text: str, line_prefix: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(line_prefix + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{line_prefix} not in metrics:\n{text}")
+def parse(text: str) -> dict[str, tuple[str, dict[tuple[str, frozenset[tuple[str, str]]], float]]]:
+    """family name -> (type, {(sample name, labels): value}), parsed by prometheus_client."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        samples = {(s.name, frozenset(s.labels.items())): s.value for s in fam.samples}
+        out[fam.name] = (fam.type, samples)
+    return out
+
+
+def metric(text: str, sample: str) -> float:
+    """The value of ``sample``, written ``name`` or ``name{a="x",b="y"}`` (any label order)."""
+    name, _, rest = sample.partition("{")
+    labels = frozenset(
+        (k, v.strip('"')) for k, v in (kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv)
+    )
+    for _, samples in parse(text).values():
+        if (name, labels) in samples:
+            return samples[(name, labels)]
+    raise AssertionError(f"{sample} not in metrics:\n{text}")
 
 
 async def test_generate_health_metrics(server: Running, gpt2: Any) -> None:
@@ -293,3 +310,141 @@ async def test_default_max_new_tokens_within_server_limit(tmp_path: Path) -> Non
         assert len(reply["tokens"]) == 4
     finally:
         await stop(srv)
+
+
+# ---------------------------------------------------------------------------- library metrics
+
+LIBRARY_FAMILIES = {
+    # family (as the parser names it) -> (type, label names besides none)
+    "aiocache_kv_match_queries": ("counter", set()),
+    "aiocache_kv_hit_tokens": ("counter", {"tier"}),
+    "aiocache_kv_prompts": ("counter", set()),
+    "aiocache_kv_prompt_tokens": ("counter", {"source"}),
+    "aiocache_kv_transfer_bytes": ("counter", {"direction"}),
+    "aiocache_kv_copies_started": ("counter", {"direction"}),
+    "aiocache_kv_copies_finished": ("counter", {"direction", "outcome"}),
+    "aiocache_kv_storage_pages": ("counter", {"op"}),
+    "aiocache_kv_storage_errors": ("counter", set()),
+    "aiocache_kv_evicted_pages": ("counter", {"tier"}),
+    "aiocache_kv_pool_pages": ("gauge", {"tier", "state"}),
+    "aiocache_kv_operations_in_flight": ("gauge", {"kind"}),
+    "aiocache_kv_event_queue_depth": ("gauge", set()),
+    "aiocache_kv_load_back_seconds": ("histogram", {"le"}),
+    "aiocache_kv_write_through_seconds": ("histogram", {"le"}),
+    "aiocache_kv_write_back_seconds": ("histogram", {"le"}),
+    "aiocache_kv_backup_seconds": ("histogram", {"le"}),
+    "aiocache_kv_prefetch_seconds": ("histogram", {"le"}),
+}
+
+
+def prompt_sources(text: str) -> dict[str, float]:
+    return {
+        src: metric(text, f'aiocache_kv_prompt_tokens_total{{source="{src}"}}')
+        for src in ("device", "host", "storage", "computed")
+    }
+
+
+async def test_metrics_scrape_parses_and_moves_per_tier(tmp_path: Path) -> None:
+    """The library's families over a real socket: names, types, labels; values follow the
+    requests as they hit device, then host, then (after a restart) storage."""
+    srv = await start(options(tmp_path / "kv"))
+    sent = 0
+    try:
+        text = await srv.get_text("/metrics")
+        fams = parse(text)
+        for name, (kind, labels) in LIBRARY_FAMILIES.items():
+            assert name in fams, name
+            got_kind, samples = fams[name]
+            assert got_kind == kind, (name, got_kind)
+            for sample_name, sample_labels in samples:
+                assert sample_name.startswith(name)
+                if not sample_name.endswith(("_sum", "_count")):
+                    assert {k for k, _ in sample_labels} == labels, (name, sample_labels)
+        assert set(prompt_sources(text).values()) == {0}
+        assert metric(text, 'aiocache_kv_pool_pages{tier="host",state="total"}') == 64
+
+        prompt = random_tokens(60, 41)
+        status, r1 = await srv.post("/generate", {"tokens": prompt, "max_new_tokens": 4})
+        assert status == 200, r1
+        sent += len(prompt)
+        text = await srv.get_text("/metrics")
+        assert metric(text, "aiocache_kv_write_through_seconds_count") == 1
+        assert metric(text, 'aiocache_kv_hit_tokens_total{tier="device"}') == 0
+        assert prompt_sources(text)["computed"] == len(prompt)
+
+        turn2 = prompt + r1["tokens"] + random_tokens(61, 5)  # device hit: 44 -> 40
+        status, r2 = await srv.post("/generate", {"tokens": turn2, "max_new_tokens": 4})
+        assert status == 200, r2
+        sent += len(turn2)
+        assert r2["cached_tokens"] == {"device": 40, "host": 0, "storage": 0}
+        text = await srv.get_text("/metrics")
+        assert metric(text, 'aiocache_kv_hit_tokens_total{tier="device"}') == 40
+        assert prompt_sources(text)["device"] == 40
+
+        cache = srv.runner.app[server_mod.SERVER].cache
+        await srv.post("/flush", {})
+        evicted = cache.evict(cache.statistics().device.evictable_pages)
+        assert evicted > 0
+        turn3 = turn2 + r2["tokens"] + random_tokens(62, 3)
+        status, r3 = await srv.post("/generate", {"tokens": turn3, "max_new_tokens": 4})
+        assert status == 200, r3
+        sent += len(turn3)
+        assert r3["cached_tokens"]["host"] > 0
+        text = await srv.get_text("/metrics")
+        assert metric(text, 'aiocache_kv_evicted_pages_total{tier="device"}') >= evicted
+        assert (
+            metric(text, 'aiocache_kv_hit_tokens_total{tier="host"}') == r3["cached_tokens"]["host"]
+        )
+        assert metric(text, "aiocache_kv_load_back_seconds_count") >= 1
+        assert metric(text, 'aiocache_kv_transfer_bytes_total{direction="host_to_device"}') > 0
+        assert metric(text, 'aiocache_kv_copies_finished_total{direction="host_to_device",'
+                      'outcome="ok"}') >= 1  # fmt: skip
+        assert sum(prompt_sources(text).values()) == sent
+        assert metric(text, "aiocache_kv_prompts_total") == 3
+    finally:
+        await stop(srv)  # flushes: every page is in storage
+    srv = await start(options(tmp_path / "kv"))
+    try:
+        turn4 = turn3 + r3["tokens"] + random_tokens(63, 2)
+        status, r4 = await srv.post("/generate", {"tokens": turn4, "max_new_tokens": 2})
+        assert status == 200, r4
+        assert r4["cached_tokens"]["storage"] > 0
+        text = await srv.get_text("/metrics")
+        src = prompt_sources(text)
+        assert src["storage"] == r4["cached_tokens"]["storage"]
+        assert sum(src.values()) == len(turn4)
+        assert metric(text, 'aiocache_kv_hit_tokens_total{tier="storage"}') > 0
+        assert metric(text, "aiocache_kv_prefetch_seconds_count") == 1
+        assert metric(text, 'aiocache_kv_transfer_bytes_total{direction="storage_to_host"}') > 0
+        await srv.post("/flush", {})
+        text = await srv.get_text("/metrics")
+        assert metric(text, "aiocache_kv_backup_seconds_count") >= 1
+        assert metric(text, 'aiocache_kv_storage_pages_total{op="backup_ok"}') > 0
+        assert metric(text, 'aiocache_kv_transfer_bytes_total{direction="host_to_storage"}') > 0
+    finally:
+        await stop(srv)
+
+
+async def test_cached_plus_computed_is_the_prompt(server: Running) -> None:
+    """A page-aligned prompt sent twice: its last page is recomputed, so it is not cached."""
+    prompt = random_tokens(70, 32)  # 4 whole pages of 8
+    status, first = await server.post("/generate", {"tokens": prompt, "max_new_tokens": 2})
+    assert status == 200, first
+    status, again = await server.post("/generate", {"tokens": prompt, "max_new_tokens": 2})
+    assert status == 200, again
+    assert again["cached_tokens"] == {"device": 24, "host": 0, "storage": 0}
+    assert again["computed_tokens"] == 8
+    assert sum(again["cached_tokens"].values()) + again["computed_tokens"] == len(prompt)
+    text = await server.get_text("/metrics")
+    src = prompt_sources(text)
+    assert src == {"device": 24, "host": 0, "storage": 0, "computed": 32 + 8}
+    assert sum(src.values()) == 2 * len(prompt)
+
+
+async def test_metrics_off_the_loop_thread_is_refused(server: Running) -> None:
+    """The registry reads loop-owned state: a scrape from another thread raises."""
+    from prometheus_client import generate_latest
+
+    app_server = server.runner.app[server_mod.SERVER]
+    with pytest.raises(akv.OwnershipError):
+        await asyncio.to_thread(generate_latest, app_server.registry)
