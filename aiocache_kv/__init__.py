@@ -4,6 +4,7 @@ The public contract (see docs/ARCHITECTURE.md): :class:`CacheConfig`, :class:`Hi
 it returns, the KV events and the error hierarchy in :mod:`aiocache_kv.errors`.
 """
 
+from aiocache_kv.blocks import BlockInfo, page_hashes
 from aiocache_kv.cache import HiCache
 from aiocache_kv.components import Component, HitPolicy, Indexer, MambaState, SlidingWindow
 from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
@@ -39,6 +40,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "AgreementError",
     "AllBlocksCleared",
+    "BlockInfo",
     "BlockRemoved",
     "BlockStored",
     "BlockingCallError",
@@ -85,4 +87,5 @@ __all__ = [
     "WriteAck",
     "WritePolicy",
     "__version__",
+    "page_hashes",
 ]

@@ -17,20 +17,27 @@ from collections.abc import AsyncIterator, Sequence
 
 import torch
 
+from aiocache_kv.blocks import BlockInfo
 from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
 from aiocache_kv.core import CacheCore
 from aiocache_kv.distributed import SingleRank, TPGroup
 from aiocache_kv.errors import (
     CacheClosedError,
     CapacityError,
-    HandleError,
     InvalidInputError,
     InvalidTypeError,
     TransferError,
 )
 from aiocache_kv.events import AllBlocksCleared, KVEvent
-from aiocache_kv.handles import Handle, HandleState, InsertResult, MatchResult, WriteAck
-from aiocache_kv.introspection import check_all, describe, snapshot
+from aiocache_kv.handles import (
+    Handle,
+    HandleState,
+    InsertResult,
+    MatchResult,
+    WriteAck,
+    check_handle,
+)
+from aiocache_kv.introspection import blocks, check_all, describe, snapshot
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
 from aiocache_kv.namespace import Namespace, namespace_of
@@ -267,7 +274,7 @@ class HiCache:
             CacheClosedError: the cache is not running (or closed while waiting).
         """
         self._check()
-        self._check_handle(m, MatchResult)
+        check_handle(m, MatchResult, self._core)
         coord = self._core.coordinator
         rounds = 0
         while True:
@@ -337,7 +344,7 @@ class HiCache:
         n = kv_indices.numel() if isinstance(kv_indices, torch.Tensor) else 0
         if n % self.config.page_size:
             raise InvalidInputError(f"free needs whole pages, got {n} slots")
-        pages = self._pages(kv_indices, n)
+        pages = slots_to_pages(kv_indices, n, self.config.page_size, self.config.device_pages)
         alloc = self._dev_alloc
         if not alloc.distinct(pages) or not alloc.check(pages, PageState.HELD):
             raise InvalidInputError("free: slots not held by the caller (double free?)")
@@ -358,9 +365,6 @@ class HiCache:
         alloc = self._core.dev_alloc
         assert alloc is not None, "cache not started"
         return alloc
-
-    def _pages(self, slots: object, n: int) -> torch.Tensor:
-        return slots_to_pages(slots, n, self.config.page_size, self.config.device_pages)
 
     def device_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of ``layer``: ``[device_pages * page_size, heads, head_dim]``.
@@ -389,12 +393,7 @@ class HiCache:
             CacheClosedError: the cache is not running.
         """
         self._check()
-        for sc in self._core.sidecars:
-            if sc.component.name == name:
-                buf: torch.Tensor = sc.device
-                return buf
-        names = [sc.component.name for sc in self._core.sidecars]
-        raise InvalidInputError(f"no sidecar component {name!r}; configured: {names}")
+        return self._core.sidecar_buffer(name)
 
     def insert(
         self,
@@ -429,7 +428,7 @@ class HiCache:
             )
         p = self.config.page_size
         n = len(toks) // p * p
-        pages = self._pages(kv_indices, n)
+        pages = slots_to_pages(kv_indices, n, self.config.page_size, self.config.device_pages)
         ns = self._ns(tenant, lora)
         core = self._core
         tree = core.tree
@@ -477,19 +476,10 @@ class HiCache:
             CacheClosedError: the cache is not running.
         """
         self._check()
-        self._check_handle(handle, Handle)
+        check_handle(handle, Handle, self._core)
         handle.state = HandleState.RELEASED
         del self._handles[id(handle)]
         self._core.tree.unpin(handle.node)
-
-    def _check_handle(self, handle: object, kind: type) -> None:
-        if not isinstance(handle, kind):
-            raise InvalidTypeError(f"expected a {kind.__name__}, got {type(handle).__name__}")
-        h: Handle = handle  # type: ignore[assignment]
-        if h.core is not self._core:
-            raise HandleError("handle belongs to another cache")
-        if h.state is not HandleState.PINNED:
-            raise HandleError(f"handle already {h.state.name.lower()}")
 
     # ------------------------------------------------------------------ backups, flush
 
@@ -584,6 +574,16 @@ class HiCache:
         """A frozen snapshot of sizes, hits, latencies and operations in flight."""
         self._core.check_owner()
         return snapshot(self._core, self._transfers, self._l3)
+
+    def snapshot(self) -> list[BlockInfo]:
+        """Every cached block (hash, parent hash, tokens, tiers, namespace), parents first:
+        what a KV-event consumer that joined late needs to resync.
+
+        Raises:
+            OwnershipError: called from a thread other than the loop's.
+        """
+        self._core.check_owner()
+        return blocks(self._core)
 
     def check_invariants(self) -> None:
         """Recompute every counter and cross-check tree, allocators, handles and transfers.

@@ -21,7 +21,7 @@ from aiocache_kv.components import usable_end
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.distributed.coordinator import Coordinator, coordinator_for
 from aiocache_kv.distributed.group import TPGroup
-from aiocache_kv.errors import CapacityError, OwnershipError
+from aiocache_kv.errors import CapacityError, InvalidInputError, OwnershipError
 from aiocache_kv.events import BlockRemoved, BlockStored, EventLog, KVEvent
 from aiocache_kv.events.kv_events import namespace_fields
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
@@ -216,6 +216,19 @@ class CacheCore:
             self.events.append(BlockRemoved(hashes, tier.medium))
 
     # ------------------------------------------------------------------ views
+
+    def sidecar_buffer(self, name: str) -> torch.Tensor:
+        """Device buffer of sidecar component ``name``.
+
+        Raises:
+            InvalidInputError: no component of that name.
+        """
+        for sc in self.sidecars:
+            if sc.component.name == name:
+                buf: torch.Tensor = sc.device
+                return buf
+        names = [sc.component.name for sc in self.sidecars]
+        raise InvalidInputError(f"no sidecar component {name!r}; configured: {names}")
 
     def sidecar_pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """(device, host) buffers of every sidecar component, in config order."""

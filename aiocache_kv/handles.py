@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from aiocache_kv.errors import HandleError, InvalidTypeError
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node
 from aiocache_kv.validate import page_slots
 
@@ -172,6 +173,22 @@ class InsertResult(Handle):
             f"<InsertResult prefix_len={self.prefix_len} inserted_len={self.inserted_len} "
             f"uncached_len={self.uncached_len} {self.state.name}>"
         )
+
+
+def check_handle(handle: object, kind: type, core: CacheCore) -> None:
+    """Raise unless ``handle`` is a pinned ``kind`` issued by the cache whose core is ``core``.
+
+    Raises:
+        InvalidTypeError: not a ``kind``.
+        HandleError: another cache's handle, or already released.
+    """
+    if not isinstance(handle, kind):
+        raise InvalidTypeError(f"expected a {kind.__name__}, got {type(handle).__name__}")
+    h: Handle = handle  # type: ignore[assignment]
+    if h.core is not core:
+        raise HandleError("handle belongs to another cache")
+    if h.state is not HandleState.PINNED:
+        raise HandleError(f"handle already {h.state.name.lower()}")
 
 
 __all__ = ["ABSENT", "FILLING", "Handle", "HandleState", "InsertResult", "MatchResult", "WriteAck"]

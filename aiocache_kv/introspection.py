@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from aiocache_kv.blocks import BlockInfo
 from aiocache_kv.core import CacheCore
 from aiocache_kv.handles import Handle, HandleState
 from aiocache_kv.pools import PageAllocator, PageState
 from aiocache_kv.stats import CacheStatistics, StorageCounters, TierStatistics
 from aiocache_kv.storage.tier import StorageTier
 from aiocache_kv.transfer.ops import Transfers
+from aiocache_kv.tree import Tier
+from aiocache_kv.tree.node import RESIDENT
 
 
 def _tier(alloc: PageAllocator | None, evictable: int, protected: int) -> TierStatistics:
@@ -86,4 +89,35 @@ def describe(core: CacheCore, transfers: Transfers, state: str) -> str:
     )
 
 
-__all__ = ["check_all", "describe", "snapshot"]
+def blocks(core: CacheCore) -> list[BlockInfo]:
+    """Every cached page, parents before children, with the tiers it is resident in."""
+    tree = core.tree
+    p = core.page_size
+    out: list[BlockInfo] = []
+    for node in tree.walk():
+        tiers = tuple(
+            t.medium
+            for t, state in (
+                (Tier.DEVICE, node.device),
+                (Tier.HOST, node.host),
+                (Tier.STORAGE, node.storage),
+            )
+            if state is RESIDENT
+        )
+        parent = tree.parent_hash(node)
+        for i, h in enumerate(tree.block_hashes(node)):
+            out.append(
+                BlockInfo(
+                    block_hash=h,
+                    parent_block_hash=parent,
+                    token_ids=tuple(node.key[i * p : (i + 1) * p]),
+                    tiers=tiers,
+                    lora_name=node.ns.lora or None,
+                    namespace_tag=node.ns.tag,
+                )
+            )
+            parent = h
+    return out
+
+
+__all__ = ["blocks", "check_all", "describe", "snapshot"]
