@@ -71,3 +71,29 @@ async def test_snapshot_equals_the_view_built_from_events(tmp_path: Path) -> Non
         lora_blocks = [b for b in snap if b.lora_name == "a"]
         assert [b.token_ids for b in lora_blocks] == [(1, 2)]
         assert all("alice" not in b.namespace_tag for b in snap)
+
+
+def spec_hashes(prev: int, tokens: list[int], page_size: int) -> list[int]:
+    """The documented hash function, written plainly (one int per page, no batching)."""
+    import hashlib
+    import struct
+
+    out = []
+    for i in range(0, len(tokens), page_size):
+        page = struct.pack(f"<{page_size}q", *tokens[i : i + page_size])
+        digest = hashlib.blake2b(prev.to_bytes(8, "little") + page, digest_size=8).digest()
+        prev = int.from_bytes(digest, "little")
+        out.append(prev)
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 16])
+def test_chain_hashes_follow_the_documented_function(page_size: int) -> None:
+    import random
+
+    from aiocache_kv.tree.hashing import MAX_TOKEN_ID, chain_hashes
+
+    rng = random.Random(page_size)
+    tokens = [rng.randrange(MAX_TOKEN_ID + 1) for _ in range(page_size * 300)]
+    seed = rng.randrange(1 << 64)
+    assert chain_hashes(seed, tokens, page_size) == spec_hashes(seed, tokens, page_size)
