@@ -28,7 +28,7 @@ from aiocache_kv.errors import (
     InvalidTypeError,
     TransferError,
 )
-from aiocache_kv.events import AllBlocksCleared, KVEvent
+from aiocache_kv.events import KVEvent
 from aiocache_kv.handles import (
     Handle,
     HandleState,
@@ -157,7 +157,7 @@ class HiCache:
                 await self._l3.aclose()
             await core.coordinator.aclose()
         finally:
-            core.emit(AllBlocksCleared())
+            core.emit_closing()  # device and host pages removed; storage persists
             core.events.close()
             self._state = Lifecycle.CLOSED
             log.info("cache_closed", **dataclasses.asdict(core.counters))

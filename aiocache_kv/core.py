@@ -29,6 +29,7 @@ from aiocache_kv.pools.sidecar import SidecarPools
 from aiocache_kv.stats import CacheCounters
 from aiocache_kv.telemetry import Latencies
 from aiocache_kv.tree import Node, RadixTree, Tier
+from aiocache_kv.tree.node import RESIDENT
 
 SplitHook = Callable[[Node, Node], None]
 
@@ -214,6 +215,15 @@ class CacheCore:
         if nodes and self.events.enabled:
             hashes = [h for node in nodes for h in self.tree.block_hashes(node)]
             self.events.append(BlockRemoved(hashes, tier.medium))
+
+    def emit_closing(self) -> None:
+        """The device and host tiers are going away, storage is not: one ``BlockRemoved`` per
+        medium for what the tree still holds there.  Never ``AllBlocksCleared``: a consumer's
+        STORAGE view must stay true across a restart (a fresh node prefetches those pages)."""
+        if self.events.enabled:
+            nodes = list(self.tree.walk())
+            self.emit_removed([n for n in nodes if n.device is RESIDENT], Tier.DEVICE)
+            self.emit_removed([n for n in nodes if n.host is RESIDENT], Tier.HOST)
 
     # ------------------------------------------------------------------ views
 

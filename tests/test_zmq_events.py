@@ -202,7 +202,8 @@ async def test_cache_events_reach_a_real_subscriber(
         ("BlockStored", "GPU"),
         ("BlockStored", "CPU"),
         ("BlockStored", "CPU"),
-        ("AllBlocksCleared", None),
+        ("BlockRemoved", "GPU"),  # at close: device and host pages go, storage would stay
+        ("BlockRemoved", "CPU"),
     ]
     assert len(sent[0]) == 1
     first = received[0]
@@ -453,7 +454,8 @@ async def test_default_stream_decodes_with_current_vllm_structs(
     assert adapter.event_version == 1
     # one entry per block, the adapter on each; the tenant salt is not published by default
     assert adapter.extra_keys == [(vllm.LoRAKey(name="adapter-a"),)] * 2
-    assert isinstance(events[-1], vllm.AllBlocksCleared)
+    last = events[-1]  # at close: the host pages go (storage would stay)
+    assert isinstance(last, vllm.BlockRemoved) and last.medium == "CPU"
 
 
 async def test_legacy_array_option_decodes_with_pre_map_vllm_structs(
@@ -629,7 +631,8 @@ def server_mod(monkeypatch: pytest.MonkeyPatch) -> Any:
 async def test_example_server_publishes_with_kv_events_flag(
     zctx: Any, msgpack: Any, server_mod: Any
 ) -> None:
-    """``examples/server.py --kv-events tcp://127.0.0.1:PORT``: a request's KV, then the clear."""
+    """``examples/server.py --kv-events tcp://127.0.0.1:PORT``: a request's KV, then its
+    removal from device and host at close."""
     aiohttp = pytest.importorskip("aiohttp")
     import msgspec
     from aiohttp import web
@@ -686,12 +689,13 @@ async def test_example_server_publishes_with_kv_events_flag(
             ]
             assert stored and stored[0].value > 0
     finally:
-        await runner.cleanup()  # the cache closes before the publisher: the clear goes out
+        await runner.cleanup()  # the cache closes before the publisher: its removals go out
         try:
-            kinds: list[str] = []
-            while "AllBlocksCleared" not in kinds:
+            kinds: list[tuple[str, str | None]] = []
+            while ("BlockRemoved", "CPU") not in kinds:
                 kinds += [
-                    type(e).__name__ for e in decode_vllm_batch(msgpack, (await recv(sub))[2])[1]
+                    (type(e).__name__, getattr(e, "medium", None))
+                    for e in decode_vllm_batch(msgpack, (await recv(sub))[2])[1]
                 ]
         finally:
             sub.close(linger=0)
