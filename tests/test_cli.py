@@ -120,6 +120,8 @@ def test_bench_tree_tiny(tmp_path: Path) -> None:
             assert all(v > 0 for v in med.values())
             assert level[name]["pages"] > 0
         assert all(v > 0 for v in level["hicache"]["overhead_vs_tree"].values())
+        assert level["serving_step"]["median_ms"] > 0
+        assert level["serving_step"]["vs_tree_insert_match"] > 0
 
 
 def test_bench_transfer_tiny(tmp_path: Path) -> None:
