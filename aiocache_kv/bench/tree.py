@@ -141,24 +141,30 @@ def tree_once(seqs: Sequence[list[int]], page_size: int) -> dict[str, float]:
 # ---------------------------------------------------------------------- level b: HiCache
 
 
-async def cache_once(seqs: Sequence[list[int]], page_size: int, events: bool) -> dict[str, float]:
-    """One repeat through a fresh ``HiCache``; returns seconds per operation."""
-    p = page_size
-    toks = [s[: len(s) // p * p] for s in seqs]
-    total_pages = sum(len(t) for t in toks) // p
-    cfg = CacheConfig(
-        page_size=p,
+def bench_config(page_size: int, pages: int, events: bool) -> CacheConfig:
+    """A bookkeeping-only cache: one layer of one head of dimension 1, room for ``pages``
+    device pages at once, no host pool (write-through starts no copy)."""
+    return CacheConfig(
+        page_size=page_size,
         num_layers=1,
         num_kv_heads=1,
         head_dim=1,
         dtype=torch.float16,
         device="cpu",
-        device_pages=total_pages + 1,  # every sequence's slots held at once before insert
-        host_pages=0,  # write_through with no host pool: insert starts no copy
+        device_pages=pages + 1,
+        host_pages=0,
         write_policy="write_through",
         enable_kv_events=events,
         host_memory_reserve_bytes=0,
     )
+
+
+async def cache_once(seqs: Sequence[list[int]], page_size: int, events: bool) -> dict[str, float]:
+    """One repeat through a fresh ``HiCache``; returns seconds per operation."""
+    p = page_size
+    toks = [s[: len(s) // p * p] for s in seqs]
+    total_pages = sum(len(t) for t in toks) // p
+    cfg = bench_config(p, total_pages, events)
     async with HiCache(cfg) as cache:
         slots = [cache.alloc(len(t)) for t in toks]
         work = list(zip(toks, slots, strict=True))
@@ -218,19 +224,7 @@ async def step_once(seqs: Sequence[list[int]], page_size: int, events: bool) -> 
     part, insert, release both handles); returns seconds for all requests."""
     p = page_size
     toks = [s[: len(s) // p * p] for s in seqs]
-    cfg = CacheConfig(
-        page_size=p,
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=1,
-        dtype=torch.float16,
-        device="cpu",
-        device_pages=sum(len(t) for t in toks) // p + 1,
-        host_pages=0,
-        write_policy="write_through",
-        enable_kv_events=events,
-        host_memory_reserve_bytes=0,
-    )
+    cfg = bench_config(p, sum(len(t) for t in toks) // p, events)
     async with HiCache(cfg) as cache:
 
         def steps() -> None:
