@@ -28,6 +28,7 @@ from aiocache_kv.errors import (
 )
 from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from aiocache_kv.handles import InsertResult, MatchResult, WriteAck
+from aiocache_kv.hashes import page_hashes
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.stats import CacheStatistics, TierStatistics
 from aiocache_kv.storage import FileStorage, MooncakeStorage, StorageBackend
@@ -85,4 +86,5 @@ __all__ = [
     "WriteAck",
     "WritePolicy",
     "__version__",
+    "page_hashes",
 ]
