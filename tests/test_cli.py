@@ -116,6 +116,12 @@ def test_bench_tree_tiny(tmp_path: Path) -> None:
             assert all(v > 0 for v in med.values())
             assert level[name]["pages"] > 0
         assert all(v > 0 for v in level["hicache"]["overhead_vs_tree"].values())
+    hashing = tree["hashing"]  # us per page, old vs pure Python (vs C where built)
+    assert set(hashing["page_sizes"]) == {"1", "16"}
+    for chains in hashing["page_sizes"].values():
+        for impls in chains.values():
+            assert len(impls) == (3 if hashing["impl"] == "c" else 2)
+            assert all(v > 0 for v in impls.values())
 
 
 def test_bench_transfer_tiny(tmp_path: Path) -> None:
