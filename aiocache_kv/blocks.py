@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from aiocache_kv.errors import InvalidInputError
-from aiocache_kv.namespace import namespace_of
+from aiocache_kv.errors import InvalidInputError, InvalidTypeError
+from aiocache_kv.namespace import Namespace, namespace_of
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
 from aiocache_kv.validate import check_names, check_tokens
 
@@ -28,23 +28,55 @@ from aiocache_kv.validate import check_names, check_tokens
 def page_hashes(
     tokens: Sequence[int] | torch.Tensor,
     *,
-    model: str,
     page_size: int,
+    model: str | None = None,
     tenant: str | None = None,
     lora: str | None = None,
+    namespace: Namespace | None = None,
 ) -> list[int]:
-    """Block hashes of the whole pages of ``tokens`` (an unaligned tail has none), exactly as
-    a cache with ``CacheConfig(namespace=model, page_size=page_size)`` publishes them.
+    """The block hashes a cache publishes (``BlockStored.block_hashes``) for ``tokens``.
+
+    One hash per whole page, from the first page on: an unaligned tail is not hashed (the
+    cache does not cache it either).  Pass either ``model`` (the cache's
+    ``CacheConfig.namespace``) with the ``tenant`` and ``lora`` given to ``insert`` /
+    ``match_prefix``, or a :class:`Namespace`.
+
+    The hash function (stable across processes, versions and machines)::
+
+        seed = BLAKE2b-64(Namespace(model, tenant or "", lora or "").tag as UTF-8)
+        h[-1] = seed
+        h[i] = BLAKE2b-64(h[i-1] as 8 little-endian bytes
+                          || tokens[i*page_size:(i+1)*page_size], each as int64 little-endian)
+
+    where BLAKE2b-64 is unkeyed BLAKE2b with an 8-byte digest (``hashlib.blake2b(data,
+    digest_size=8)``), read as a little-endian unsigned integer.  Equivalently
+    ``chain_hashes(namespace_seed(ns.tag), tokens[:n], page_size)`` from
+    :mod:`aiocache_kv.tree.hashing`.  Hashes of a longer prompt extend those of its prefix.
 
     Raises:
-        InvalidTypeError / InvalidInputError: bad tokens, names, model or page size.
+        InvalidTypeError: tokens are not a list/tuple/1-D integer CPU tensor of ints, or
+            tenant/lora are neither ``str`` nor ``None``.
+        InvalidInputError: a token outside ``[0, 2**63)``, a bad ``page_size``, an empty
+            model, or not exactly one of ``model`` / ``namespace``.
     """
     if type(page_size) is not int or page_size < 1:
         raise InvalidInputError(f"page_size must be an int >= 1, got {page_size!r}")
+    if namespace is not None:
+        if model is not None or tenant is not None or lora is not None:
+            raise InvalidInputError("pass either namespace or model/tenant/lora, not both")
+        if not isinstance(namespace, Namespace):
+            raise InvalidTypeError(f"namespace must be a Namespace, got {namespace!r}")
+        ns = namespace
+    elif model is None:
+        raise InvalidInputError("page_hashes needs model= (CacheConfig.namespace) or namespace=")
+    else:
+        ns = namespace_of(model, *check_names(tenant, lora))
+    empty = tokens.numel() == 0 if isinstance(tokens, torch.Tensor) else not tokens
+    if empty and (not isinstance(tokens, torch.Tensor) or tokens.dim() == 1):
+        return []  # no whole page (check_tokens rejects empty input: the cache needs tokens)
     toks = check_tokens(tokens)
-    ns = namespace_of(model, *check_names(tenant, lora))
     n = len(toks) // page_size * page_size
-    return chain_hashes(namespace_seed(ns.tag), toks[:n], page_size) if n else []
+    return chain_hashes(namespace_seed(ns.tag), toks[:n], page_size)
 
 
 @dataclass(frozen=True, slots=True)

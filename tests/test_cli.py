@@ -122,6 +122,12 @@ def test_bench_tree_tiny(tmp_path: Path) -> None:
         assert all(v > 0 for v in level["hicache"]["overhead_vs_tree"].values())
         assert level["serving_step"]["median_ms"] > 0
         assert level["serving_step"]["vs_tree_insert_match"] > 0
+    hashing = tree["hashing"]  # us per page, old vs pure Python (vs C where built)
+    assert set(hashing["page_sizes"]) == {"1", "16"}
+    for chains in hashing["page_sizes"].values():
+        for impls in chains.values():
+            assert len(impls) == (3 if hashing["impl"] == "c" else 2)
+            assert all(v > 0 for v in impls.values())
 
 
 def test_bench_transfer_tiny(tmp_path: Path) -> None:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import random
 import threading
+from types import ModuleType
 
 import pytest
 import torch
 
 from aiocache_kv.errors import OwnershipError
-from aiocache_kv.tree import RadixTree, TierState
-from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
+from aiocache_kv.tree import RadixTree, TierState, hashing
+from aiocache_kv.tree.hashing import MAX_TOKEN_ID, chain_hashes, namespace_seed, py_chain_hashes
 
 NS = "ns"
 
@@ -84,6 +87,73 @@ def test_hashes_are_stable_and_chained() -> None:
     assert chain_hashes(h[0], [3, 4], 2) == [h[1]]
     assert chain_hashes(seed, [1, 2, 3, 5], 2)[0] == h[0]
     assert chain_hashes(seed, [1, 2, 3, 5], 2)[1] != h[1]
+
+
+def test_hash_values_are_pinned() -> None:
+    """The published values (events, storage keys): a change here invalidates stored pages."""
+    seed = namespace_seed("model-x")
+    assert seed == 6480269761401490347
+    for impl in (chain_hashes, py_chain_hashes):
+        assert impl(seed, [1, 2, 3, 4], 2) == [7836470222010754399, 463488271254047394]
+        assert impl(seed, list(range(7)), 1)[-1] == 4192510818166056421
+        assert impl(seed, [MAX_TOKEN_ID, 0, 5], 16) == [654794181830219716]  # a short page
+
+
+def _blake64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def _ext() -> ModuleType:
+    """The C extension; skipped where it was not built (a failure in CI: conftest.py)."""
+    if hashing._EXT is None:
+        pytest.skip("aiocache_kv.tree._chainhash not built (pip install -e . builds it)")
+    return hashing._EXT
+
+
+def test_c_extension_is_the_one_in_use() -> None:
+    ext = _ext()
+    assert hashing.HASH_IMPL == "c" and chain_hashes is ext.chain_hashes
+
+
+def test_c_blake2b_matches_hashlib_at_block_edges() -> None:
+    ext = _ext()
+    rng = random.Random(0)
+    for n in [0, 1, 7, 8, 9, 16, 120, 127, 128, 129, 136, 255, 256, 257, 1000, 4096]:
+        data = rng.randbytes(n)
+        assert ext.blake2b_64(data) == _blake64(data), n
+
+
+def test_c_and_python_chains_agree() -> None:
+    ext = _ext()
+    rng = random.Random(1)
+    for page_size in [1, 2, 3, 15, 16, 17, 64]:
+        for n in [0, 1, page_size, 3 * page_size, 5 * page_size + 1]:
+            tokens = [rng.choice([0, 1, MAX_TOKEN_ID, rng.randrange(1 << 63)]) for _ in range(n)]
+            prev = rng.choice([0, (1 << 64) - 1, rng.randrange(1 << 64)])
+            want = py_chain_hashes(prev, tokens, page_size)
+            assert ext.chain_hashes(prev, tokens, page_size) == want
+            assert ext.chain_hashes(prev, tuple(tokens), page_size) == want
+            kw = ext.chain_hashes(prev=prev, tokens=tokens, page_size=page_size)
+            assert kw == want
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ((-1, [1], 1), OverflowError),
+        ((1 << 64, [1], 1), OverflowError),
+        ((0, [1 << 63], 1), OverflowError),
+        ((0, [1.5], 1), TypeError),
+        ((0, [1], 0), ValueError),
+    ],
+)
+def test_chain_hashes_rejects_what_it_cannot_encode(
+    args: tuple[int, list[int], int], error: type[Exception]
+) -> None:
+    impls = [py_chain_hashes] if hashing._EXT is None else [py_chain_hashes, chain_hashes]
+    for impl in impls:
+        with pytest.raises(error):
+            impl(*args)
 
 
 def test_device_eviction_order_is_lru_exact() -> None:

@@ -16,14 +16,22 @@ b. Through ``HiCache`` - ``insert`` with real device slots from ``alloc`` (valid
    ``evict``.  The config has one layer of one head of dimension 1 and no host pool, so
    ``write_through`` starts no copy and only the bookkeeping is timed.  KV events are off by
    default (``--events`` turns them on: each stored run then hashes its pages).
+
+Then the chained page hashes (``aiocache_kv.tree.hashing.chain_hashes``, what ``BlockStored``
+events and storage keys carry) in microseconds per page, against the implementation before the
+C fast path (one ``hashlib`` call and one ``int.from_bytes`` per page), in the same run: chains of
+1,024 pages and of 4 pages (one call per radix node, so per-call costs show), best of
+``repeats``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import random
 import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +42,7 @@ from aiocache_kv.bench.report import JSON, fmt_ms, heading, median, ratio, table
 from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.logs import get_logger
+from aiocache_kv.tree import hashing
 from aiocache_kv.tree.radix import RadixTree
 
 log = get_logger(__name__)
@@ -50,6 +59,8 @@ PEERS = {"insert": "~45 ms", "match": "~30 ms (compiled ~14 ms)", "evict": "~10 
 OPS = ("insert", "match", "evict")
 #: a serving step through HiCache at most this many times the bare tree's insert + match
 STEP_TARGET = 1.5
+#: the issue's target for chained page hashing, microseconds per page (page sizes 1 and 16)
+HASH_TARGET_US = 0.5
 
 
 @dataclass(frozen=True)
@@ -301,6 +312,7 @@ def run(opts: TreeBenchOptions) -> JSON:
             f"{step['vs_tree_insert_match']:.2f}x the tree's insert + match "
             f"({base:.1f} ms); target <= {STEP_TARGET}x"
         )
+    results["hashing"] = hash_bench(opts)
     results["elapsed_s"] = time.perf_counter() - t0
     print(f"(tree bench took {results['elapsed_s']:.1f} s)")
     return results
@@ -337,3 +349,73 @@ def _print_page_size(p: int, a: JSON, b: JSON, opts: TreeBenchOptions) -> None:
         f"HiCache release of the {opts.sequences} insert pins: {release:.1f} ms; "
         f"KV events {events}."
     )
+
+
+# ---------------------------------------------------------------------- page hashes
+
+
+def old_chain_hashes(prev: int, tokens: Sequence[int], page_size: int) -> list[int]:
+    """``chain_hashes`` as it was before the C fast path (the baseline; same values)."""
+    out: list[int] = []
+    raw = array("q", tokens).tobytes()
+    step = page_size * 8
+    blake = hashlib.blake2b
+    for off in range(0, len(raw), step):
+        h = blake(prev.to_bytes(8, "little"), digest_size=8)
+        h.update(raw[off : off + step])
+        prev = int.from_bytes(h.digest(), "little")
+        out.append(prev)
+    return out
+
+
+def _us_per_page(
+    fn: Callable[[int, Sequence[int], int], list[int]],
+    chains: list[list[int]],
+    page_size: int,
+    repeats: int,
+) -> float:
+    pages = sum(len(c) for c in chains) // page_size
+    seed = hashing.namespace_seed("bench")
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for c in chains:
+            fn(seed, c, page_size)
+        best = min(best, time.perf_counter() - t0)
+    return best / pages * 1e6
+
+
+def hash_bench(opts: TreeBenchOptions) -> JSON:
+    """Microseconds per page of the page hashes, old vs pure Python vs C; prints a table."""
+    heading(f"page hashes: us per page (best of {opts.repeats}), C extension: {hashing.HASH_IMPL}")
+    impls: dict[str, Callable[[int, Sequence[int], int], list[int]]] = {
+        "old (per-page hashlib)": old_chain_hashes,
+        "pure Python (fallback)": hashing.py_chain_hashes,
+    }
+    if hashing.HASH_IMPL == "c":
+        impls["C extension"] = hashing.chain_hashes
+    rng = random.Random(opts.seed)
+    out: JSON = {"impl": hashing.HASH_IMPL, "target_us": HASH_TARGET_US, "page_sizes": {}}
+    rows: list[list[object]] = []
+    for p in opts.page_sizes:
+        res: JSON = {}
+        for label, pages_per_call, calls in (("1024 pages", 1024, 4), ("4 pages", 4, 1024)):
+            chains = [
+                [rng.randrange(VOCAB) for _ in range(pages_per_call * p)] for _ in range(calls)
+            ]
+            want = [old_chain_hashes(7, c, p) for c in chains[:2]]
+            got = {name: _us_per_page(fn, chains, p, opts.repeats) for name, fn in impls.items()}
+            for fn in impls.values():
+                assert [fn(7, c, p) for c in chains[:2]] == want, "implementations disagree"
+            res[label] = got
+            base = got["old (per-page hashlib)"]
+            for name, us in got.items():
+                verdict = "met" if us <= HASH_TARGET_US else "MISSED"
+                rows.append([p, label, name, f"{us:.3f}", f"{base / us:.1f}x", verdict])
+        out["page_sizes"][str(p)] = res
+    table(
+        ["page", "chain", "implementation", "us/page", "speedup", f"<= {HASH_TARGET_US} us"],
+        rows,
+        align="rllrrl",
+    )
+    return out
