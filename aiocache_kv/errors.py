@@ -74,7 +74,11 @@ class StorageTimeoutError(StorageError, TimeoutError):
 
 
 class MooncakeNotInstalledError(StorageUnavailableError, ImportError):
-    """``mooncake.store`` cannot be imported (install ``aiocache_kv[mooncake]``)."""
+    """``mooncake.store`` cannot be imported.
+
+    Install ``aiocache_kv[mooncake]`` (the CUDA build) on GPU machines and
+    ``aiocache_kv[mooncake-cpu]`` elsewhere.
+    """
 
 
 class StorageKeyError(InvalidInputError):

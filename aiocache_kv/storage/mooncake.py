@@ -214,7 +214,8 @@ class MooncakeStorage:
             except ImportError as exc:
                 raise MooncakeNotInstalledError(
                     "MooncakeStorage needs the mooncake client: pip install "
-                    "'aiocache_kv[mooncake]' (mooncake-transfer-engine-non-cuda); "
+                    "'aiocache_kv[mooncake]' (CUDA build) or 'aiocache_kv[mooncake-cpu]' "
+                    "(CPU only); "
                     f"import failed: {exc}"
                 ) from exc
             if self.rpc_timeout_ms is not None:

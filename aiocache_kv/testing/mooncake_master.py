@@ -29,6 +29,8 @@ from aiocache_kv.storage.mooncake import MooncakeNotInstalledError
 LOOPBACK = "127.0.0.1"
 #: bounds each call to a hung master (the client's default is 30 s)
 RPC_TIMEOUT_MS = 5000
+#: what to install where the client is missing: the CUDA build on GPU machines, else the CPU one
+_EXTRAS = "'aiocache_kv[mooncake]' (GPU) or 'aiocache_kv[mooncake-cpu]' (CPU only)"
 
 __all__ = [
     "LOOPBACK",
@@ -56,7 +58,7 @@ def mooncake_available() -> str | None:
     try:
         import mooncake.store  # noqa: F401
     except ImportError as exc:
-        return f"mooncake client not importable ({exc}); pip install 'aiocache_kv[mooncake]'"
+        return f"mooncake client not importable ({exc}); pip install {_EXTRAS}"
     try:
         master_executable()
     except MooncakeNotInstalledError as exc:
@@ -75,7 +77,7 @@ def master_executable() -> str:
     )
     if not os.access(exe, os.X_OK):
         raise MooncakeNotInstalledError(
-            f"mooncake_master binary not found ({exe}); pip install 'aiocache_kv[mooncake]'"
+            f"mooncake_master binary not found ({exe}); pip install {_EXTRAS}"
         )
     return exe
 
