@@ -30,6 +30,13 @@ Endpoints:
   storage errors, operations in flight, event queue depth) and the server's own (requests,
   generated tokens, TTFT, KV events drained).  Collected in the handler, on the loop thread.
 
+Reaching storage in time: a request's prompt is prefetched (storage -> host) the moment it
+arrives, while it waits for one of ``--max-running`` slots; on admission it is prefetched
+again (what landed is already committed and cheap to skip; what another node stored since is
+fetched now) and the generation uses whatever committed.
+``aiocache_kv_storage_served_requests_total`` counts returning prompts served from storage;
+``aiocache_kv_admission_wait_seconds`` is how long the arrival prefetch had to hide in.
+
 Each request awaits the cache the way a serving loop does (:class:`CachedLM`): ``prefetch``
 (storage -> host), ``match_prefix``, ``load_back`` (host -> device), prefill of the uncached
 suffix and decode with the K/V in the device pool, ``insert`` (written through to host and
@@ -67,6 +74,7 @@ from aiocache_kv import (
     KVCacheError,
     KVEvent,
     MooncakeStorage,
+    PrefetchResult,
     StorageBackend,
 )
 from aiocache_kv.events import ZmqEventPublisher
@@ -104,6 +112,8 @@ class ServerOptions:
     kv_events: str | None = None  #: ZMQ PUB endpoint for KV events (vLLM format), or off
     #: ``map``: vLLM's current KV-event protocol; ``array``: the one before vLLM#42892
     kv_events_encoding: EventEncoding = "map"
+    #: requests generating at once; the rest wait in arrival order (their prefetch runs meanwhile)
+    max_running: int = 4
 
 
 class ServerMetrics:
@@ -129,6 +139,17 @@ class ServerMetrics:
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
+        self.storage_served = Counter(
+            "aiocache_kv_storage_served_requests",
+            "Requests whose prompt was served in part from storage (a returning prompt).",
+            registry=registry,
+        )
+        self.queued = Histogram(
+            "aiocache_kv_admission_wait_seconds",
+            "Time from arrival to admission, while the arrival prefetch runs.",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
         self.events = Counter(
             "aiocache_kv_events",
             "KV events drained by the server, by type and medium.",
@@ -141,6 +162,8 @@ class ServerMetrics:
         self.requests.labels(outcome="ok").inc()
         self.generated_tokens.inc(len(gen.tokens))
         self.ttft.observe(gen.ttft)
+        if gen.attribution.storage:
+            self.storage_served.inc()
 
 
 # ---------------------------------------------------------------------------- request parsing
@@ -306,6 +329,7 @@ class GenerateServer:
         self.cache: HiCache | None = None
         self.lm: CachedLM | None = None
         self.started = time.monotonic()
+        self.admission = asyncio.Semaphore(opts.max_running)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -410,7 +434,7 @@ class GenerateServer:
             return web.json_response({"error": exc.message}, status=exc.status)
         assert self.lm is not None
         try:
-            gen = await self.lm.generate(req.tokens, req.max_new_tokens)
+            gen = await self._admit_and_generate(self.lm, req)
         except KVCacheError as exc:
             self.metrics.requests.labels(outcome="error").inc()
             status = 400 if isinstance(exc, ValueError) else 503
@@ -427,6 +451,31 @@ class GenerateServer:
                 "total_ms": round(gen.total * 1e3, 3),
             }
         )
+
+    async def _admit_and_generate(self, lm: CachedLM, req: GenerateRequest) -> Generation:
+        """The prefetch pattern: prefetch on arrival, check again on admission, commit what
+        landed.
+
+        The arrival prefetch reads storage while the request waits for one of the
+        ``max_running`` slots, so queueing hides the read.  On admission ``generate``
+        prefetches again (cheap when everything landed: only pages still missing are asked
+        for, and another node may have stored more since), matches, and loads back; the
+        tokens the arrival prefetch committed are attributed to storage.
+        """
+        arrived = time.perf_counter()
+        early: asyncio.Task[PrefetchResult] | None = None
+        if lm.cache.config.storage is not None:
+            early = asyncio.create_task(lm.cache.prefetch(req.tokens, tenant=lm.tenant))
+        try:
+            async with self.admission:
+                self.metrics.queued.observe(time.perf_counter() - arrived)
+                fetched = 0
+                if early is not None:
+                    fetched = (await early).hit_tokens  # bounded by the prefetch deadline
+                return await lm.generate(req.tokens, req.max_new_tokens, prefetched_tokens=fetched)
+        finally:
+            if early is not None and not early.done():
+                early.cancel()  # the request went away while queued
 
     async def flush(self, request: web.Request) -> web.Response:
         """``POST /flush``: every pending write-through and storage backup settled."""
@@ -522,7 +571,15 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
         help="map: vLLM's current KV-event protocol (tagged-map events, topic in replay "
         "replies); array: the older one (positional events) for older consumers",
     )
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=ServerOptions.max_running,
+        help="requests generating at once; later ones queue while their prefetch runs",
+    )
     a = p.parse_args(argv)
+    if a.max_running < 1:
+        p.error(f"--max-running must be >= 1, got {a.max_running}")
     return ServerOptions(
         host=a.host,
         port=a.port,
@@ -545,6 +602,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
         model_thread=not a.inline_model,
         kv_events=a.kv_events,
         kv_events_encoding=a.kv_events_encoding,
+        max_running=a.max_running,
     )
 
 

@@ -253,19 +253,32 @@ class CachedLM:
             )
 
     async def generate(
-        self, prompt: Sequence[int], max_new_tokens: int, *, keep_logits: bool = False
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        keep_logits: bool = False,
+        prefetched_tokens: int = 0,
     ) -> Generation:
         """Greedy-generate ``max_new_tokens`` after ``prompt``, reusing and filling the cache.
 
         The prompt and the reply (all but the last token, whose KV is never computed) are
         inserted into the cache when the request ends, so the next turn of a conversation
-        hits them.
+        hits them.  With a storage tier the prompt is prefetched first (storage -> host).
+        ``prefetched_tokens``: tokens of this prompt that an earlier prefetch made for this
+        same request already committed to host (a server that prefetches on arrival and
+        generates on admission); they are attributed to storage, not host.
 
         Raises:
-            InvalidInputError: empty prompt, bad ``max_new_tokens``, too long for the model.
+            InvalidInputError: empty prompt, bad ``max_new_tokens`` or ``prefetched_tokens``,
+                too long for the model.
             CapacityError: the device pool cannot hold the request (nothing leaks).
         """
         toks = _check_request(prompt, max_new_tokens, self.max_positions)
+        if type(prefetched_tokens) is not int or not 0 <= prefetched_tokens <= len(toks):
+            raise InvalidInputError(
+                f"prefetched_tokens must be an int in [0, {len(toks)}], got {prefetched_tokens!r}"
+            )
         cache = self.cache
         p = cache.config.page_size
         t0 = time.perf_counter()
@@ -273,11 +286,11 @@ class CachedLM:
         # first reply token)
         reusable = (len(toks) - 1) // p * p
         wanted = self._match_tokens(toks, reusable)
-        hit_storage = 0
+        hit_storage = prefetched_tokens
         prefetch_s = load_back_s = backup_s = 0.0
         if cache.config.storage is not None:
             res = await cache.prefetch(wanted, tenant=self.tenant)
-            hit_storage = res.hit_tokens
+            hit_storage += res.hit_tokens
             prefetch_s = time.perf_counter() - t0
         m: MatchResult | None = cache.match_prefix(wanted, tenant=self.tenant)
         assert m is not None

@@ -157,6 +157,16 @@ async def test_pool_too_small_leaks_nothing(gpt2: Any) -> None:
         assert st.device.held_pages == 0 and st.device.free_pages == 4
 
 
+@pytest.mark.parametrize("bad", [-1, 41, 1.0, True, "8"])
+async def test_bad_prefetched_tokens_is_rejected(gpt2: Any, bad: object) -> None:
+    async with akv.HiCache(config(gpt2)) as cache:
+        lm = CachedLM(gpt2, cache)
+        with pytest.raises(akv.InvalidInputError, match="prefetched_tokens"):
+            await lm.generate(random_tokens(13, 40), NEW, prefetched_tokens=bad)  # type: ignore[arg-type]
+        cache.check_invariants()
+        assert cache.statistics().device.held_pages == 0
+
+
 async def test_shape_mismatch_is_rejected(gpt2: Any) -> None:
     cfg = akv.CacheConfig(
         page_size=8, num_layers=2, num_kv_heads=4, head_dim=16, dtype=torch.float32,

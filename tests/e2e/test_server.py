@@ -211,10 +211,50 @@ async def test_restarted_server_serves_from_storage(tmp_path: Path, gpt2: Any) -
         assert again["tokens"] == reference_generate(gpt2, turn2, 4).tokens
         text = await srv.get_text("/metrics")
         assert metric(text, 'aiocache_kv_prompt_tokens_total{source="storage"}') == 72
-        assert metric(text, "aiocache_kv_prefetch_seconds_count") == 1
+        # one prefetch on arrival (it loads the pages), one on admission (nothing left to load)
+        assert metric(text, "aiocache_kv_prefetch_seconds_count") == 2
         assert metric(text, 'aiocache_kv_transfer_bytes_total{direction="storage_to_host"}') > 0
+        assert metric(text, "aiocache_kv_storage_served_requests_total") == 1
     finally:
         await stop(srv)
+
+
+async def test_queued_request_prefetches_on_arrival(tmp_path: Path, gpt2: Any) -> None:
+    """The prefetch pattern: a returning prompt queued behind a running request is
+    prefetched while it waits, generated on admission, and its prompt tokens are attributed
+    to storage (cached + computed = prompt); the storage-served counter counts it once."""
+    prompt = random_tokens(60, 70)
+    srv = await start(options(tmp_path / "kv"))
+    try:
+        status, reply = await srv.post("/generate", {"tokens": prompt, "max_new_tokens": 2})
+        assert status == 200, reply
+    finally:
+        await stop(srv)
+    srv = await start(options(tmp_path / "kv", max_running=1))
+    try:
+        other = random_tokens(61, 40)  # a stranger: computed, holds the only slot
+        turn2 = prompt + random_tokens(62, 9)
+        (s1, r1), (s2, r2) = await asyncio.gather(
+            srv.post("/generate", {"tokens": other, "max_new_tokens": 24}),
+            srv.post("/generate", {"tokens": turn2, "max_new_tokens": 4}),
+        )
+        assert (s1, s2) == (200, 200), (r1, r2)
+        assert r1["cached_tokens"] == {"device": 0, "host": 0, "storage": 0}
+        assert r2["cached_tokens"] == {"device": 0, "host": 0, "storage": 64}
+        assert r2["computed_tokens"] + 64 == len(turn2)
+        assert r2["tokens"] == reference_generate(gpt2, turn2, 4).tokens
+        text = await srv.get_text("/metrics")
+        assert metric(text, "aiocache_kv_storage_served_requests_total") == 1
+        assert metric(text, "aiocache_kv_admission_wait_seconds_count") == 2
+        assert metric(text, 'aiocache_kv_prompt_tokens_total{source="storage"}') == 64
+    finally:
+        await stop(srv)
+
+
+def test_max_running_must_be_positive() -> None:
+    with pytest.raises(SystemExit):
+        server_mod.parse_args(["--max-running", "0"])
+    assert server_mod.parse_args(["--max-running", "2"]).max_running == 2
 
 
 VALID = b'{"tokens": [1, 2, 3], "max_new_tokens": 1}'
