@@ -62,11 +62,6 @@ def fmt_ms(seconds: float) -> str:
     return f"{ms:.2f} ms" if ms < 10 else f"{ms:.1f} ms"
 
 
-def fmt_gbs(bytes_per_second: float) -> str:
-    """Bytes per second as GB/s (10^9)."""
-    return f"{bytes_per_second / 1e9:.2f} GB/s"
-
-
 def fmt_bytes(n: int) -> str:
     """A byte count with a binary unit."""
     value = float(n)

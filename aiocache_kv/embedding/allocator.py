@@ -49,11 +49,6 @@ class ExtentAllocator:
         """Bytes handed out (aligned sizes)."""
         return self.capacity - self.free_bytes
 
-    @property
-    def allocated(self) -> int:
-        """Number of extents handed out."""
-        return len(self._used)
-
     def aligned(self, nbytes: int) -> int:
         """``nbytes`` rounded up to the alignment."""
         a = self.alignment

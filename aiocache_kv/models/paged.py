@@ -94,7 +94,6 @@ class PagedKV(Cache):
         self.views = list(views)
         self.rows = rows.to(self.views[0][0].device) if self.views else rows
         self.filled = filled
-        self._step = 0
         super().__init__(layers=[_PoolLayer(self, i) for i in range(len(self.views))])
 
     def update_layer(
@@ -106,7 +105,6 @@ class PagedKV(Cache):
         end = self.filled + n
         if end > self.rows.numel():
             raise CapacityError(f"sequence needs {end} KV rows, {self.rows.numel()} were allocated")
-        self._step = n
         k_pool, v_pool = self.views[layer]
         new = self.rows[self.filled : end]
         # [1, heads, n, dim] -> [n, heads, dim], the pool's row layout
