@@ -19,6 +19,8 @@ from array import array
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
+from aiocache_kv.errors import InvalidInputError
+
 _DIGEST = 8
 #: Largest token id a page hash encodes (ids are hashed as signed 64-bit words); the cache
 #: rejects larger ids before any state changes.
@@ -35,7 +37,7 @@ def namespace_seed(tag: str) -> int:
 def py_chain_hashes(prev: int, tokens: Sequence[int], page_size: int) -> list[int]:
     """:func:`chain_hashes` in pure Python (the fallback, and the reference tests compare with)."""
     if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
+        raise InvalidInputError(f"page_size must be >= 1, got {page_size}")
     raw = array("q", tokens).tobytes()
     step = page_size * 8
     copy = _EMPTY.copy
@@ -66,12 +68,21 @@ _EXT = _extension()
 #: ``"c"`` where the C extension computes the hashes, else ``"python"``.
 HASH_IMPL = "python" if _EXT is None else "c"
 
-chain_hashes: Callable[[int, Sequence[int], int], list[int]]
-"""Hashes of the pages of ``tokens`` (a whole number of pages), chained from ``prev``:
-``chain_hashes(prev, tokens, page_size)``.
+_impl: Callable[[int, Sequence[int], int], list[int]] = (
+    py_chain_hashes if _EXT is None else _EXT.chain_hashes
+)
 
-Token ids must be in ``[0, MAX_TOKEN_ID]`` (the cache validates them first).  A short last page,
-if any, is hashed as it is.  The C function where the extension is built, else
-:func:`py_chain_hashes`; both compute the same values.
-"""
-chain_hashes = py_chain_hashes if _EXT is None else _EXT.chain_hashes
+
+def chain_hashes(prev: int, tokens: Sequence[int], page_size: int) -> list[int]:
+    """Hashes of the pages of ``tokens`` (a whole number of pages), chained from ``prev``.
+
+    Token ids must be in ``[0, MAX_TOKEN_ID]`` (the cache validates them first).  A short last
+    page, if any, is hashed as it is.  The C function where the extension is built, else
+    :func:`py_chain_hashes`; both compute the same values.
+
+    Raises:
+        InvalidInputError: ``page_size`` below 1.
+    """
+    if page_size < 1:
+        raise InvalidInputError(f"page_size must be >= 1, got {page_size}")
+    return _impl(prev, tokens, page_size)
