@@ -42,6 +42,7 @@ class StorageCounters:
     prefetch_hit_tokens: int = 0
     prefetch_pages_discarded: int = 0
     storage_errors: int = 0
+    evicted_pages_storage: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,8 @@ class CacheStatistics:
     storage_errors: int = 0
     evicted_pages_device: int = 0  #: device copies dropped by eviction (demoted or deleted)
     evicted_pages_host: int = 0  #: host copies dropped by eviction
+    #: pages the storage backend reported evicted (``BlockRemoved(STORAGE)``, node re-backed up)
+    evicted_pages_storage: int = 0
     events_pending: int = 0  #: KV events buffered and not yet taken or streamed
     events_dropped: int = 0  #: KV events dropped because the buffer was full
     #: seconds per operation: load_back, write_through, write_back, backup, prefetch

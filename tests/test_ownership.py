@@ -44,6 +44,12 @@ class GatedStorage(FileStorage):
         self.put_gate.wait(30)
         return super().put(keys, buffers)
 
+    def put_chain(
+        self, keys: Sequence[str], buffers: Sequence[PageBuffer], parents: Sequence[str | None]
+    ) -> list[bool]:
+        self.put_gate.wait(30)  # the cache's backups come this way
+        return super().put_chain(keys, buffers, parents)
+
     def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
         self.get_gate.wait(30)
         return super().get_into(keys, buffers)

@@ -45,7 +45,12 @@ class FlakyStorage(FileStorage):
         self.stall.set()
 
     def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
-        out = super().put(keys, buffers)
+        return self.put_chain(keys, buffers, [None] * len(keys))
+
+    def put_chain(
+        self, keys: Sequence[str], buffers: Sequence[PageBuffer], parents: Sequence[str | None]
+    ) -> list[bool]:
+        out = super().put_chain(keys, buffers, parents)
         for i in self.fail_put:
             if i < len(out):
                 self.remove([keys[i]])
@@ -103,8 +108,8 @@ def _all_keys(path: Path) -> list[str]:
     out = []
     for f in sorted(path.rglob("*.kv")):
         data = f.read_bytes()
-        klen = int.from_bytes(data[4:8], "little")
-        out.append(data[8 : 8 + klen].decode())
+        klen = int.from_bytes(data[4:8], "little")  # then the 20-byte parent name
+        out.append(data[28 : 28 + klen].decode())
     return out
 
 

@@ -30,6 +30,7 @@ import torch
 from aiocache_kv.errors import InvalidInputError, InvalidTypeError
 
 __all__ = [
+    "ChainAwareStorage",
     "PageBuffer",
     "StatsCounter",
     "StorageBackend",
@@ -210,4 +211,34 @@ class StorageBackend(Protocol):
 
     def close(self) -> None:
         """Release the connection / resources (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class ChainAwareStorage(Protocol):
+    """A backend that bounds its capacity itself (``FileStorage``): told which page each page
+    depends on, it evicts chain ends first, and it reports what it evicted so that the cache
+    can say so (``BlockRemoved(STORAGE)``) and back the pages up again on a later hit.
+
+    Backends without it (Mooncake: its master evicts on its own) are learned about on reads.
+    """
+
+    def put_chain(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        parents: Sequence[str | None],
+    ) -> list[bool]:
+        """:meth:`StorageBackend.put`, with ``parents[i]`` the key page ``i`` depends on
+        (``None``: a chain start).  A page evicted again before the call returns reports
+        ``False``.
+
+        Raises:
+            As :meth:`StorageBackend.put`; ``InvalidInputError`` when ``parents`` does not
+            match ``keys`` in length.
+        """
+        ...
+
+    def take_evicted(self) -> list[str]:
+        """The keys evicted since the last call (each reported once), oldest first."""
         ...

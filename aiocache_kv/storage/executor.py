@@ -63,7 +63,7 @@ from aiocache_kv.errors import (
     StorageUnavailableError,
 )
 from aiocache_kv.logs import get_logger
-from aiocache_kv.storage.base import PageBuffer, StorageBackend, StorageStats
+from aiocache_kv.storage.base import ChainAwareStorage, PageBuffer, StorageBackend, StorageStats
 
 __all__ = ["StorageIO", "StorageIOStats"]
 
@@ -191,14 +191,28 @@ class StorageIO:
         *,
         timeout: float | None = None,
         on_release: Callable[[], None] | None = None,
+        parents: Sequence[str | None] | None = None,
     ) -> list[bool]:
-        """``backend.put`` off the loop.  On timeout/cancel the slots stay in use until
-        :meth:`wait_released` (``on_release`` runs on the loop then, exactly once).
-        Raises the backend's errors or ``StorageTimeoutError``."""
+        """``backend.put`` off the loop (``put_chain`` with ``parents``, the key each page
+        depends on, where the backend is a :class:`ChainAwareStorage`).  On timeout/cancel the
+        slots stay in use until :meth:`wait_released` (``on_release`` runs on the loop then,
+        exactly once).  Raises the backend's errors or ``StorageTimeoutError``."""
         bufs = list(buffers)
+        backend = self.backend
+        if parents is not None and isinstance(backend, ChainAwareStorage):
+            return await self.call(
+                "put",
+                backend.put_chain,
+                list(keys),
+                bufs,
+                list(parents),
+                timeout=timeout,
+                buffers=bufs,
+                on_release=on_release,
+            )
         return await self.call(
             "put",
-            self.backend.put,
+            backend.put,
             list(keys),
             bufs,
             timeout=timeout,

@@ -3,38 +3,27 @@
 Layout.  ``{root}/{nn}/{name}.kv`` where ``name`` is the hex BLAKE2b-160 of the UTF-8 key and
 ``nn`` its first two hex digits (256 shard directories made at open).  Whatever the key
 (``"../../etc/passwd"``, ``"/abs"``, NUL bytes, 1 KiB of text) the file name is 40 hex digits,
-so no key can escape the directory.  A file is ``b"AKVF" | u32 key_len | key | slot`` where the
-slot is the framed page (payload + integrity trailer, see :mod:`.integrity`).  The stored key is
-compared on read, so a hash collision or a misplaced file is a miss, and tests can list the
-files and read back the raw keys.
+so no key can escape the directory.  A file holds its key, its parent's name and the framed
+page (format: :mod:`.page_file`).  The stored key is compared on read, so a hash collision or a
+misplaced file is a miss.
 
-Writes are atomic for readers: a page becomes visible (enters the in-memory index that decides
-hits) only once its file is complete.  With ``fsync="never"`` the file is written in place (one
-``open`` + ``writev`` + ``close``, no rename: ~15 us less per page on tmpfs) while the name is
-marked as being written, so no other worker writes or reads it meanwhile (a second writer of the
-same name falls back to the temporary file); with ``"data"``/``"always"`` (and for that
-fallback) the page is written to a temporary file in the same shard directory and moved into
-place with ``os.replace``.  Stale temporary files (a crash mid-write) are deleted at open; a
-page torn by a crash mid in-place write fails the integrity check at its first read (a miss,
-deleted).  Reads are one ``open`` + ``preadv`` (header, slot and one byte past the slot, which
-checks the size) + ``close``; seal and verify run on groups of ~4 MiB of pages right before
-their writes / right after their reads, while the bytes are still in cache.
+Writes are atomic for readers (a page enters the index only once its file is complete) and
+durable as ``fsync`` asks (``"never"``, the default: written in place, no fsync, right for a
+cache; ``"data"``; ``"always"``): see :mod:`.page_file`.
 
-Durability (``fsync``):
-
-* ``"never"`` (default): no fsync, pages written in place.  After a power loss or a crash a
-  page may be missing or torn; a torn page fails the integrity check and is a miss.  Right for
-  a cache.
-* ``"data"``: fsync the temporary file before the rename: a page that is visible after a crash
-  has its full content.
-* ``"always"``: ``"data"`` plus fsync of the shard directory after the rename: a put that
-  returned ``True`` survives a crash.
-
-Capacity.  ``capacity_bytes`` bounds the sum of file sizes.  Eviction is LRU by access order
-(a put or a verified ``get_into`` hit is an access; ``exists`` is not).  The order is kept in
-memory and rebuilt from file modification times at open (accesses of an earlier run that were
-reads are therefore not remembered).  A page larger than the capacity is refused (``False``).
-A corrupt page is deleted when detected so that a later put can store it again.
+Capacity.  ``capacity_bytes`` bounds the sum of file sizes.  ``"auto"`` (the default) derives
+the bound from the file system at open: at most :data:`AUTO_FRACTION` of its size, and always
+leaving :data:`AUTO_RESERVE` of its size free for everything else, but never below what the
+directory already holds (a node restarted on a full disk evicts nothing and serves what is
+there).  ``None`` is unbounded.  Eviction is chain-aware (:mod:`.page_index`): a page records
+the page it depends on (``put_chain``), and chain ends (pages no stored page depends on) go
+first, least recently used among them, so what survives stays reachable by a prefetch.  A put
+or a verified ``get_into`` hit is an access (a hit refreshes its ancestors too); ``exists`` is
+not.  The order and the chains are rebuilt at open from modification times and the parents
+recorded in the files.  A page larger than the capacity is refused (``False``); a page evicted
+again by the put that wrote it reports ``False``; every other evicted key is reported once by
+:meth:`FileStorage.take_evicted`.  A corrupt page is deleted when detected so that a later put
+can store it again.
 
 Links and special files (see :mod:`.safe_fs`).  No symbolic link is ever followed and only
 regular files are pages: the root must be a real directory (its parents may be links); shards
@@ -51,19 +40,20 @@ raised), :attr:`FileStorage.writable` is ``False`` (one ``storage.file.read_only
 until a write succeeds again.
 
 One ``FileStorage`` (one process) owns a directory: it is the only writer and its in-memory
-index decides hits.  All methods are thread-safe (an index lock; file I/O outside the lock).
-It holds one descriptor for the root and one per shard directory it has used, released by
-:meth:`FileStorage.close` (or when it is garbage-collected).
+index decides hits.  Two live nodes share KV through Mooncake Store, not one directory; a
+directory is shared across restarts (a fresh node indexes what the last one wrote).  All
+methods are thread-safe (an index lock; file I/O outside the lock).  It holds one descriptor
+for the root and one per shard directory it has used, released by :meth:`FileStorage.close`
+(or when it is garbage-collected).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import functools
-import hashlib
 import itertools
 import os
+import shutil
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -72,51 +62,33 @@ from typing import Literal
 
 import torch
 
-from aiocache_kv.errors import ConfigError, StorageUnavailableError
+from aiocache_kv.errors import ConfigError, InvalidInputError, StorageUnavailableError
 from aiocache_kv.logs import get_logger
 from aiocache_kv.storage import integrity, page_file, safe_fs
 from aiocache_kv.storage.base import PageBuffer, StatsCounter, StorageStats, leading_run
-from aiocache_kv.storage.keys import check_keys
+from aiocache_kv.storage.keys import MAX_KEY_LEN, check_keys
+from aiocache_kv.storage.page_file import (
+    SUFFIX,
+    TMP_SUFFIX,
+    chunks,
+    file_name,
+    is_page_name,
+)
+from aiocache_kv.storage.page_index import PageIndex
 
-__all__ = ["FileStorage", "FsyncPolicy"]
+__all__ = ["AUTO_FRACTION", "AUTO_RESERVE", "FileStorage", "FsyncPolicy"]
 
 log = get_logger(__name__)
 
 FsyncPolicy = Literal["never", "data", "always"]
 _FSYNC_POLICIES = ("never", "data", "always")
-_SUFFIX = ".kv"
-_TMP_SUFFIX = ".tmp"
-_NAME_LEN = 40  # hex digits of BLAKE2b-160
 _SHARDS = [f"{i:02x}" for i in range(256)]
-#: pages are sealed / verified in groups of about this many bytes, each group right before its
-#: files are written / right after they are read, so the checksum reads bytes still in cache
-_CHUNK_BYTES = 4 << 20
-
-
-@functools.lru_cache(maxsize=1 << 14)  # a prefetch hashes its keys for exists, then for reads
-def _file_name(key: str) -> str:
-    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
-
-
-def _is_page_name(name: str) -> bool:
-    return name.endswith(_SUFFIX) and len(name) == _NAME_LEN + len(_SUFFIX)
-
-
-def _chunks(idx: list[int], buffers: Sequence[PageBuffer]) -> list[list[int]]:
-    """Split ``idx`` into consecutive groups of about :data:`_CHUNK_BYTES` of slots."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    nbytes = 0
-    for i in idx:
-        cur.append(i)
-        nbytes += buffers[i].nbytes
-        if nbytes >= _CHUNK_BYTES:
-            out.append(cur)
-            cur = []
-            nbytes = 0
-    if cur:
-        out.append(cur)
-    return out
+#: ``capacity_bytes="auto"``: at most this fraction of the file system's size ...
+AUTO_FRACTION = 0.5
+#: ... and always leave this fraction of it free
+AUTO_RESERVE = 0.1
+#: evicted keys kept for :meth:`FileStorage.take_evicted` (the oldest go first when nobody asks)
+_EVICTED_KEPT = 1 << 16
 
 
 class FileStorage:
@@ -130,19 +102,20 @@ class FileStorage:
     def __init__(
         self,
         path: str | os.PathLike[str],
-        capacity_bytes: int | None = None,
+        capacity_bytes: int | Literal["auto"] | None = "auto",
         fsync: FsyncPolicy = "never",
     ) -> None:
         """Raises:
-        ConfigError: ``capacity_bytes`` not a positive int, or unknown ``fsync`` policy.
+        ConfigError: ``capacity_bytes`` not a positive int, ``"auto"`` or ``None``, or an
+            unknown ``fsync`` policy.
         """
-        if capacity_bytes is not None and (
+        if capacity_bytes is not None and capacity_bytes != "auto" and (
             isinstance(capacity_bytes, bool)
             or not isinstance(capacity_bytes, int)
             or capacity_bytes <= 0
         ):
             raise ConfigError(
-                f"capacity_bytes must be a positive int or None, got {capacity_bytes!r}"
+                f"capacity_bytes must be a positive int, 'auto' or None, got {capacity_bytes!r}"
             )
         if fsync not in _FSYNC_POLICIES:
             raise ConfigError(f"fsync must be one of {_FSYNC_POLICIES}, got {fsync!r}")
@@ -150,13 +123,15 @@ class FileStorage:
         self._root_str = os.fspath(self.root)
         self._pid = os.getpid()
         self._seq = itertools.count()
-        self.capacity_bytes = capacity_bytes
+        self._auto = capacity_bytes == "auto"
+        #: the bound in bytes (``None``: unbounded, or ``"auto"`` before :meth:`open`)
+        self.capacity_bytes: int | None = None if capacity_bytes == "auto" else capacity_bytes
         self.fsync: FsyncPolicy = fsync
         self._lock = threading.Lock()
         self._open_lock = threading.Lock()
-        self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> size
-        self._writing: set[str] = set()  # names being written in place (not yet in _lru)
-        self._total = 0
+        self._index = PageIndex()  # name -> size, parent, recency: see page_index
+        self._writing: set[str] = set()  # names being written in place (not yet indexed)
+        self._evicted: collections.deque[str] = collections.deque(maxlen=_EVICTED_KEPT)
         self._opened = False
         self._closed = False
         self._active = 0  # calls using the directory descriptors (close releases them at 0)
@@ -167,8 +142,9 @@ class FileStorage:
 
     def __repr__(self) -> str:
         return (
-            f"FileStorage(path={str(self.root)!r}, pages={len(self._lru)}, "
-            f"bytes={self._total}, capacity_bytes={self.capacity_bytes}, fsync={self.fsync!r})"
+            f"FileStorage(path={str(self.root)!r}, pages={len(self._index)}, "
+            f"bytes={self._index.total}, capacity_bytes={self.capacity_bytes}, "
+            f"fsync={self.fsync!r})"
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -193,7 +169,7 @@ class FileStorage:
             try:
                 self._dirs.open_root()
                 try:
-                    self._dirs.probe_write(f".probe-{self._pid}-{next(self._seq)}{_TMP_SUFFIX}")
+                    self._dirs.probe_write(f".probe-{self._pid}-{next(self._seq)}{TMP_SUFFIX}")
                 except OSError as exc:
                     if exc.errno not in safe_fs.NO_SPACE:
                         raise
@@ -218,26 +194,40 @@ class FileStorage:
             log.info(
                 "storage.file.open",
                 path=self._root_str,
-                pages=len(self._lru),
-                bytes=self._total,
+                pages=len(self._index),
+                bytes=self._index.total,
+                capacity_bytes=self.capacity_bytes,
                 writable=self._writable,
             )
 
     def _rebuild_index(self) -> list[str]:
-        """Index the regular page files of every shard; return what was skipped as junk."""
-        scan = self._dirs.scan(_SHARDS, _is_page_name, _TMP_SUFFIX)
-        found = sorted((st.st_mtime_ns, n[: -len(_SUFFIX)], st.st_size) for _, n, st in scan.files)
+        """Index the regular page files of every shard with the parents their headers record,
+        oldest first; resolve an ``"auto"`` capacity; return what was skipped as junk."""
+        scan = self._dirs.scan(_SHARDS, is_page_name, TMP_SUFFIX)
+        found = sorted((st.st_mtime_ns, n, st.st_size) for _, n, st in scan.files)
+        index = PageIndex()
+        for _, fname, size in found:
+            name = fname[: -len(SUFFIX)]
+            try:
+                _, parent = page_file.read_header(self._dirs.get(name[:2]), fname, MAX_KEY_LEN)
+            except OSError:
+                parent = None  # unreadable now: its first read decides
+            index.add(name, size, parent)
+        if self._auto:
+            self.capacity_bytes = self._auto_capacity(index.total)
         with self._lock:
-            self._lru.clear()
-            self._total = 0
-            for _, name, size in found:
-                self._lru[name] = size
-                self._total += size
+            self._index = index
             victims = self._pick_victims_locked()
         self._unlink_victims(victims)
         if scan.stale:
             log.info("storage.file.stale_temp_removed", path=self._root_str, count=scan.stale)
         return scan.junk
+
+    def _auto_capacity(self, stored: int) -> int:
+        """The ``"auto"`` bound: see the module docstring."""
+        usage = shutil.disk_usage(self._root_str)
+        room = min(usage.total * AUTO_FRACTION, stored + usage.free - usage.total * AUTO_RESERVE)
+        return max(stored, int(room), 1)
 
     def close(self) -> None:
         """Mark the storage closed (idempotent); later calls raise ``StorageUnavailableError``.
@@ -274,17 +264,31 @@ class FileStorage:
     def total_bytes(self) -> int:
         """Sum of the sizes of the stored files (what the capacity bounds)."""
         with self._lock:
-            return self._total
+            return self._index.total
 
     def lru_order(self) -> list[str]:
-        """File names (hex, without suffix), least recently used first (tests / debugging)."""
+        """File names (``page_file.file_name`` of the keys), least recently used first."""
         with self._lock:
-            return list(self._lru)
+            return self._index.names()
+
+    def check_index(self) -> None:
+        """Assert the index's chain counts and total agree with its entries (tests)."""
+        with self._lock:
+            self._index.check()
+
+    def take_evicted(self) -> list[str]:
+        """The keys evicted for capacity since the last call, oldest first, each once (at most
+        the last 65,536 when nobody asks).  Pages a put evicted again before it returned are
+        not here: that put reported them ``False``."""
+        with self._lock:
+            out = list(self._evicted)
+            self._evicted.clear()
+        return out
 
     def path_of(self, key: str) -> Path:
         """The file that holds ``key`` (whether or not it exists)."""
-        name = _file_name(key)
-        return self.root / name[:2] / (name + _SUFFIX)
+        name = file_name(key)
+        return self.root / name[:2] / (name + SUFFIX)
 
     @contextlib.contextmanager
     def _in_use(self) -> Iterator[None]:
@@ -317,9 +321,9 @@ class FileStorage:
             StorageUnavailableError: closed or unusable directory.
         """
         check_keys(keys)
-        names = [_file_name(k) for k in keys]
+        names = [file_name(k) for k in keys]
         with self._in_use(), self._lock:
-            return [n in self._lru for n in names]
+            return [n in self._index for n in names]
 
     def leading_hits(self, keys: Sequence[str]) -> int:
         """Count of the leading run of present keys (raises as :meth:`exists`)."""
@@ -329,6 +333,7 @@ class FileStorage:
 
     def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
         """Seal and store each slot; present keys are not rewritten (``True``, counted skipped).
+        Pages stored this way record no parent: see :meth:`put_chain`.
 
         Raises:
             StorageKeyError: a malformed key.
@@ -337,19 +342,43 @@ class FileStorage:
         """
         integrity.check_batch(keys, buffers)
         with self._in_use():
-            return self._put(keys, buffers)
+            return self._put(keys, buffers, [None] * len(keys))
 
-    def _put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def put_chain(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        parents: Sequence[str | None],
+    ) -> list[bool]:
+        """:meth:`put`, with ``parents[i]`` the key page ``i`` depends on (``None``: a chain
+        start), recorded in the file and used by eviction (chain ends first).  A page the same
+        call had to evict again reports ``False``, and so do the pages after it in its chain.
+
+        Raises:
+            StorageKeyError: a malformed key or parent.
+            InvalidInputError: lengths differ or a slot <= ``FRAME_OVERHEAD``.
+            StorageUnavailableError: closed or unusable directory.
+        """
+        integrity.check_batch(keys, buffers)
+        if len(parents) != len(keys):
+            raise InvalidInputError(f"{len(parents)} parents for {len(keys)} keys")
+        check_keys([p for p in parents if p is not None])
+        with self._in_use():
+            return self._put(keys, buffers, [None if p is None else file_name(p) for p in parents])
+
+    def _put(
+        self, keys: Sequence[str], buffers: Sequence[PageBuffer], parents: list[str | None]
+    ) -> list[bool]:
         n = len(keys)
         results = [False] * n
-        names = [_file_name(k) for k in keys]
+        names = [file_name(k) for k in keys]
         key_bytes = [k.encode("utf-8", "surrogatepass") for k in keys]
         first: dict[str, int] = {}  # absent name -> the index it is written from
         skipped = too_big = 0
         with self._lock:
             for i, name in enumerate(names):
-                if name in self._lru:
-                    self._lru.move_to_end(name)
+                if name in self._index:
+                    self._index.touch(name)
                     results[i] = True
                     skipped += 1
                 elif name not in first:
@@ -362,15 +391,20 @@ class FileStorage:
             else:
                 todo.append(i)
         errors: list[tuple[str, str]] = []
-        ok = written = no_space = 0
+        written: dict[str, int] = {}  # name -> index, written by this call
+        dropped: set[str] = set()  # written by this call and evicted again
+        nbytes = no_space = 0
         writable: bool | None = None  # what the last write said about free space
-        for chunk in _chunks(todo, buffers):
+        for chunk in chunks(todo, buffers):
             integrity.seal_many([buffers[i] for i in chunk], [keys[i] for i in chunk])
             for i in chunk:
                 name = names[i]
+                if parents[i] in dropped:  # unreachable: its parent went for room already
+                    dropped.add(name)
+                    continue
                 with self._lock:
-                    if name in self._lru:  # stored by another worker meanwhile
-                        self._lru.move_to_end(name)
+                    if name in self._index:  # stored by another worker meanwhile
+                        self._index.touch(name)
                         results[i] = True
                         skipped += 1
                         continue
@@ -378,7 +412,7 @@ class FileStorage:
                     if in_place:
                         self._writing.add(name)
                 try:
-                    size = self._write_file(key_bytes[i], name, buffers[i], in_place)
+                    size = self._write_file(key_bytes[i], name, buffers[i], in_place, parents[i])
                 except OSError as exc:
                     if in_place:
                         with self._lock:
@@ -392,16 +426,17 @@ class FileStorage:
                 with self._lock:
                     if in_place:
                         self._writing.discard(name)
-                    old = self._lru.pop(name, None)
-                    if old is not None:
-                        self._total -= old
-                    self._lru[name] = size
-                    self._total += size
+                    self._index.add(name, size, parents[i])
                     victims = self._pick_victims_locked()
-                self._unlink_victims(victims)
-                ok += 1
-                written += buffers[i].nbytes
+                written[name] = i
+                nbytes += buffers[i].nbytes
                 results[i] = True
+                for v in victims:
+                    if v in written:
+                        results[written[v]] = False
+                        dropped.add(v)
+                self._unlink_victims(victims, report=[v for v in victims if v not in written])
+        ok = sum(results[i] for i in written.values())
         for i, name in enumerate(names):  # duplicates ride along with their first occurrence
             j = first.get(name, i)
             if j != i and results[j]:
@@ -412,54 +447,34 @@ class FileStorage:
             put_ok=ok,
             put_skipped=skipped,
             put_failed=n - ok - skipped,
-            bytes_written=written,
+            bytes_written=nbytes,
         )
         if writable is not None:
             self._set_writable(writable, errors[-1][1] if errors else None)
-        if too_big or len(errors) > no_space:  # a full disk is reported once, by read_only
+        if too_big or dropped or len(errors) > no_space:  # a full disk: logged by read_only
             log.warning(
                 "storage.file.put_failed",
                 path=str(self.root),
                 failed=len(errors),
                 larger_than_capacity=too_big,
+                evicted_at_once=len(dropped),
                 first_error=errors[0][1] if errors else None,
                 sample_keys=[k for k, _ in errors[:3]],
             )
         return results
 
-    def _write_file(self, key_bytes: bytes, name: str, buf: PageBuffer, in_place: bool) -> int:
-        """Write a sealed slot, in place or via a temporary file + rename (see module doc);
-        return the file size.  On error nothing is left behind.  Never opens an existing name:
-        a leftover of any kind (stale file, link, FIFO) is replaced by the rename."""
+    def _write_file(
+        self, key_bytes: bytes, name: str, buf: PageBuffer, in_place: bool, parent: str | None
+    ) -> int:
+        tmp = f".{name}-{self._pid}-{threading.get_ident():x}-{next(self._seq)}{TMP_SUFFIX}"
+        header = page_file.header_for(key_bytes, parent)
         dfd = self._dirs.get(name[:2])
-        final = name + _SUFFIX
-        header = page_file.header_for(key_bytes)
-        fsync = self.fsync != "never"
-        if in_place:
-            try:
-                return page_file.write_new(dfd, final, header, buf, fsync)
-            except FileExistsError:
-                pass
-        tmp = f".{name}-{self._pid}-{threading.get_ident():x}-{next(self._seq)}{_TMP_SUFFIX}"
-        total = page_file.write_new(dfd, tmp, header, buf, fsync)
-        try:
-            os.replace(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            safe_fs.unlink_quietly(tmp, dfd)
-            raise
-        if self.fsync == "always":
-            os.fsync(dfd)
-        return total
+        return page_file.write_page(dfd, name, header, buf, in_place, self.fsync, tmp)
 
     def _pick_victims_locked(self) -> list[str]:
-        victims: list[str] = []
         if self.capacity_bytes is None:
-            return victims
-        while self._total > self.capacity_bytes and len(self._lru) > 1:
-            name, size = self._lru.popitem(last=False)
-            self._total -= size
-            victims.append(name)
-        return victims
+            return []
+        return self._index.pick_victims(self.capacity_bytes)
 
     def _unlink_page(self, name: str) -> None:
         """Delete the page file ``name`` (the name itself, never a link's target); quiet."""
@@ -467,11 +482,26 @@ class FileStorage:
             dfd = self._dirs.get(name[:2])
         except OSError:
             return
-        safe_fs.unlink_quietly(name + _SUFFIX, dfd)
+        safe_fs.unlink_quietly(name + SUFFIX, dfd)
 
-    def _unlink_victims(self, victims: list[str]) -> None:
+    def _unlink_victims(self, victims: list[str], report: list[str] | None = None) -> None:
+        """Delete evicted pages; the keys of ``report`` (default: all) are read from their
+        headers first and kept for :meth:`take_evicted`."""
+        gone: list[str] = []
+        for name in victims if report is None else report:
+            try:
+                key, _ = page_file.read_header(
+                    self._dirs.get(name[:2]), name + SUFFIX, MAX_KEY_LEN
+                )
+            except OSError:
+                key = None  # gone or junk meanwhile: nothing this cache can name
+            if key is not None:
+                gone.append(key)
         for name in victims:
             self._unlink_page(name)
+        if gone:
+            with self._lock:
+                self._evicted.extend(gone)
         if victims:
             self._stats.add(evictions=len(victims), removed=len(victims))
             log.debug("storage.file.evicted", path=str(self.root), count=len(victims))
@@ -490,7 +520,7 @@ class FileStorage:
     def _remove(self, keys: Sequence[str]) -> list[bool]:
         results: list[bool] = []
         for key in keys:
-            name = _file_name(key)
+            name = file_name(key)
             results.append(self._forget(name))
             if results[-1]:
                 self._unlink_page(name)
@@ -514,49 +544,30 @@ class FileStorage:
     def _get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
         n = len(keys)
         results = [False] * n
-        names = [_file_name(k) for k in keys]
+        names = [file_name(k) for k in keys]
         with self._lock:
-            todo = [i for i, name in enumerate(names) if name in self._lru]
+            todo = [i for i, name in enumerate(names) if name in self._index]
         misses = n - len(todo)
         hits = read_bytes = 0
         corrupt: list[tuple[str, integrity.Verdict]] = []
         io_errors: list[str] = []
-        for chunk in _chunks(todo, buffers):
-            read: list[int] = []  # read in full with the right header and size: checksum them
-            for i in chunk:
-                try:
-                    verdict = self._read_file(keys[i], names[i], buffers[i])
-                except FileNotFoundError:
-                    self._forget(names[i])
-                    misses += 1
-                    continue
-                except (safe_fs.NotRegularFileError, PermissionError):  # not a page: junk
-                    self._drop(names[i], count=False)
-                    misses += 1
-                    continue
-                except OSError as exc:
-                    io_errors.append(f"{type(exc).__name__}: {exc}")
-                    continue
-                if verdict is None:
-                    read.append(i)
-                else:
-                    corrupt.append((keys[i], verdict))
-                    self._drop(names[i])
-            verdicts = integrity.verify_many([buffers[i] for i in read], [keys[i] for i in read])
-            good: list[str] = []
-            for i, verdict in zip(read, verdicts, strict=True):
-                if verdict is integrity.Verdict.OK:
-                    results[i] = True
-                    good.append(names[i])
-                    hits += 1
-                    read_bytes += buffers[i].nbytes
-                else:
-                    corrupt.append((keys[i], verdict))
-                    self._drop(names[i])
+        for chunk in chunks(todo, buffers):
+            got = page_file.read_chunk(self._dirs.get, keys, names, buffers, chunk)
+            for i in got.gone:
+                self._forget(names[i])
+            for i in got.junk:  # not a page: forgotten and deleted, not counted as removed
+                self._drop(names[i], count=False)
+            for i, verdict in got.corrupt:
+                corrupt.append((keys[i], verdict))
+                self._drop(names[i])
+            misses += len(got.gone) + len(got.junk)
+            io_errors += got.io_errors
+            for i in got.good:
+                results[i] = True
+                read_bytes += buffers[i].nbytes
+            hits += len(got.good)
             with self._lock:
-                for name in good:
-                    if name in self._lru:
-                        self._lru.move_to_end(name)
+                self._index.touch_run([names[i] for i in got.good])  # a hit keeps its chain
         self._stats.add(
             gets=n,
             hits=hits,
@@ -575,11 +586,6 @@ class FileStorage:
             )
         return results
 
-    def _read_file(self, key: str, name: str, buf: PageBuffer) -> integrity.Verdict | None:
-        """Read the file of ``key`` into ``buf`` (see :func:`.page_file.read_into`)."""
-        key_bytes = key.encode("utf-8", "surrogatepass")
-        return page_file.read_into(self._dirs.get(name[:2]), name + _SUFFIX, key_bytes, buf)
-
     def _drop(self, name: str, count: bool = True) -> None:
         """Forget and delete a corrupt page (or junk named like one, not counted as removed)
         so that a later put can store it again."""
@@ -591,7 +597,4 @@ class FileStorage:
     def _forget(self, name: str) -> bool:
         """Drop ``name`` from the index; whether it was there."""
         with self._lock:
-            size = self._lru.pop(name, None)
-            if size is not None:
-                self._total -= size
-        return size is not None
+            return self._index.remove(name) is not None

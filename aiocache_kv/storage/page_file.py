@@ -1,29 +1,137 @@
 """One page file of ``FileStorage``: its format, writing a new one, reading one back.
 
-A file is ``b"AKVF" | u32 key_len | key | slot`` (the slot being the sealed page, see
-:mod:`.integrity`).  Both directions take a directory descriptor and one name component and go
-through :mod:`.safe_fs`: a new file is created with ``O_EXCL | O_NOFOLLOW`` (never an existing
-name), a read opens a regular file only, without following a link or blocking.
+A file is ``b"AKV2" | u32 key_len | parent (20 bytes) | key | slot`` (the slot being the
+sealed page, see :mod:`.integrity`).  ``parent`` is the 20-byte name digest of the page this one
+depends on (all zero: none), so the index can rebuild chains at start-up
+(:func:`read_header`).  Files of the first format (``b"AKVF"``, no parent) read as
+``BAD_MAGIC``: a miss, deleted at first read.  Both directions take a directory descriptor and
+one name component and go through :mod:`.safe_fs`: a new file is created with
+``O_EXCL | O_NOFOLLOW`` (never an existing name), a read opens a regular file only, without
+following a link or blocking.
+
+Writes are atomic for readers: a page becomes visible (enters the in-memory index that decides
+hits) only once its file is complete.  With ``fsync="never"`` the file is written in place (one
+``open`` + ``writev`` + ``close``, no rename: ~15 us less per page on tmpfs) while the name is
+marked as being written, so no other worker writes or reads it meanwhile (a second writer of the
+same name falls back to the temporary file); with ``"data"``/``"always"`` (and for that
+fallback) the page is written to a temporary file in the same shard directory and moved into
+place with ``os.replace``.  Stale temporary files (a crash mid-write) are deleted at open; a
+page torn by a crash mid in-place write fails the integrity check at its first read (a miss,
+deleted).  Reads are one ``open`` + ``preadv`` (header, slot and one byte past the slot, which
+checks the size) + ``close``; seal and verify run on groups of ~4 MiB of pages right before
+their writes / right after their reads, while the bytes are still in cache.
+
+Durability (``fsync``):
+
+* ``"never"`` (default): no fsync, pages written in place.  After a power loss or a crash a
+  page may be missing or torn; a torn page fails the integrity check and is a miss.  Right for
+  a cache.
+* ``"data"``: fsync the temporary file before the rename: a page that is visible after a crash
+  has its full content.
+* ``"always"``: ``"data"`` plus fsync of the shard directory after the rename: a put that
+  returned ``True`` survives a crash.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import functools
+import hashlib
 import os
 import struct
+from collections.abc import Callable, Sequence
 
 from aiocache_kv.storage import integrity, safe_fs
 from aiocache_kv.storage.base import PageBuffer
 
-__all__ = ["HEADER", "MAGIC", "header_for", "read_into", "write_new"]
+__all__ = [
+    "CHUNK_BYTES",
+    "HEADER",
+    "MAGIC",
+    "NO_PARENT",
+    "SUFFIX",
+    "TMP_SUFFIX",
+    "ChunkRead",
+    "chunks",
+    "file_name",
+    "header_for",
+    "is_page_name",
+    "read_chunk",
+    "read_header",
+    "read_into",
+    "write_new",
+    "write_page",
+]
 
-HEADER = struct.Struct("<4sI")
-MAGIC = b"AKVF"
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+_NAME_LEN = 40  # hex digits of BLAKE2b-160
+#: pages are sealed / verified in groups of about this many bytes, each group right before its
+#: files are written / right after they are read, so the checksum reads bytes still in cache
+CHUNK_BYTES = 4 << 20
+HEADER = struct.Struct("<4sI20s")
+MAGIC = b"AKV2"
+NO_PARENT = bytes(20)
 
 
-def header_for(key_bytes: bytes) -> bytes:
-    """The bytes that precede the slot in the file of ``key_bytes``."""
-    return HEADER.pack(MAGIC, len(key_bytes)) + key_bytes
+@functools.lru_cache(maxsize=1 << 14)  # a prefetch hashes its keys for exists, then for reads
+def file_name(key: str) -> str:
+    """The file name (40 hex digits, without suffix) of ``key``: BLAKE2b-160 of its UTF-8."""
+    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
+
+
+def is_page_name(name: str) -> bool:
+    """Whether a directory entry is named like a page file."""
+    return name.endswith(SUFFIX) and len(name) == _NAME_LEN + len(SUFFIX)
+
+
+def chunks(idx: list[int], buffers: Sequence[PageBuffer]) -> list[list[int]]:
+    """Split ``idx`` into consecutive groups of about :data:`CHUNK_BYTES` of slots."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    nbytes = 0
+    for i in idx:
+        cur.append(i)
+        nbytes += buffers[i].nbytes
+        if nbytes >= CHUNK_BYTES:
+            out.append(cur)
+            cur = []
+            nbytes = 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def header_for(key_bytes: bytes, parent: str | None = None) -> bytes:
+    """The bytes that precede the slot in the file of ``key_bytes``; ``parent`` is the hex
+    name (40 digits) of the page it depends on, if any."""
+    digest = NO_PARENT if parent is None else bytes.fromhex(parent)
+    return HEADER.pack(MAGIC, len(key_bytes), digest) + key_bytes
+
+
+def read_header(dfd: int, fname: str, max_key: int) -> tuple[str | None, str | None]:
+    """The key and the parent name recorded in file ``fname`` (``None`` for what is not there:
+    no parent, another format, a key longer than ``max_key`` bytes).
+
+    Raises:
+        FileNotFoundError, safe_fs.NotRegularFileError, OSError: as :func:`read_into`.
+    """
+    fd = safe_fs.open_regular(fname, dfd)
+    try:
+        head = os.pread(fd, HEADER.size + max_key, 0)
+    finally:
+        os.close(fd)
+    if len(head) < HEADER.size:
+        return None, None
+    magic, key_len, digest = HEADER.unpack_from(head)
+    if magic != MAGIC:
+        return None, None
+    parent = None if digest == NO_PARENT else digest.hex()
+    if key_len > max_key or len(head) < HEADER.size + key_len:
+        return None, parent
+    key = head[HEADER.size : HEADER.size + key_len].decode("utf-8", "surrogatepass")
+    return key, parent
 
 
 def write_new(dfd: int, fname: str, header: bytes, buf: PageBuffer, fsync: bool) -> int:
@@ -57,6 +165,36 @@ def write_new(dfd: int, fname: str, header: bytes, buf: PageBuffer, fsync: bool)
     return total
 
 
+def write_page(
+    dfd: int, name: str, header: bytes, buf: PageBuffer, in_place: bool, fsync: str, tmp: str
+) -> int:
+    """Write page ``name`` (without suffix) of directory ``dfd``: in place (``in_place``), or
+    as the temporary file ``tmp`` moved into place; return the file size.  ``fsync``:
+    ``"never"``, ``"data"`` (the file before the rename) or ``"always"`` (and the directory
+    after it).  On error nothing is left behind.  Never opens an existing name: a leftover of
+    any kind (stale file, link, FIFO) is replaced by the rename.
+
+    Raises:
+        OSError: the write failed (e.g. ``ENOSPC``).
+    """
+    final = name + SUFFIX
+    sync = fsync != "never"
+    if in_place:
+        try:
+            return write_new(dfd, final, header, buf, sync)
+        except FileExistsError:
+            pass
+    total = write_new(dfd, tmp, header, buf, sync)
+    try:
+        os.replace(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        safe_fs.unlink_quietly(tmp, dfd)
+        raise
+    if fsync == "always":
+        os.fsync(dfd)
+    return total
+
+
 def read_into(dfd: int, fname: str, key_bytes: bytes, buf: PageBuffer) -> integrity.Verdict | None:
     """Read file ``fname`` of directory ``dfd`` into ``buf`` with one ``preadv`` (header, slot,
     one byte to detect a longer file); a failing verdict, or ``None`` when the checksum is next.
@@ -84,7 +222,7 @@ def read_into(dfd: int, fname: str, key_bytes: bytes, buf: PageBuffer) -> integr
         os.close(fd)
     if got < HEADER.size:
         return integrity.Verdict.BAD_LENGTH
-    magic, key_len = HEADER.unpack_from(header)
+    magic, key_len, _ = HEADER.unpack_from(header)
     if magic != MAGIC:
         return integrity.Verdict.BAD_MAGIC
     if key_len != len(key_bytes) or got < len(header) or header[HEADER.size :] != key_bytes:
@@ -92,3 +230,54 @@ def read_into(dfd: int, fname: str, key_bytes: bytes, buf: PageBuffer) -> integr
     if got != want:  # shorter (truncated) or longer (another slot size) than the slot
         return integrity.Verdict.BAD_LENGTH
     return None
+
+
+@dataclasses.dataclass
+class ChunkRead:
+    """What :func:`read_chunk` found, as indices into the batch."""
+
+    good: list[int] = dataclasses.field(default_factory=list)  #: read and verified
+    gone: list[int] = dataclasses.field(default_factory=list)  #: no such file
+    junk: list[int] = dataclasses.field(default_factory=list)  #: not a regular file / unreadable
+    #: failed the header, length or checksum check
+    corrupt: list[tuple[int, integrity.Verdict]] = dataclasses.field(default_factory=list)
+    io_errors: list[str] = dataclasses.field(default_factory=list)  #: other read failures
+
+
+def read_chunk(
+    shard_fd: Callable[[str], int],
+    keys: Sequence[str],
+    names: Sequence[str],
+    buffers: Sequence[PageBuffer],
+    chunk: list[int],
+) -> ChunkRead:
+    """Read pages ``chunk`` (indices into ``keys`` / ``names`` / ``buffers``) and verify the
+    ones read in full in one pass; ``shard_fd(shard)`` gives a shard's directory descriptor.
+    Nothing here touches an index: the caller applies the outcome."""
+    out = ChunkRead()
+    read: list[int] = []  # read in full with the right header and size: checksum them
+    for i in chunk:
+        name = names[i]
+        try:
+            key_bytes = keys[i].encode("utf-8", "surrogatepass")
+            verdict = read_into(shard_fd(name[:2]), name + SUFFIX, key_bytes, buffers[i])
+        except FileNotFoundError:
+            out.gone.append(i)
+            continue
+        except (safe_fs.NotRegularFileError, PermissionError):
+            out.junk.append(i)
+            continue
+        except OSError as exc:
+            out.io_errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        if verdict is None:
+            read.append(i)
+        else:
+            out.corrupt.append((i, verdict))
+    verdicts = integrity.verify_many([buffers[i] for i in read], [keys[i] for i in read])
+    for i, verdict in zip(read, verdicts, strict=True):
+        if verdict is integrity.Verdict.OK:
+            out.good.append(i)
+        else:
+            out.corrupt.append((i, verdict))
+    return out

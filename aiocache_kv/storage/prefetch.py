@@ -376,6 +376,7 @@ class PrefetchingTier(StorageTierBase):
                 piece.invalid = frozenset(
                     name for pool, name, _ in self._trailing if not all(job.loaded[pool][lo:hi])
                 )
+                self.remember_stored(piece)  # it came from storage
                 core.emit_stored(piece, Tier.HOST)
         self.counters.prefetch_hit_tokens += used * p
         return used

@@ -138,16 +138,22 @@ class StorageTier(PrefetchingTier):
         assert loop is not None
         op = BackupOp(todo, loop.create_future())
         keys: list[str] = []
+        parents: list[str | None] = []  # the key each page depends on (chain-aware eviction)
         bufs: list[PageBuffer] = []
         base = 0
         for node in todo:
             hashes = tree.block_hashes(node)
+            prev = tree.parent_hash(node)
             assert node.host_pages is not None
             k = len(hashes)
             for pool in range(self.pools):
                 if pool and core.config.components[pool - 1].name in node.invalid:
                     continue  # never store a page this node does not have
                 keys += self._keys(node.ns, hashes, pool)
+                chain = self._keys(node.ns, ([] if prev is None else [prev]) + hashes[:-1], pool)
+                if prev is None:
+                    parents.append(None)
+                parents += chain
                 bufs += self._bufs(node.host_pages, pool)
                 op.entry_pages += range(base, base + k)
             base += k
@@ -160,7 +166,7 @@ class StorageTier(PrefetchingTier):
         assert alloc is not None
         alloc.lease(leased)  # until the worker is done with the bytes, whatever the verdict
         release = functools.partial(alloc.unlease, leased)
-        loop.create_task(self._run_backup(op, keys, bufs, release))
+        loop.create_task(self._run_backup(op, keys, parents, bufs, release))
         return op
 
     @property
@@ -172,11 +178,12 @@ class StorageTier(PrefetchingTier):
         self,
         op: BackupOp,
         keys: list[str],
+        parents: list[str | None],
         bufs: list[PageBuffer],
         release: functools.partial[None],
     ) -> None:
         try:
-            op.results = await self.io.put(keys, bufs, on_release=release)
+            op.results = await self.io.put(keys, bufs, on_release=release, parents=parents)
         except KVCacheError as exc:
             op.results = [False] * len(keys)
             op.error = repr(exc)
@@ -201,6 +208,7 @@ class StorageTier(PrefetchingTier):
         ``ok=False`` (agreed across ranks) fails every page whatever this rank saw.
         """
         del self._backups[id(op)]
+        self.reconcile_evictions()  # what this put (or another) evicted: never announced
         core = self.core
         tree = core.tree
         p = core.config.page_size
@@ -214,10 +222,13 @@ class StorageTier(PrefetchingTier):
         for node in op.targets:  # split heads were inserted in path order: pages line up
             k = len(node.key) // p
             node_ok = all(page_ok[i : i + k])
+            if self.take_doubt(node):  # another put evicted one of its pages meanwhile
+                node_ok = False
             i += k
             tree.end_backup(node, node_ok)
             if node_ok:
                 ok_pages += k
+                self.remember_stored(node)
                 core.emit_stored(node, Tier.STORAGE)
         assert i == pages, f"backup covers {pages} pages but targets {i}"
         failed = pages - ok_pages

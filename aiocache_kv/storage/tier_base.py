@@ -9,19 +9,26 @@ shard).  The prefetch path (:mod:`.prefetch`) and the backup path (:mod:`.tier`)
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from aiocache_kv.errors import StorageKeyError
+from aiocache_kv.events import BlockRemoved
+from aiocache_kv.logs import get_logger
 from aiocache_kv.stats import StorageCounters
-from aiocache_kv.storage.base import PageBuffer, StorageBackend
+from aiocache_kv.storage.base import ChainAwareStorage, PageBuffer, StorageBackend
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
-from aiocache_kv.storage.keys import storage_key
+from aiocache_kv.storage.keys import parse_storage_key, storage_key
+from aiocache_kv.tree.node import FILLING, Node, Tier
 
 if TYPE_CHECKING:
     from aiocache_kv.core import CacheCore
     from aiocache_kv.namespace import Namespace
+
+log = get_logger(__name__)
 
 COMPONENT = "kv"
 
@@ -51,6 +58,13 @@ class StorageTierBase:
         ]
         self._tasks: set[asyncio.Task[Any]] = set()
         self.counters = StorageCounters()
+        #: (namespace tag, page hash) -> the node that held the page when it was stored
+        #: (weakly: a node dropped from the tree leaves), to find what an eviction took
+        self._stored: weakref.WeakValueDictionary[tuple[str, int], Node] = (
+            weakref.WeakValueDictionary()
+        )
+        #: nodes under backup whose page another call evicted meanwhile: their backup fails
+        self._doubted: weakref.WeakSet[Node] = weakref.WeakSet()
 
     async def start(self) -> None:
         """Open the backend, register the host pool once, build per-page buffer views.
@@ -73,6 +87,71 @@ class StorageTierBase:
             ]
 
         self._buffers = await asyncio.to_thread(views)
+        self.reconcile_evictions()  # what the backend evicted at open, to fit its capacity
+
+    # ------------------------------------------------------------------ truth
+
+    def remember_stored(self, node: Node) -> None:
+        """``node``'s pages are in storage now (a backup landed, or they came from there)."""
+        tag = node.ns.tag
+        stored = self._stored
+        for h in self.core.tree.block_hashes(node):
+            stored[(tag, h)] = node
+
+    def _holder(self, node: Node, page_hash: int) -> Node | None:
+        """The live node holding ``page_hash`` now: ``node`` or, after splits, an ancestor."""
+        tree = self.core.tree
+        cur: Node | None = node
+        while cur is not None and cur.parent is not None and cur.alive:
+            if page_hash in tree.block_hashes(cur):
+                return cur
+            cur = cur.parent
+        return None
+
+    def reconcile_evictions(self) -> int:
+        """Apply what a :class:`ChainAwareStorage` backend evicted since it was last asked (on
+        the loop): one ``BlockRemoved(STORAGE)`` for those pages, and every node that held one
+        becomes storage-ABSENT, so a later hit backs it up again (a node whose backup is in
+        flight fails it).  With TP nothing changes but the counter: each rank's store is its
+        own, and the tree must stay the same on every rank.  Returns the pages reported."""
+        backend = self.io.backend
+        if not isinstance(backend, ChainAwareStorage):
+            return 0
+        keys = backend.take_evicted()
+        if not keys:
+            return 0
+        self.counters.evicted_pages_storage += len(keys)
+        core = self.core
+        if core.coordinator.deferred:
+            return len(keys)
+        tree = core.tree
+        gone: dict[int, None] = {}  # ordered, once each
+        nodes = 0
+        for key in keys:
+            try:
+                parsed = parse_storage_key(key)
+            except StorageKeyError:
+                continue  # not one of this cache's keys
+            gone[parsed.page_hash] = None
+            node = self._stored.pop((parsed.tag, parsed.page_hash), None)
+            holder = None if node is None else self._holder(node, parsed.page_hash)
+            if holder is None:
+                continue
+            if holder.storage is FILLING:
+                self._doubted.add(holder)
+            elif tree.lose_storage(holder):
+                nodes += 1
+        if gone:
+            core.emit(BlockRemoved(list(gone), Tier.STORAGE.medium))
+        log.info("storage_evicted", pages=len(keys), nodes=nodes)
+        return len(keys)
+
+    def take_doubt(self, node: Node) -> bool:
+        """Whether a page of ``node`` was evicted while its backup ran (asked once)."""
+        if node in self._doubted:
+            self._doubted.discard(node)
+            return True
+        return False
 
     def _keys(self, ns: Namespace, hashes: list[int], pool: int = 0) -> list[str]:
         tag = ns.tag

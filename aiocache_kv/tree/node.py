@@ -45,7 +45,9 @@ RESIDENT = TierState.RESIDENT
 class Node:
     """A radix-tree node: ``key`` tokens (whole pages) and the pages that hold their KV."""
 
+    # __weakref__: the storage tier indexes stored pages by hash, weakly
     __slots__ = (
+        "__weakref__",
         "alive",
         "backup",
         "children",

@@ -230,6 +230,18 @@ class TierBook:
         if up is not None and up.parent is not None:
             self._dev_heap.offer(up)
 
+    def lose_storage(self, node: Node) -> bool:
+        """Storage no longer holds all of ``node``'s pages (evicted, or found missing): it is
+        storage-ABSENT again, so a later hit backs it up.  Whether it was RESIDENT."""
+        self._check_owner()
+        if not node.alive or node.storage is not RESIDENT:
+            return False
+        self._acct(node, -1)
+        node.storage = ABSENT
+        self._acct(node, 1)
+        self._offer(node)
+        return True
+
     def demote(self, node: Node) -> torch.Tensor | None:
         """Drop the device copy of an idle device leaf that has a host copy.
 

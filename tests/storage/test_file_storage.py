@@ -50,14 +50,14 @@ def stored_keys(root: Path) -> list[str]:
     out = []
     for path in sorted(root.rglob("*.kv")):
         with open(path, "rb") as f:
-            magic, n = struct.unpack("<4sI", f.read(8))
-            assert magic == b"AKVF"
+            magic, n, _parent = struct.unpack("<4sI20s", f.read(28))
+            assert magic == b"AKV2"
             out.append(f.read(n).decode("utf-8", "surrogatepass"))
     return out
 
 
 def file_size(key: str) -> int:
-    return 8 + len(key.encode()) + SLOT
+    return 28 + len(key.encode()) + SLOT
 
 
 def test_round_trip_bit_identical(tmp_path: Path) -> None:
@@ -389,7 +389,7 @@ def test_link_planted_before_open_is_a_miss_and_never_followed(tmp_path: Path) -
     assert again.exists(["k"]) == [False]
     assert again.get_into(["k"], empty(1)) == [False]
     assert again.remove(["k"]) == [False]
-    assert victim.read_bytes()[:4] == b"AKVF"
+    assert victim.read_bytes()[:4] == b"AKV2"
 
 
 def test_shard_replaced_by_a_symlink_after_open(tmp_path: Path) -> None:

@@ -12,8 +12,14 @@ import pytest
 import torch
 
 from aiocache_kv.errors import ConfigError, StorageUnavailableError
-from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, MooncakeStorage, PageBuffer, StorageIO
-from aiocache_kv.storage import file as file_mod
+from aiocache_kv.storage import (
+    FRAME_OVERHEAD,
+    FileStorage,
+    MooncakeStorage,
+    PageBuffer,
+    StorageIO,
+    page_file,
+)
 from aiocache_kv.storage.integrity import Verdict, verify
 
 PAGE = 4096
@@ -46,7 +52,7 @@ def keys_for(n: int, tag: str = "t") -> list[str]:
 def test_chunked_batches_detect_corruption_per_page(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(file_mod, "_CHUNK_BYTES", 3 * SLOT)  # several chunks per call
+    monkeypatch.setattr(page_file, "CHUNK_BYTES", 3 * SLOT)  # several chunks per call
     fs = FileStorage(tmp_path)
     keys, src = keys_for(10), pool(10, seed=1)
     assert fs.put(keys, src) == [True] * 10

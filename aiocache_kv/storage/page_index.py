@@ -1,0 +1,180 @@
+"""The in-memory index of a :class:`~aiocache_kv.storage.file.FileStorage`: which pages exist,
+their sizes, the chains they form, and which page to evict next.
+
+Pages of a prompt form a chain (page ``i`` depends on page ``i - 1``: a prefetch commits only
+the leading run), so evicting by plain LRU drops a prompt's first page first and leaves the rest
+unreachable.  The index therefore evicts *chain ends* first: pages no stored page depends on
+(``children == 0``), least recently used among them.  A page whose parent is not stored (never
+was, or its parent is unknown) is still a chain end when nothing depends on it.  Reading a run
+of pages refreshes its ancestors too (:meth:`PageIndex.touch_run`), so a prompt that keeps
+hitting keeps its whole chain.
+
+Cycles cannot come from hash chains; should hostile parents form one, nothing in it is a chain
+end and eviction falls back to the least recently used page of all, so the capacity bound
+always holds.
+
+Not thread-safe: the owning storage guards every call with its lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass
+
+__all__ = ["PageIndex"]
+
+
+@dataclass(slots=True)
+class _Entry:
+    size: int
+    parent: str | None
+    tick: int
+    children: int = 0  #: stored pages whose parent this is
+
+
+class PageIndex:
+    """Pages by name: size, parent, dependants and recency (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._pages: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._leaves: list[tuple[int, str]] = []  # heap of (tick, name), stale entries skipped
+        #: parent name -> stored pages that name it while it is not stored
+        self._orphans: dict[str, int] = {}
+        self._tick = 0
+        self.total = 0  #: sum of the sizes
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._pages
+
+    def names(self) -> list[str]:
+        """Every name, least recently used first."""
+        return list(self._pages)
+
+    def parent(self, name: str) -> str | None:
+        """The parent recorded for ``name`` (``None``: a chain start or unknown)."""
+        return self._pages[name].parent
+
+    def children(self, name: str) -> int:
+        """How many stored pages depend on ``name``."""
+        return self._pages[name].children
+
+    def _next(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def _push_leaf(self, name: str, entry: _Entry) -> None:
+        heapq.heappush(self._leaves, (entry.tick, name))
+        if len(self._leaves) > 2 * len(self._pages) + 64:  # drop the stale entries
+            self._leaves = [(e.tick, n) for n, e in self._pages.items() if not e.children]
+            heapq.heapify(self._leaves)
+
+    def add(self, name: str, size: int, parent: str | None) -> None:
+        """Record a new page (replacing one of the same name) as the most recently used."""
+        self.remove(name)
+        if parent == name:
+            parent = None  # a page cannot depend on itself
+        entry = _Entry(size, parent, self._next(), self._orphans.pop(name, 0))
+        self._pages[name] = entry
+        self.total += size
+        if parent is not None:
+            up = self._pages.get(parent)
+            if up is None:
+                self._orphans[parent] = self._orphans.get(parent, 0) + 1
+            else:
+                up.children += 1
+        if not entry.children:
+            self._push_leaf(name, entry)
+
+    def remove(self, name: str) -> int | None:
+        """Forget ``name``; its size, or ``None`` when it was not there."""
+        entry = self._pages.pop(name, None)
+        if entry is None:
+            return None
+        self.total -= entry.size
+        if entry.children:  # its dependants wait for it as orphans
+            self._orphans[name] = self._orphans.get(name, 0) + entry.children
+        parent = entry.parent
+        if parent is not None:
+            up = self._pages.get(parent)
+            if up is not None:
+                up.children -= 1
+                assert up.children >= 0, f"page {parent} has {up.children} children"
+                if not up.children:
+                    self._push_leaf(parent, up)
+            else:
+                left = self._orphans.get(parent, 0) - 1
+                if left > 0:
+                    self._orphans[parent] = left
+                else:
+                    self._orphans.pop(parent, None)
+        return entry.size
+
+    def touch(self, name: str) -> None:
+        """``name`` was used now (a verified read, or a put of a present page)."""
+        entry = self._pages.get(name)
+        if entry is None:
+            return
+        entry.tick = self._next()
+        self._pages.move_to_end(name)
+        if not entry.children:
+            self._push_leaf(name, entry)
+
+    def touch_run(self, names: list[str]) -> None:
+        """``names`` and every stored ancestor of theirs were used now (a prefetch hit its
+        chains).  They all get one new tick, so refreshing a run costs its length plus one
+        walk up to the root: the walk stops at a page this call already refreshed."""
+        tick = self._next()
+        for name in names:
+            cur: str | None = name
+            while cur is not None:
+                entry = self._pages.get(cur)
+                if entry is None or entry.tick == tick:
+                    break
+                entry.tick = tick
+                self._pages.move_to_end(cur)
+                if not entry.children:
+                    self._push_leaf(cur, entry)
+                cur = entry.parent
+
+    def pick_victims(self, capacity: int) -> list[str]:
+        """Remove and return pages until the total fits ``capacity``: chain ends, least
+        recently used first (the fallback for a cycle: the least recently used page)."""
+        victims: list[str] = []
+        while self.total > capacity and self._pages:
+            name = self._pop_leaf()
+            if name is None:
+                name = next(iter(self._pages))
+            self.remove(name)
+            victims.append(name)
+        return victims
+
+    def _pop_leaf(self) -> str | None:
+        while self._leaves:
+            tick, name = heapq.heappop(self._leaves)
+            entry = self._pages.get(name)
+            if entry is not None and entry.tick == tick and not entry.children:
+                return name
+        return None
+
+    def check(self) -> None:
+        """Assert the counts agree with the entries (tests; O(pages))."""
+        children: dict[str, int] = {}
+        orphans: dict[str, int] = {}
+        for entry in self._pages.values():
+            if entry.parent is None:
+                continue
+            if entry.parent in self._pages:
+                children[entry.parent] = children.get(entry.parent, 0) + 1
+            else:
+                orphans[entry.parent] = orphans.get(entry.parent, 0) + 1
+        for name, entry in self._pages.items():
+            assert entry.children == children.get(name, 0), (
+                f"page {name}: {entry.children} children counted, {children.get(name, 0)} stored"
+            )
+        assert orphans == self._orphans, f"orphans {self._orphans} != {orphans}"
+        total = sum(e.size for e in self._pages.values())
+        assert self.total == total, f"total {self.total} != {total}"
