@@ -6,7 +6,13 @@
 (:data:`FRAME_OVERHEAD` bytes at the end of each page slot).
 """
 
-from aiocache_kv.storage.base import PageBuffer, StorageBackend, StorageStats, leading_run
+from aiocache_kv.storage.base import (
+    ChainAwareStorage,
+    PageBuffer,
+    StorageBackend,
+    StorageStats,
+    leading_run,
+)
 from aiocache_kv.storage.executor import StorageIO, StorageIOStats
 from aiocache_kv.storage.file import FileStorage, FsyncPolicy
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD, Verdict, payload_nbytes
@@ -15,6 +21,7 @@ from aiocache_kv.storage.mooncake import MooncakeNotInstalledError, MooncakeStor
 
 __all__ = [
     "FRAME_OVERHEAD",
+    "ChainAwareStorage",
     "FileStorage",
     "FsyncPolicy",
     "MooncakeNotInstalledError",
