@@ -195,9 +195,35 @@ class CacheCore:
             self.events.append(event)
 
     def emit_stored(self, node: Node, tier: Tier) -> None:
-        """``BlockStored`` for ``node``'s pages in ``tier``."""
+        """``BlockStored`` for ``node``'s pages in ``tier``.
+
+        On CPU a block is announced only once its parent was: a node whose parent is not
+        (yet) host-resident and announced stays ``cpu_hidden``, and is announced right after
+        its parent is (a consumer never sees a CPU block whose parent it does not know).
+        """
         if not self.events.enabled:
             return
+        if tier is Tier.HOST:
+            up = node.parent
+            if (
+                up is not None
+                and up.parent is not None
+                and (up.host is not RESIDENT or up.cpu_hidden)
+            ):
+                node.cpu_hidden = True
+                return
+            node.cpu_hidden = False
+        self._append_stored(node, tier)
+        if tier is Tier.HOST:  # children that landed first can be announced now
+            stack = [c for c in node.children.values() if c.cpu_hidden]
+            while stack:
+                child = stack.pop()
+                if child.cpu_hidden and child.host is RESIDENT:
+                    child.cpu_hidden = False
+                    self._append_stored(child, tier)
+                    stack += [c for c in child.children.values() if c.cpu_hidden]
+
+    def _append_stored(self, node: Node, tier: Tier) -> None:
         tree = self.tree
         self.events.append(
             BlockStored(
@@ -211,7 +237,14 @@ class CacheCore:
         )
 
     def emit_removed(self, nodes: list[Node], tier: Tier) -> None:
-        """One ``BlockRemoved`` for the pages of ``nodes`` in ``tier``."""
+        """One ``BlockRemoved`` for the pages of ``nodes`` in ``tier`` (on CPU: of those that
+        were announced)."""
+        if tier is Tier.HOST:
+            hidden = [n for n in nodes if n.cpu_hidden]
+            for n in hidden:
+                n.cpu_hidden = False
+            if hidden:
+                nodes = [n for n in nodes if n not in hidden]
         if nodes and self.events.enabled:
             hashes = [h for node in nodes for h in self.tree.block_hashes(node)]
             self.events.append(BlockRemoved(hashes, tier.medium))

@@ -158,3 +158,53 @@ async def test_failed_ack_rolls_back_every_fragment(engine: ManualCopyEngine) ->
         for h in (r1, r2, m):
             cache.release(h)
         cache.check_invariants()
+
+
+def cpu_view_is_a_tree(events: list[akv.KVEvent]) -> set[int]:
+    """Replay the CPU events as a consumer would; assert every stored block's parent is
+    known on CPU and every removed block was stored.  The CPU hashes at the end."""
+    known: set[int] = set()
+    for e in events:
+        if isinstance(e, akv.BlockStored) and e.medium == "CPU":
+            parent = e.parent_block_hash
+            assert parent is None or parent in known, f"CPU parent {parent} never stored: {e}"
+            known |= set(e.block_hashes)
+        elif isinstance(e, akv.BlockRemoved) and e.medium == "CPU":
+            assert set(e.block_hashes) <= known, f"CPU removal of unknown blocks: {e}"
+            known -= set(e.block_hashes)
+    return known
+
+
+async def test_cpu_child_of_a_failed_parent_is_not_announced(engine: ManualCopyEngine) -> None:
+    async with akv.HiCache(small_config(), copy_engine=engine) as cache:
+        r1 = insert(cache, [1, 2, 3, 4])
+        r2 = insert(cache, [1, 2, 3, 4, 5, 6])  # its copy covers only [5, 6]
+        engine.fail(0)  # the parent's write-through fails
+        engine.complete(0)  # the child's lands: host-resident below a device-only parent
+        await cache.flush()
+        events = cache.take_events()
+        assert cpu_stored(events) == []  # naming the parent would name a block not on CPU
+        for r in (r1, r2):
+            cache.release(r)
+        cache.check_invariants()
+    events += cache.take_events()  # close: BlockRemoved for what each medium held
+    assert cpu_view_is_a_tree(events) == set()
+
+
+async def test_cpu_child_landing_first_is_announced_after_its_parent(
+    engine: ManualCopyEngine,
+) -> None:
+    async with akv.HiCache(small_config(), copy_engine=engine) as cache:
+        r1 = insert(cache, [1, 2, 3, 4])
+        r2 = insert(cache, [1, 2, 3, 4, 5, 6])
+        engine.complete(1)  # the child lands first: held back
+        assert cpu_stored(cache.take_events()) == []
+        engine.complete(0)  # then the parent: both announced, parent first
+        await cache.flush()
+        events = cache.take_events()
+        assert [e.token_ids for e in cpu_stored(events)] == [[1, 2, 3, 4], [5, 6]]
+        known = cpu_view_is_a_tree(events)
+        assert len(known) == 3
+        for r in (r1, r2):
+            cache.release(r)
+        cache.check_invariants()

@@ -775,8 +775,17 @@ class HiCacheMachine(RuleBasedStateMachine):
         for node in tree.walk():
             if node.device is RESIDENT:
                 gpu.update(tree.block_hashes(node))
-            if node.host is RESIDENT:
+            if node.host is RESIDENT and not node.cpu_hidden:  # hidden: parent not on CPU
                 cpu.update(tree.block_hashes(node))
+                up = node.parent
+                assert up is not None
+                assert up.parent is None or (up.host is RESIDENT and not up.cpu_hidden), (
+                    f"CPU block announced below a parent not announced on CPU: {node!r}"
+                )
+            elif node.host is RESIDENT:
+                up = node.parent
+                assert up is not None and up.parent is not None
+                assert up.host is not RESIDENT or up.cpu_hidden, f"{node!r} hidden for nothing"
         for medium, want in (("GPU", gpu), ("CPU", cpu)):
             got = self.ledger.resident[medium]
             assert got == want, (

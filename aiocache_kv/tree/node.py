@@ -51,6 +51,7 @@ class Node:
         "alive",
         "backup",
         "children",
+        "cpu_hidden",
         "device",
         "device_pages",
         "hashes",
@@ -88,6 +89,9 @@ class Node:
         #: trailing-window components whose pages this node lacks (it came from storage
         #: without them); a prefix may not end where such a page is inside the window
         self.invalid: frozenset[str] = frozenset()
+        #: host-resident but not announced on CPU (its parent was not on CPU when it landed):
+        #: announced once the parent is, never reported removed otherwise
+        self.cpu_hidden = False
         self.alive = True
 
     @property

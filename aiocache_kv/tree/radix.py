@@ -280,6 +280,7 @@ class RadixTree(TierBook):
         head.device = child.device
         head.host = child.host
         head.storage = child.storage
+        head.cpu_hidden = child.cpu_hidden
         head.invalid = child.invalid
         head.pins = child.pins
         head.last_access = child.last_access
