@@ -26,12 +26,10 @@ from aiocache_kv.errors import (
     CapacityError,
     InvalidInputError,
     InvalidTypeError,
-    TransferError,
 )
 from aiocache_kv.events import KVEvent
 from aiocache_kv.handles import (
     Handle,
-    HandleState,
     InsertResult,
     MatchResult,
     WriteAck,
@@ -41,6 +39,7 @@ from aiocache_kv.introspection import blocks, check_all, describe, snapshot
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
 from aiocache_kv.namespace import Namespace, namespace_of
+from aiocache_kv.pins import HandleTable
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
 from aiocache_kv.pools.build import build_pools
 from aiocache_kv.stats import CacheStatistics
@@ -87,7 +86,7 @@ class HiCache:
             else default_engine(self._core.device, config.copy_threads)
         )
         self._state = Lifecycle.NEW
-        self._handles: dict[int, Handle] = {}
+        self._handles = HandleTable(self._core)
         self._l3: StorageTier | None = None
         self._transfers = Transfers(self._core, self._engine, self._backup_to_storage)
         if config.write_policy is WritePolicy.WRITE_BACK:
@@ -157,6 +156,7 @@ class HiCache:
                 await self._l3.aclose()
             await core.coordinator.aclose()
         finally:
+            self._handles.close()  # a handle dropped after this does not warn
             core.emit_closing()  # device and host pages removed; storage persists
             core.events.close()
             self._state = Lifecycle.CLOSED
@@ -207,7 +207,7 @@ class HiCache:
         tree.root(ns, ns.tag)
         node, _ = tree.match(ns, toks, len(toks) // p * p, pin=True)
         m = MatchResult(core, node, self.release)
-        self._handles[id(m)] = m
+        self._handles.add(m)
         c = core.counters
         c.match_queries += 1
         if node.parent is not None:
@@ -275,24 +275,8 @@ class HiCache:
         """
         self._check()
         check_handle(m, MatchResult, self._core)
-        coord = self._core.coordinator
-        rounds = 0
-        while True:
-            _, host_nodes = m.parts()
-            if not host_nodes:
-                return m
-            if rounds:
-                self._check()  # the cache may have closed while we waited
-            rounds += 1
-            # FILLING nodes come first on the path (device presence is prefix-closed)
-            waits = list({id(op.future): op.future for n in host_nodes if (op := n.op)}.values())
-            if not waits:
-                waits = [self._transfers.load(host_nodes).future]
-            await coord.settle_landed(self._transfers.loads)
-            await asyncio.wait(waits)
-            failed = [f.exception() for f in waits if f.exception() is not None]
-            if failed:
-                raise TransferError(f"load-back failed: {failed[0]}") from failed[0]
+        await self._transfers.load_path(m.parts, self._check)
+        return m
 
     # ------------------------------------------------------------------ alloc / insert
 
@@ -465,7 +449,7 @@ class HiCache:
                 ack = WriteAck(op.future)
         got = out.inserted_tokens
         r = InsertResult(core, out.node, out.prefix_tokens, got, ack, self.release, len(toks) - got)
-        self._handles[id(r)] = r
+        self._handles.add(r)
         return r
 
     def release(self, handle: MatchResult | InsertResult) -> None:
@@ -477,9 +461,7 @@ class HiCache:
         """
         self._check()
         check_handle(handle, Handle, self._core)
-        handle.state = HandleState.RELEASED
-        del self._handles[id(handle)]
-        self._core.tree.unpin(handle.node)
+        self._handles.release(handle)
 
     # ------------------------------------------------------------------ backups, flush
 
@@ -591,7 +573,7 @@ class HiCache:
         Raises:
             AssertionError: naming the broken invariant.
         """
-        check_all(self._core, list(self._handles.values()), self._transfers, self._l3)
+        check_all(self._core, self._handles.nodes(), self._transfers, self._l3)
 
     def __repr__(self) -> str:
         return describe(self._core, self._transfers, self._state.name)

@@ -38,7 +38,7 @@ class Handle:
     the end of the block (unless it was released already).
     """
 
-    __slots__ = ("_node", "_releaser", "core", "state")
+    __slots__ = ("__weakref__", "_node", "_releaser", "core", "state", "token")
 
     def __init__(
         self,
@@ -50,6 +50,7 @@ class Handle:
         self._node = node
         self._releaser = releaser  # the issuing cache's ``release``
         self.state = HandleState.PINNED
+        self.token = 0  #: the issuing cache's key for this handle's pin
 
     def __enter__(self: H) -> H:
         return self

@@ -6,13 +6,12 @@ import dataclasses
 
 from aiocache_kv.blocks import BlockInfo
 from aiocache_kv.core import CacheCore
-from aiocache_kv.handles import Handle, HandleState
 from aiocache_kv.pools import PageAllocator, PageState
 from aiocache_kv.stats import CacheStatistics, StorageCounters, TierStatistics
 from aiocache_kv.storage.tier import StorageTier
 from aiocache_kv.transfer.ops import Transfers
 from aiocache_kv.tree import Tier
-from aiocache_kv.tree.node import RESIDENT
+from aiocache_kv.tree.node import RESIDENT, Node
 
 
 def _tier(alloc: PageAllocator | None, evictable: int, protected: int) -> TierStatistics:
@@ -49,7 +48,7 @@ def snapshot(core: CacheCore, transfers: Transfers, l3: StorageTier | None) -> C
 
 
 def check_all(
-    core: CacheCore, handles: list[Handle], transfers: Transfers, l3: StorageTier | None
+    core: CacheCore, pinned: list[Node], transfers: Transfers, l3: StorageTier | None
 ) -> None:
     """Recompute every counter and cross-check tree, allocators, pins and transfers.
 
@@ -57,10 +56,9 @@ def check_all(
         AssertionError: naming the broken invariant.
     """
     handle_pins: dict[int, int] = {}
-    for h in handles:
-        assert h.state is HandleState.PINNED, f"released handle still registered {h!r}"
-        handle_pins[id(h.node)] = handle_pins.get(id(h.node), 0) + 1
-        assert h.node.alive, f"handle pins a removed node {h!r}"
+    for node in pinned:  # one entry per live handle
+        handle_pins[id(node)] = handle_pins.get(id(node), 0) + 1
+        assert node.alive, f"a handle pins a removed node {node!r}"
     for anchor in l3.anchors() if l3 is not None else []:
         assert anchor.alive, f"prefetch pins a removed node {anchor!r}"
         handle_pins[id(anchor)] = handle_pins.get(id(anchor), 0) + 1

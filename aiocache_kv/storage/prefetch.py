@@ -28,6 +28,7 @@ from aiocache_kv.events import BlockRemoved
 from aiocache_kv.logs import get_logger
 from aiocache_kv.storage.base import StorageBackend, leading_run
 from aiocache_kv.storage.tier_base import StorageTierBase
+from aiocache_kv.tracing import span
 from aiocache_kv.tree.hashing import chain_hashes
 from aiocache_kv.tree.node import Node, Tier
 
@@ -118,7 +119,19 @@ class PrefetchingTier(StorageTierBase):
     async def prefetch(
         self, ns: Namespace, tokens: list[int], n: int, policy: PrefetchPolicy
     ) -> PrefetchResult:
-        """Bring the storage-resident continuation of ``tokens[:n]`` into the host tier.
+        """Bring the storage-resident continuation of ``tokens[:n]`` into the host tier (in
+        an ``aiocache_kv.prefetch`` span when tracing is on)."""
+        with span("aiocache_kv.prefetch", tokens=n, policy=policy.value) as sp:
+            res = await self._prefetch(ns, tokens, n, policy)
+            sp.set_attribute("aiocache_kv.status", res.status.value)
+            sp.set_attribute("aiocache_kv.cached_tokens", res.cached_tokens)
+            sp.set_attribute("aiocache_kv.hit_tokens", res.hit_tokens)
+            return res
+
+    async def _prefetch(
+        self, ns: Namespace, tokens: list[int], n: int, policy: PrefetchPolicy
+    ) -> PrefetchResult:
+        """See :meth:`prefetch`.
 
         Everything that shapes the tree happens synchronously here (pin, host reservation)
         or when the agreed end is committed, never at a moment chosen by I/O timing.

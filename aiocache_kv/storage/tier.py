@@ -50,6 +50,7 @@ from aiocache_kv.storage.prefetch import (
     prefetch_timeout,
 )
 from aiocache_kv.storage.tier_base import COMPONENT
+from aiocache_kv.tracing import span
 from aiocache_kv.tree.node import ABSENT, RESIDENT, Node, Tier
 
 if TYPE_CHECKING:
@@ -175,6 +176,20 @@ class StorageTier(PrefetchingTier):
         return len(self._backups)
 
     async def _run_backup(
+        self,
+        op: BackupOp,
+        keys: list[str],
+        parents: list[str | None],
+        bufs: list[PageBuffer],
+        release: functools.partial[None],
+    ) -> None:
+        with span("aiocache_kv.backup", pages=len(keys), nodes=len(op.targets)) as sp:
+            await self._put_pages(op, keys, parents, bufs, release)
+            sp.set_attribute("aiocache_kv.pages_ok", sum(op.results))
+            if op.error is not None:
+                sp.set_attribute("aiocache_kv.error", op.error)
+
+    async def _put_pages(
         self,
         op: BackupOp,
         keys: list[str],

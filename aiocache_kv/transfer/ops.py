@@ -22,6 +22,7 @@ from aiocache_kv.core import CacheCore
 from aiocache_kv.distributed.acks import AckQueue
 from aiocache_kv.errors import TransferError
 from aiocache_kv.logs import get_logger
+from aiocache_kv.tracing import span
 from aiocache_kv.transfer.engine import CopyEngine, CopyJob, Direction
 from aiocache_kv.tree import Node, Tier
 from aiocache_kv.tree.node import ABSENT, RESIDENT
@@ -122,6 +123,44 @@ class Transfers:
         dst = self.core.alloc_device(need)
         self.core.counters.load_back_started += 1
         return self._start(OpKind.LOAD_BACK, nodes, dst)
+
+    async def load_path(
+        self,
+        parts: Callable[[], tuple[list[Node], list[Node]]],
+        check: Callable[[], None],
+    ) -> None:
+        """Bring the host run of a pinned match (``parts()``: its device run and the host run
+        after it) to device: wait for nodes another load is filling, load the rest, and repeat
+        until nothing of the match is host-only.  ``check`` raises once the cache closed.
+
+        Raises:
+            CapacityError: too few device pages even after eviction (nothing changed).
+            TransferError: a copy failed; its nodes stay host-only.
+            CacheClosedError: from ``check``, the cache closed while waiting.
+        """
+        coord = self.core.coordinator
+        rounds = 0
+        with span("aiocache_kv.load_back") as sp:
+            while True:
+                _, host_nodes = parts()
+                if not host_nodes:
+                    sp.set_attribute("aiocache_kv.rounds", rounds)
+                    return
+                if rounds:
+                    check()  # the cache may have closed while we waited
+                rounds += 1
+                # FILLING nodes come first on the path (device presence is prefix-closed)
+                pending = {id(op.future): op.future for n in host_nodes if (op := n.op)}
+                waits = list(pending.values())
+                if not waits:
+                    pages = sum(len(n.key) for n in host_nodes) // self.core.page_size
+                    sp.set_attribute("aiocache_kv.pages", pages)
+                    waits = [self.load(host_nodes).future]
+                await coord.settle_landed(self.loads)
+                await asyncio.wait(waits)
+                failed = [f.exception() for f in waits if f.exception() is not None]
+                if failed:
+                    raise TransferError(f"load-back failed: {failed[0]}") from failed[0]
 
     def _start(self, kind: OpKind, nodes: list[Node], dst: torch.Tensor) -> TransferOp:
         """Mark ``nodes`` FILLING in the destination tier at ``dst`` and submit the copy."""
