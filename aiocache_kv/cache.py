@@ -27,7 +27,7 @@ from aiocache_kv.errors import (
     InvalidInputError,
     InvalidTypeError,
 )
-from aiocache_kv.events import KVEvent
+from aiocache_kv.events import BlockStored, KVEvent
 from aiocache_kv.handles import (
     Handle,
     InsertResult,
@@ -35,7 +35,7 @@ from aiocache_kv.handles import (
     WriteAck,
     check_handle,
 )
-from aiocache_kv.introspection import blocks, check_all, describe, snapshot
+from aiocache_kv.introspection import blocks, check_all, describe, snapshot, snapshot_events
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
 from aiocache_kv.namespace import Namespace, namespace_of
@@ -566,6 +566,17 @@ class HiCache:
         """
         self._core.check_owner()
         return blocks(self._core)
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """The event stream's view of the cache as ``BlockStored`` events (one per node and
+        medium, parents first): what :class:`~aiocache_kv.events.ZmqEventPublisher` answers a
+        snapshot request with.
+
+        Raises:
+            OwnershipError: called from a thread other than the loop's.
+        """
+        self._core.check_owner()
+        return snapshot_events(self._core)
 
     def check_invariants(self) -> None:
         """Recompute every counter and cross-check tree, allocators, handles and transfers.

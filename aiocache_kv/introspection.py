@@ -6,6 +6,7 @@ import dataclasses
 
 from aiocache_kv.blocks import BlockInfo
 from aiocache_kv.core import CacheCore
+from aiocache_kv.events.kv_events import BlockStored, namespace_fields
 from aiocache_kv.pools import PageAllocator, PageState
 from aiocache_kv.stats import CacheStatistics, StorageCounters, TierStatistics
 from aiocache_kv.storage.tier import StorageTier
@@ -84,6 +85,33 @@ def describe(core: CacheCore, transfers: Transfers, state: str) -> str:
         f"host={t.host_evictable + t.host_protected}/{host.num_pages if host else 0} "
         f"(evictable={t.host_evictable} protected={t.host_protected}) "
         f"in_flight={len(transfers.inflight)}>"
+    )
+
+
+def snapshot_events(core: CacheCore) -> list[BlockStored]:
+    """One ``BlockStored`` per node and medium it is resident in, parents before children:
+    the state a consumer of the event stream holds, as the stream announced it (a host copy
+    not yet announced on CPU is left out, as in the stream)."""
+    tree = core.tree
+    out: list[BlockStored] = []
+    for node in tree.walk():
+        for tier, state in ((Tier.DEVICE, node.device), (Tier.HOST, node.host)):
+            if state is RESIDENT and not (tier is Tier.HOST and node.cpu_hidden):
+                out.append(_stored(core, node, tier))
+        if node.storage is RESIDENT:
+            out.append(_stored(core, node, Tier.STORAGE))
+    return out
+
+
+def _stored(core: CacheCore, node: Node, tier: Tier) -> BlockStored:
+    tree = core.tree
+    return BlockStored(
+        block_hashes=list(tree.block_hashes(node)),
+        parent_block_hash=tree.parent_hash(node),
+        token_ids=list(node.key),
+        block_size=core.page_size,
+        medium=tier.medium,
+        **namespace_fields(node.ns),
     )
 
 

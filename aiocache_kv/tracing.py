@@ -5,9 +5,9 @@ span of the tracer ``aiocache_kv``, a child of whatever span is current where th
 (the request's, when the serving loop traces requests), so a request's trace shows where its
 cache time went: ``aiocache_kv.prefetch`` (storage -> host), ``aiocache_kv.load_back`` (host ->
 device), ``aiocache_kv.backup`` (host -> storage: a background task started when a
-write-through lands, so its span is a root of its own).  Attributes are prefixed ``aiocache_kv.``: tokens
-or pages, bytes, the outcome.  Without the package, or without a tracer provider configured,
-nothing is recorded and the cost is a context manager.
+write-through lands, so its span is a root of its own).  Attributes are prefixed
+``aiocache_kv.``: tokens or pages, hits, the outcome.  Without the package, or without a
+tracer provider configured, nothing is recorded and the cost is a context manager.
 """
 
 from __future__ import annotations

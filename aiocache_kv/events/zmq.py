@@ -39,6 +39,20 @@ current protocol (``"map"``, the default) and the one before vllm-project/vllm#4
   like a published message: ``[identity, b"", topic, seq, payload]``, ending with
   ``[identity, b"", b"", END_SEQ, b""]``.  ``"array"`` answers in the older framing without
   the topic: ``[identity, b"", seq, payload]``, ending with ``[identity, b"", END_SEQ, b""]``.
+* Snapshot (on the replay socket, for a consumer that joined late or lost more than the replay
+  buffer): the request ``[identity, b"", SNAPSHOT_REQUEST]`` (the bytes
+  ``b"aiocache_kv/snapshot"``, never an 8-byte sequence number) is answered with the cache's
+  state as ``BlockStored`` events (one per node and medium, parents first; the same encoding
+  and the same batch layout as published batches, at most :data:`SNAPSHOT_CHUNK` events per
+  message) framed like replay replies whose ``seq`` is ``S``, then the end marker whose last
+  frame is ``S`` (8 bytes) instead of empty.  ``S`` is the sequence number of the first batch
+  not reflected in the snapshot: apply the snapshot, then every batch with ``seq >= S`` (from
+  the live stream, or a replay request for ``S``).  Stored events are idempotent, so a batch
+  ``>= S`` whose effect the snapshot already holds changes nothing.  A publisher with no
+  snapshot source (:meth:`ZmqEventPublisher.run` sets the cache as one) answers the end marker
+  alone with an empty last frame.  Snapshots are built at most once per
+  ``snapshot_interval`` seconds (a request sooner waits, or reuses the last one when nothing
+  was published since), so a flood of requests cannot monopolize the loop.
 """
 
 from __future__ import annotations
@@ -49,7 +63,7 @@ import importlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from aiocache_kv.errors import (
     CacheClosedError,
@@ -72,6 +86,11 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 _INSTALL_HINT = "pip install 'aiocache_kv[events]'"
 
+SNAPSHOT_REQUEST = b"aiocache_kv/snapshot"
+"""The replay-socket request frame that asks for a snapshot instead of a replay."""
+SNAPSHOT_CHUNK = 1000
+"""At most this many events per snapshot message."""
+
 
 class EventSource(Protocol):
     """What :meth:`ZmqEventPublisher.run` drains (:class:`~aiocache_kv.HiCache`)."""
@@ -79,6 +98,13 @@ class EventSource(Protocol):
     def events(self) -> AsyncIterator[KVEvent]: ...
 
     def take_events(self) -> list[KVEvent]: ...
+
+
+@runtime_checkable
+class SnapshotSource(Protocol):
+    """What a snapshot request is answered from (:class:`~aiocache_kv.HiCache`)."""
+
+    def snapshot_events(self) -> list[BlockStored]: ...
 
 
 def _require(module: str, package: str) -> Any:
@@ -210,7 +236,10 @@ class ZmqEventPublisher:
         hwm: int = 100_000,
         event_encoding: EventEncoding = "map",
         publish_cache_salt: bool = False,
+        snapshot_interval: float = 1.0,
     ) -> None:
+        if snapshot_interval < 0:
+            raise InvalidInputError(f"snapshot_interval must be >= 0, got {snapshot_interval}")
         if buffer_steps < 0:
             raise InvalidInputError(f"buffer_steps must be >= 0, got {buffer_steps}")
         if event_encoding not in ("array", "map"):
@@ -238,6 +267,11 @@ class ZmqEventPublisher:
         self._closed = asyncio.Event()
         self.batches_published = 0
         self.events_published = 0
+        self.snapshot_interval = snapshot_interval
+        self.snapshots_built = 0
+        self._snapshot_source: SnapshotSource | None = None
+        #: the last snapshot: (monotonic time built, S, encoded messages)
+        self._last_snapshot: tuple[float, int, list[bytes]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -351,6 +385,8 @@ class ZmqEventPublisher:
         """
         if self._pub is None:
             await self.start()
+        if self._snapshot_source is None and isinstance(cache, SnapshotSource):
+            self._snapshot_source = cache
         stream = cache.events()
         closed = asyncio.ensure_future(self._closed.wait())
         try:
@@ -380,7 +416,54 @@ class ZmqEventPublisher:
             if aclose is not None:
                 await aclose()
 
-    # ------------------------------------------------------------------ replay
+    # ------------------------------------------------------------------ replay, snapshots
+
+    def serve_snapshots(self, source: SnapshotSource | None) -> None:
+        """Answer snapshot requests from ``source`` (``run(cache)`` sets the cache)."""
+        self._snapshot_source = source
+
+    def _snapshot(self, source: SnapshotSource) -> tuple[int, list[bytes]]:
+        """Build and encode a snapshot now (on the loop, no await: the state and ``S`` are
+        taken at one instant)."""
+        events = source.snapshot_events()
+        start = self._next_seq
+        ts = time.time()
+        payloads = [
+            _pack(
+                self._msgpack,
+                events[i : i + SNAPSHOT_CHUNK],
+                ts,
+                self.data_parallel_rank,
+                self.event_encoding,
+                self.publish_cache_salt,
+            )
+            for i in range(0, len(events), SNAPSHOT_CHUNK)
+        ]
+        self.snapshots_built += 1
+        self._last_snapshot = (time.monotonic(), start, payloads)
+        log.info("kv_events_snapshot", events=len(events), messages=len(payloads), seq=start)
+        return start, payloads
+
+    async def _send_snapshot(self, sock: zmq.asyncio.Socket, identity: bytes) -> None:
+        topic: tuple[bytes, ...] = (self._topic_bytes,) if self.event_encoding == "map" else ()
+        end: tuple[bytes, ...] = (b"",) if self.event_encoding == "map" else ()
+        source = self._snapshot_source
+        if source is None:
+            await sock.send_multipart((identity, b"", *end, END_SEQ, b""))
+            return
+        last = self._last_snapshot
+        if last is not None and last[1] == self._next_seq:
+            start, payloads = last[1], last[2]  # nothing published since: still exact
+        else:
+            if last is not None:
+                wait = last[0] + self.snapshot_interval - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            start, payloads = self._snapshot(source)
+        seq = start.to_bytes(8, "big")
+        for payload in payloads:
+            await sock.send_multipart((identity, b"", *topic, seq, payload))
+        await sock.send_multipart((identity, b"", *end, END_SEQ, seq))
 
     async def _serve_replay(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -389,6 +472,12 @@ class ZmqEventPublisher:
                 log.warning("kv_events_bad_replay_request", frames=len(frames))
                 continue
             identity, _, start_bytes = frames
+            if start_bytes == SNAPSHOT_REQUEST:
+                try:
+                    await self._send_snapshot(sock, identity)
+                except self._zmq.ZMQError as exc:
+                    log.warning("kv_events_snapshot_failed", error=str(exc))
+                continue
             start = int.from_bytes(start_bytes, "big")
             # vLLM's current replies carry the topic like a published message; older ones do not
             topic: tuple[bytes, ...] = (self._topic_bytes,) if self.event_encoding == "map" else ()
