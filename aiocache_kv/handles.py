@@ -38,7 +38,7 @@ class Handle:
     the end of the block (unless it was released already).
     """
 
-    __slots__ = ("__weakref__", "_node", "_releaser", "core", "state", "token")
+    __slots__ = ("_node", "_releaser", "core", "on_drop", "state", "token")
 
     def __init__(
         self,
@@ -51,6 +51,13 @@ class Handle:
         self._releaser = releaser  # the issuing cache's ``release``
         self.state = HandleState.PINNED
         self.token = 0  #: the issuing cache's key for this handle's pin
+        #: called with ``token`` if the handle is collected while pinned (see ``pins``)
+        self.on_drop: Callable[[int], None] | None = None
+
+    def __del__(self) -> None:
+        on_drop = getattr(self, "on_drop", None)  # None too if __init__ did not finish
+        if on_drop is not None and self.state is HandleState.PINNED:
+            on_drop(self.token)
 
     def __enter__(self: H) -> H:
         return self
