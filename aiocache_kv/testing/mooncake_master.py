@@ -55,6 +55,7 @@ def loopback_client_env() -> None:
 
 def mooncake_available() -> str | None:
     """``None`` if the mooncake client imports and ``mooncake_master`` exists, else why not."""
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # before the first import: glog reads it once
     try:
         import mooncake.store  # noqa: F401
     except ImportError as exc:
