@@ -15,6 +15,7 @@ from aiocache_kv.errors import ConfigError, StorageUnavailableError
 from aiocache_kv.storage import FRAME_OVERHEAD, MooncakeStorage, PageBuffer, StorageIO
 from aiocache_kv.storage.keys import parse_storage_key, storage_key
 from aiocache_kv.storage.mooncake import MooncakeNotInstalledError, parse_size
+from aiocache_kv.testing.fake_mooncake import FakeMooncakeClient, FakeMooncakeStorage
 
 from .conftest import LOOPBACK, MasterProc
 
@@ -185,27 +186,14 @@ async def test_through_storage_io(mc_storage: MooncakeStorage, tag: str) -> None
 # -- return-code mapping, with a scripted client (no master needed) --------------------------
 
 
-class ScriptedClient:
-    """Stands in for MooncakeDistributedStore: answers from queued code lists."""
-
-    def __init__(self, exist: list[list[int]], put: list[list[int]]) -> None:
-        self.exist, self.put_codes = exist, put
-        self.put_calls: list[list[str]] = []
-
-    def batch_is_exist(self, keys: list[str]) -> list[int]:
-        return self.exist.pop(0)
-
-    def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        self.put_calls.append(list(keys))
-        return self.put_codes.pop(0)
-
-    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        return [-900 for _ in keys]
+def scripted_client(exist: list[list[int]], put: list[list[int]]) -> FakeMooncakeClient:
+    """The shared fake, answering from queued code lists (only the code mapping is tested)."""
+    return FakeMooncakeClient(exist_codes=exist, put_codes=put)
 
 
-def scripted(client: ScriptedClient) -> MooncakeStorage:
-    s = MooncakeStorage(master="127.0.0.1:1", no_space_retry_delay=0.0)
-    s._store = client  # bypass setup: only the code mapping is under test
+def scripted(client: FakeMooncakeClient) -> MooncakeStorage:
+    s = FakeMooncakeStorage(client, no_space_retry_delay=0.0)
+    s.open()
     return s
 
 
@@ -214,7 +202,7 @@ def bufs(n: int) -> list[PageBuffer]:
 
 
 def test_no_space_is_retried_once_then_per_key() -> None:
-    client = ScriptedClient(exist=[[1, 0, 0, 0, 0]], put=[[0, -200, -200, -704], [0, -200]])
+    client = scripted_client(exist=[[1, 0, 0, 0, 0]], put=[[0, -200, -200, -704], [0, -200]])
     s = scripted(client)
     keys = ["a", "b", "c", "d", "e"]
     assert s.put(keys, bufs(5)) == [True, True, True, False, False]
@@ -224,13 +212,15 @@ def test_no_space_is_retried_once_then_per_key() -> None:
 
 
 def test_all_unavailable_raises_mixed_is_per_key() -> None:
-    s = scripted(ScriptedClient(exist=[[-1, -1]], put=[]))
+    s = scripted(scripted_client(exist=[[-1, -1]], put=[]))
     with pytest.raises(StorageUnavailableError):
         s.put(["a", "b"], bufs(2))
-    s = scripted(ScriptedClient(exist=[[0, 0]], put=[[-900, -900]]))
+    s = scripted(scripted_client(exist=[[0, 0]], put=[[-900, -900]]))
     with pytest.raises(StorageUnavailableError):
         s.put(["a", "b"], bufs(2))
-    s = scripted(ScriptedClient(exist=[[0, 0, 0]], put=[[0, -901, 0]]))
+    client = scripted_client(exist=[[0, 0, 0]], put=[[0, -901, 0]])
+    client.get_codes = [[-900, -900]]
+    s = scripted(client)
     assert s.put(["a", "b", "c"], bufs(3)) == [True, False, True]
     assert s.statistics().unavailable == 1
     with pytest.raises(StorageUnavailableError):
@@ -238,12 +228,12 @@ def test_all_unavailable_raises_mixed_is_per_key() -> None:
 
 
 def test_short_result_is_never_silently_truncated() -> None:
-    s = scripted(ScriptedClient(exist=[[0, 0, 0]], put=[[0]]))
+    s = scripted(scripted_client(exist=[[0, 0, 0]], put=[[0]]))
     assert s.put(["a", "b", "c"], bufs(3)) == [True, False, False]
 
 
 def test_duplicate_keys_in_a_batch_are_sent_once() -> None:
-    client = ScriptedClient(exist=[[0, 0, 0]], put=[[0, 0]])
+    client = scripted_client(exist=[[0, 0, 0]], put=[[0, 0]])
     s = scripted(client)
     assert s.put(["a", "b", "a"], bufs(3)) == [True, True, True]
     assert client.put_calls == [["a", "b"]]

@@ -21,6 +21,7 @@ from aiocache_kv.storage import (
     page_file,
 )
 from aiocache_kv.storage.integrity import Verdict, verify
+from aiocache_kv.testing.fake_mooncake import FakeMooncakeClient, FakeMooncakeStorage
 
 PAGE = 4096
 SLOT = PAGE + FRAME_OVERHEAD
@@ -159,69 +160,21 @@ def test_large_pages_round_trip(tmp_path: Path) -> None:
 # -- MooncakeStorage (scripted client: the call sequence, not the store) ----------------------
 
 
-class Client:
-    """A stand-in for ``MooncakeDistributedStore`` that stores objects in a dict."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
-        self.calls: list[tuple[str, list[str]]] = []
-
-    def batch_is_exist(self, keys: list[str]) -> list[int]:
-        self.calls.append(("exist", list(keys)))
-        return [int(k in self.objects) for k in keys]
-
-    def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        self.calls.append(("put", list(keys)))
-        for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
-            if key not in self.objects:  # Mooncake keeps the old value
-                self.objects[key] = _read(ptr, size)
-        return [0] * len(keys)
-
-    def batch_get_into(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
-        codes = []
-        for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
-            blob = self.objects.get(key)
-            if blob is None:
-                codes.append(-704)
-            elif len(blob) > size:
-                codes.append(-600)
-            else:
-                _write(ptr, blob)
-                codes.append(len(blob))
-        return codes
-
-    def batch_remove(self, keys: list[str], force: bool) -> list[int]:
-        return [0 if self.objects.pop(k, None) is not None else -704 for k in keys]
-
-
-_BUFFERS: dict[int, PageBuffer] = {}
-
-
-def _read(ptr: int, size: int) -> bytes:
-    return bytes(_BUFFERS[ptr].view[:size])
-
-
-def _write(ptr: int, blob: bytes) -> None:
-    _BUFFERS[ptr].view[: len(blob)] = blob
+def scripted(client: FakeMooncakeClient) -> MooncakeStorage:
+    s = FakeMooncakeStorage(client, no_space_retry_delay=0.0)
+    s.open()
+    return s
 
 
 def track(bufs: list[PageBuffer]) -> list[PageBuffer]:
-    for b in bufs:
-        _BUFFERS[b.ptr] = b
-    return bufs
-
-
-def scripted(client: Client) -> MooncakeStorage:
-    s = MooncakeStorage(master="127.0.0.1:1", no_space_retry_delay=0.0)
-    s._store = client
-    return s
+    return bufs  # the fake client reads and writes the buffers' own addresses
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_mooncake_put_overlaps_exist_with_seal(
     overlap: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client = Client()
+    client = FakeMooncakeClient()
     s = scripted(client)
     if not overlap:
         monkeypatch.setattr(s, "_submit", lambda *a: None)  # the inline path (closed helper)
@@ -230,7 +183,7 @@ def test_mooncake_put_overlaps_exist_with_seal(
     assert s.put(keys[:2], first[:2]) == [True, True]
     second = track(pool(6, seed=2))
     assert s.put([*keys, keys[3]], [*second, second[0]]) == [True] * 7
-    assert client.calls[-1] == ("put", keys[2:])  # present keys and duplicates not re-sent
+    assert client.log[-1] == ("batch_put_from", keys[2:])  # present keys, duplicates not re-sent
     st = s.statistics()
     assert (st.put_ok, st.put_skipped, st.bytes_written) == (6, 3, 6 * SLOT)
     for i in range(2, 6):
@@ -242,7 +195,7 @@ def test_mooncake_put_overlaps_exist_with_seal(
 
 
 def test_mooncake_batch_corruption_is_per_key() -> None:
-    client = Client()
+    client = FakeMooncakeClient()
     s = scripted(client)
     keys = keys_for(5)
     assert s.put(keys, track(pool(5, seed=3))) == [True] * 5
@@ -257,9 +210,7 @@ def test_mooncake_batch_corruption_is_per_key() -> None:
 
 
 def test_mooncake_helper_stops_at_close() -> None:
-    client = Client()
-    client.close = lambda: None  # type: ignore[attr-defined]
-    client.unregister_buffer = lambda ptr: 0  # type: ignore[attr-defined]
+    client = FakeMooncakeClient()
     s = scripted(client)
     assert s.put(keys_for(1), track(pool(1))) == [True]
     assert s._helper is not None
