@@ -239,12 +239,11 @@ class CacheCore:
     def emit_removed(self, nodes: list[Node], tier: Tier) -> None:
         """One ``BlockRemoved`` for the pages of ``nodes`` in ``tier`` (on CPU: of those that
         were announced)."""
-        if tier is Tier.HOST:
-            hidden = [n for n in nodes if n.cpu_hidden]
-            for n in hidden:
+        if tier is Tier.HOST and any(n.cpu_hidden for n in nodes):
+            shown = [n for n in nodes if not n.cpu_hidden]
+            for n in nodes:
                 n.cpu_hidden = False
-            if hidden:
-                nodes = [n for n in nodes if n not in hidden]
+            nodes = shown
         if nodes and self.events.enabled:
             hashes = [h for node in nodes for h in self.tree.block_hashes(node)]
             self.events.append(BlockRemoved(hashes, tier.medium))

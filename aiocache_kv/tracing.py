@@ -26,6 +26,7 @@ except ImportError:  # the optional extra is not installed
 __all__ = ["SpanLike", "enabled", "span"]
 
 _TRACER_NAME = "aiocache_kv"
+_tracer: Any = None
 
 
 class SpanLike(Protocol):
@@ -54,7 +55,10 @@ def span(name: str, **attributes: int | str) -> Iterator[SpanLike]:
     if _otel is None:
         yield _NO_SPAN
         return
-    tracer = _otel.get_tracer(_TRACER_NAME)
+    global _tracer
+    tracer = _tracer
+    if tracer is None:  # a proxy until the application sets a provider: safe to keep
+        tracer = _tracer = _otel.get_tracer(_TRACER_NAME)
     attrs = {f"aiocache_kv.{k}": v for k, v in attributes.items()}
     with tracer.start_as_current_span(name, attributes=attrs) as sp:
         yield sp
