@@ -58,11 +58,11 @@ class StorageTierBase:
         ]
         self._tasks: set[asyncio.Task[Any]] = set()
         self.counters = StorageCounters()
-        #: (namespace tag, page hash) -> the node that held the page when it was stored
-        #: (weakly: a node dropped from the tree leaves), to find what an eviction took
-        self._stored: weakref.WeakValueDictionary[tuple[str, int], Node] = (
-            weakref.WeakValueDictionary()
-        )
+        #: page hash -> the node that held the page when it was stored (weakly: a node dropped
+        #: from the tree leaves), to find what an eviction took.  Hashes are seeded by the
+        #: namespace, so the hash alone names the page; a collision would only mark a node
+        #: absent (backed up again), never present.
+        self._stored: weakref.WeakValueDictionary[int, Node] = weakref.WeakValueDictionary()
         #: nodes under backup whose page another call evicted meanwhile: their backup fails
         self._doubted: weakref.WeakSet[Node] = weakref.WeakSet()
 
@@ -93,10 +93,9 @@ class StorageTierBase:
 
     def remember_stored(self, node: Node) -> None:
         """``node``'s pages are in storage now (a backup landed, or they came from there)."""
-        tag = node.ns.tag
         stored = self._stored
         for h in self.core.tree.block_hashes(node):
-            stored[(tag, h)] = node
+            stored[h] = node
 
     def _holder(self, node: Node, page_hash: int) -> Node | None:
         """The live node holding ``page_hash`` now: ``node`` or, after splits, an ancestor."""
@@ -133,7 +132,7 @@ class StorageTierBase:
             except StorageKeyError:
                 continue  # not one of this cache's keys
             gone[parsed.page_hash] = None
-            node = self._stored.pop((parsed.tag, parsed.page_hash), None)
+            node = self._stored.pop(parsed.page_hash, None)
             holder = None if node is None else self._holder(node, parsed.page_hash)
             if holder is None:
                 continue
