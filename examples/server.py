@@ -42,8 +42,8 @@ Each request awaits the cache the way a serving loop does (:class:`CachedLM`): `
 suffix and decode with the K/V in the device pool, ``insert`` (written through to host and
 storage).  Forward passes run on one worker thread, so the loop keeps serving ``/health`` and
 ``/metrics`` and cache completions while a prefill runs; requests interleave between decode
-steps.  Two servers started with the same ``--model-seed`` and the same storage (a shared
-``--storage-dir`` or Mooncake master) reuse each other's KV.
+steps.  Two live servers started with the same ``--model-seed`` and one Mooncake master reuse
+each other's KV; a ``--storage-dir`` is shared across restarts (one live server owns it).
 """
 
 from __future__ import annotations
