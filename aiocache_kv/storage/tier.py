@@ -184,31 +184,21 @@ class StorageTier(PrefetchingTier):
         release: functools.partial[None],
     ) -> None:
         with span("aiocache_kv.backup", pages=len(keys), nodes=len(op.targets)) as sp:
-            await self._put_pages(op, keys, parents, bufs, release)
+            try:
+                op.results = await self.io.put(keys, bufs, on_release=release, parents=parents)
+            except KVCacheError as exc:
+                op.results = [False] * len(keys)
+                op.error = repr(exc)
+                if self.core.coordinator.deferred:  # every rank frees at the agreed point
+                    await self.io.wait_released(bufs)
+            except BaseException:
+                op.results = [False] * len(keys)
+                op.error = "cancelled"
+                self._land_backup(op)
+                raise
             sp.set_attribute("aiocache_kv.pages_ok", sum(op.results))
             if op.error is not None:
                 sp.set_attribute("aiocache_kv.error", op.error)
-
-    async def _put_pages(
-        self,
-        op: BackupOp,
-        keys: list[str],
-        parents: list[str | None],
-        bufs: list[PageBuffer],
-        release: functools.partial[None],
-    ) -> None:
-        try:
-            op.results = await self.io.put(keys, bufs, on_release=release, parents=parents)
-        except KVCacheError as exc:
-            op.results = [False] * len(keys)
-            op.error = repr(exc)
-            if self.core.coordinator.deferred:  # every rank frees the pages at the agreed point
-                await self.io.wait_released(bufs)
-        except BaseException:
-            op.results = [False] * len(keys)
-            op.error = "cancelled"
-            self._land_backup(op)
-            raise
         self._land_backup(op)
 
     def _land_backup(self, op: BackupOp) -> None:
