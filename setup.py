@@ -1,7 +1,7 @@
-"""Build hook for the optional C fast path of the page hashes (everything else is pyproject.toml).
+"""Build hook for the optional C fast paths (everything else is pyproject.toml).
 
-``optional=True``: where no C compiler is at hand the build goes on without it, and
-``aiocache_kv.tree.hashing`` computes the same hashes in pure Python.
+``optional=True``: where no C compiler is at hand the build goes on without them, and
+``aiocache_kv.tree.hashing`` / ``aiocache_kv.fastcheck`` compute the same values in Python.
 """
 
 from setuptools import Extension, setup
@@ -12,6 +12,11 @@ setup(
             "aiocache_kv.tree._chainhash",
             sources=["aiocache_kv/tree/_chainhash.c"],
             optional=True,
-        )
+        ),
+        Extension(
+            "aiocache_kv._fastcheck",
+            sources=["aiocache_kv/_fastcheck.c"],
+            optional=True,
+        ),
     ]
 )

@@ -21,20 +21,9 @@ from aiocache_kv.blocks import BlockInfo
 from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
 from aiocache_kv.core import CacheCore
 from aiocache_kv.distributed import SingleRank, TPGroup
-from aiocache_kv.errors import (
-    CacheClosedError,
-    CapacityError,
-    InvalidInputError,
-    InvalidTypeError,
-)
+from aiocache_kv.errors import CacheClosedError, CapacityError, InvalidInputError, InvalidTypeError
 from aiocache_kv.events import BlockStored, KVEvent
-from aiocache_kv.handles import (
-    Handle,
-    InsertResult,
-    MatchResult,
-    WriteAck,
-    check_handle,
-)
+from aiocache_kv.handles import Handle, InsertResult, MatchResult, WriteAck, check_handle
 from aiocache_kv.introspection import blocks, check_all, describe, snapshot, snapshot_events
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
@@ -48,7 +37,13 @@ from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
 from aiocache_kv.transfer import CopyEngine, default_engine
 from aiocache_kv.transfer.ops import OpKind, Transfers
 from aiocache_kv.tree import Node, Tier
-from aiocache_kv.validate import check_names, check_tokens, page_slots, slots_to_pages
+from aiocache_kv.validate import (
+    check_names,
+    check_tokens,
+    page_slots,
+    slot_page_ids,
+    slots_to_pages,
+)
 
 log = get_logger(__name__)
 
@@ -412,32 +407,38 @@ class HiCache:
             )
         p = self.config.page_size
         n = len(toks) // p * p
-        pages = slots_to_pages(kv_indices, n, self.config.page_size, self.config.device_pages)
+        alloc = self._dev_alloc
+        ids = slot_page_ids(kv_indices, n, p, self.config.device_pages, alloc.scratch(n // p))
         ns = self._ns(tenant, lora)
         core = self._core
         tree = core.tree
-        alloc = self._dev_alloc
         # validate ownership before changing anything (not even a new namespace's root)
-        existing = tree.device_prefix(ns, toks, n)
+        plan = tree.plan_insert(ns, toks, n)  # the walk, once; nothing changes until applied
+        existing = plan.device_pages()
         d = existing.numel()
-        if not alloc.distinct(pages):
-            raise InvalidInputError("kv_indices repeat a page")
-        same = pages[:d].numpy() == existing.numpy()
-        held = alloc.mask(pages, PageState.HELD)
-        if not (held[:d] | same).all() or not held[d:].all():
+        dup = alloc.repeat_at(ids)
+        if dup >= 0:
+            raise InvalidInputError(f"kv_indices repeat page {int(ids[dup])}")
+        bad, differing = alloc.held_check(ids, existing)
+        if bad >= 0:
             raise InvalidInputError(
-                "kv_indices name pages the caller does not hold (not from alloc(), already "
-                "inserted elsewhere, or freed)"
+                f"kv_indices name page {int(ids[bad])} (of token {bad * p}), which the caller "
+                "does not hold (not from alloc(), already inserted elsewhere, or freed)"
             )
+        if differing:  # the caller's own copies of pages the tree has: freed below
+            lead = ids[:d]
+            dupes = torch.from_numpy(lead[lead != existing.numpy()])
+        # the tree keeps only the pages after its own (ids is scratch, reused next insert)
+        own = torch.from_numpy(ids[d:].copy())
         tree.root(ns, ns.tag)
-        out = tree.insert(ns, toks, n, pages)
-        kept = out.inserted_tokens // p  # the walk stops below a node that is still loading
-        if d and not same.all():
-            alloc.free([torch.from_numpy(pages[:d].numpy()[~same])])
-        if kept > d:
-            alloc.set_state(pages[d:kept], PageState.OWNED)
-        if n // p > kept:
-            alloc.free([pages[kept:]])
+        out = tree.insert(ns, toks, n, own, plan=plan, first_page=d)
+        kept = out.inserted_tokens // p - d  # the walk stops below a node that is loading
+        if differing:
+            alloc.free([dupes])
+        if kept > 0:
+            alloc.set_state(own[:kept], PageState.OWNED)
+        if own.numel() > kept:
+            alloc.free([own[kept:]])
         core.counters.inserted_tokens += out.inserted_tokens - out.prefix_tokens
         if core.events.enabled:
             for node in out.adopted + out.created:

@@ -26,6 +26,7 @@ import enum
 import numpy as np
 import torch
 
+from aiocache_kv import fastcheck
 from aiocache_kv.errors import CapacityError, InvalidInputError
 
 
@@ -36,6 +37,12 @@ class PageState(enum.IntEnum):
     HELD = 1  #: handed to the caller by ``alloc``; the caller inserts or frees it
     OWNED = 2  #: referenced by the tree or by a transfer in flight
     QUARANTINED = 3  #: freed while a worker still holds it; free again when its lease ends
+
+
+def _int64(arr: np.ndarray) -> np.ndarray:
+    if arr.dtype == np.int64 and arr.flags.c_contiguous:
+        return arr
+    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 def has_duplicates(pages: torch.Tensor) -> bool:
@@ -60,21 +67,24 @@ class PageAllocator:
         self.num_pages = num_pages
         self._state = np.zeros(num_pages, dtype=np.uint8)
         self._stamp = np.zeros(num_pages, dtype=np.int64)  # scratch for duplicate checks
+        self._epoch = 0  # the last mark written to _stamp; counts down (never a position)
+        self._ids = np.empty(num_pages, dtype=np.int64)  # see ``scratch``
         self._leases = np.zeros(num_pages, dtype=np.int32)  # workers holding each page
         self.quarantined = 0  #: pages freed while leased, waiting for their workers
-        self._free = torch.arange(num_pages, dtype=torch.int64)
+        # numpy, not torch: slicing it costs a tenth, and alloc runs on every request
+        self._free = np.arange(num_pages, dtype=np.int64)
         self._cursor = 0
-        self._returned: list[torch.Tensor] = []
+        self._returned: list[np.ndarray] = []
         self._returned_count = 0
 
     @property
     def num_free(self) -> int:
         """Pages currently free."""
-        return self._free.numel() - self._cursor + self._returned_count
+        return self._free.size - self._cursor + self._returned_count
 
     def _consolidate(self) -> None:
         parts = [self._free[self._cursor :], *self._returned]
-        self._free = torch.sort(torch.cat(parts)).values
+        self._free = np.sort(np.concatenate(parts))
         self._cursor = 0
         self._returned = []
         self._returned_count = 0
@@ -87,12 +97,12 @@ class PageAllocator:
         """
         if n > self.num_free:
             raise CapacityError(f"{self.name} pool: need {n} pages, {self.num_free} free")
-        if self._free.numel() - self._cursor < n:
+        if self._free.size - self._cursor < n:
             self._consolidate()
-        pages = self._free[self._cursor : self._cursor + n].clone()
+        taken = self._free[self._cursor : self._cursor + n].copy()
         self._cursor += n
-        self._state[pages.numpy()] = int(state)
-        return pages
+        self._state[taken] = int(state)
+        return torch.from_numpy(taken)
 
     def free(self, pages: list[torch.Tensor]) -> None:
         """Return pages (OWNED or HELD) to the free list; leased ones to quarantine."""
@@ -114,7 +124,7 @@ class PageAllocator:
     def _release(self, flat: torch.Tensor) -> None:
         if flat.numel():
             self._state[flat.numpy()] = _FREE
-            self._returned.append(flat)
+            self._returned.append(flat.numpy())
             self._returned_count += flat.numel()
 
     def lease(self, pages: torch.Tensor) -> None:
@@ -155,12 +165,32 @@ class PageAllocator:
 
     def distinct(self, pages: torch.Tensor) -> bool:
         """Whether ``pages`` has no repeated id, in O(n) (a scratch array, no sort)."""
-        idx = pages.numpy()
+        return self.repeat_at(pages) < 0
+
+    def repeat_at(self, pages: torch.Tensor | np.ndarray) -> int:
+        """-1 if ``pages`` (ids of this pool) are distinct, else the index of a repeated id."""
+        idx = pages.numpy() if isinstance(pages, torch.Tensor) else pages
         if idx.size < 2:
-            return True
-        order = np.arange(idx.size, dtype=np.int64)
-        self._stamp[idx] = order  # a repeated id keeps only one of its positions
-        return bool((self._stamp[idx] == order).all())
+            return -1
+        self._epoch -= 1
+        return int(fastcheck.first_repeat(_int64(idx), self._stamp, self._epoch))
+
+    def scratch(self, n: int) -> np.ndarray:
+        """An int64 array of ``n`` entries to fill and read before the next call (reused,
+        never kept by anyone; a fresh one if ``n`` exceeds the pool)."""
+        if n > self._ids.size:
+            return np.empty(n, dtype=np.int64)
+        return self._ids[:n]
+
+    def held_check(self, pages: np.ndarray, existing: torch.Tensor) -> tuple[int, int]:
+        """Whether the caller may hand ``pages`` to the tree, which holds ``existing`` for
+        their leading part: ``(first_bad, differing)``.  Page ``i < len(existing)`` must be
+        ``existing[i]`` or HELD, later pages HELD; ``first_bad`` is the first index that is
+        neither (-1: none) and ``differing`` counts leading pages that are not the tree's."""
+        bad, differing = fastcheck.held_check(
+            _int64(pages), _int64(existing.numpy()), self._state, _HELD
+        )
+        return int(bad), int(differing)
 
     def count(self, state: PageState) -> int:
         """Pages in ``state``."""
@@ -168,7 +198,7 @@ class PageAllocator:
 
     def check_invariants(self, owned: list[torch.Tensor]) -> None:
         """``owned`` (every page the tree and transfers hold) must be exactly the OWNED pages."""
-        free = torch.cat([self._free[self._cursor :], *self._returned])
+        free = torch.from_numpy(np.concatenate([self._free[self._cursor :], *self._returned]))
         assert free.numel() == self.num_free, f"{self.name}: free count drifted"
         assert not has_duplicates(free), f"{self.name}: page on free list twice"
         assert bool((self._state[free.numpy()] == PageState.FREE).all()), (

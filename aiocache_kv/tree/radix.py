@@ -62,6 +62,28 @@ class InsertOutcome:
 
 
 @dataclass(slots=True)
+class InsertPlan:
+    """The read-only walk of an insert (:meth:`RadixTree.plan_insert`)."""
+
+    root: Node | None  #: the namespace's root (``None``: not created yet)
+    steps: list[Node] = field(default_factory=list)  #: whole nodes passed, root-most first
+    split: Node | None = None  #: the node the walk ends inside (split at ``common``)
+    common: int = 0
+    pos: int = 0  #: tokens the walk covered
+    existing: list[torch.Tensor] = field(default_factory=list)  #: the leading device pages
+
+    def device_pages(self) -> torch.Tensor:
+        """Device pages the tree holds for the leading part of the walk."""
+        parts = self.existing
+        if not parts:
+            return _NO_PAGES
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+_NO_PAGES = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(slots=True)
 class Eviction:
     """What an eviction freed: page tensors and the nodes whose tier copy went away."""
 
@@ -172,59 +194,112 @@ class RadixTree(TierBook):
         self._stamp(node, self._clock)
         return node, pos
 
+    def plan_insert(self, ns: Hashable, tokens: list[int], n: int) -> InsertPlan:
+        """Walk ``tokens[:n]`` (page-aligned) as :meth:`insert` will, changing nothing.
+
+        The plan says which nodes the insert passes and which device pages the tree holds for
+        the leading part (``plan.device_pages()``), so a caller can check the pages it is
+        about to hand over.  Apply it with ``insert(..., plan=plan)`` before anything else
+        changes the tree.
+        """
+        p = self.page_size
+        node = self._roots.get(ns)
+        plan = InsertPlan(node)
+        if node is None:
+            return plan
+        pos = 0
+        steps = plan.steps
+        existing = plan.existing
+        on_device = True
+        while pos < n:
+            child = node.children.get(tokens[pos] if p == 1 else tuple(tokens[pos : pos + p]))
+            if child is None:
+                break
+            key = child.key
+            klen = len(key)
+            on_device = on_device and child.device is not ABSENT
+            if pos + klen <= n and tokens[pos : pos + klen] == key:
+                steps.append(child)
+                if on_device:
+                    existing.append(child.device_pages)  # type: ignore[arg-type]
+                node = child
+                pos += klen
+                if child.device is FILLING:
+                    break  # nothing may hang below a node still loading (see ``insert``)
+                continue
+            common = self._common(key, tokens, pos, min(klen, n - pos))
+            plan.split = child
+            plan.common = common
+            if on_device:
+                existing.append(child.device_pages[: common // p])  # type: ignore[index]
+            pos += common
+            break
+        plan.pos = pos
+        return plan
+
     def insert(
-        self, ns: Hashable, tokens: list[int], n: int, pages: torch.Tensor, *, pin: bool = True
+        self,
+        ns: Hashable,
+        tokens: list[int],
+        n: int,
+        pages: torch.Tensor,
+        *,
+        pin: bool = True,
+        plan: InsertPlan | None = None,
+        first_page: int = 0,
     ) -> InsertOutcome:
         """Insert ``tokens[:n]`` (page-aligned) whose device pages are ``pages``.
 
         Ranges the tree already holds on device keep the tree's pages (the caller compares
         them with ``pages`` to find duplicates); host-only ranges adopt the given pages.  The
         walk stops after a node whose load-back is in flight: ``inserted_tokens`` says how far
-        it got, and the pages after that are not taken.
+        it got, and the pages after that are not taken.  ``plan`` is this insert's
+        :meth:`plan_insert`, made since the tree last changed (else the walk is done here).
+        ``pages`` may leave out the leading ``first_page`` pages, if the tree has them on
+        device (``plan.device_pages()``): only pages the tree takes need be passed.
         """
         self._check_owner()
+        if plan is None:
+            plan = self.plan_insert(ns, tokens, n)
         p = self.page_size
-        node = self.root(ns)
+        node = self.root(ns) if plan.root is None else plan.root
         out = InsertOutcome(node, 0)
-        pos = 0
         self._clock += 1
         clock = self._clock
-        while pos < n:
-            ck = tokens[pos] if p == 1 else tuple(tokens[pos : pos + p])
-            child = node.children.get(ck)
-            if child is None:
-                # fresh device-only leaf: the device transition ABSENT->RESIDENT, inlined
-                new = Node(tokens[pos:n], node, ns)
-                new.last_access = clock
-                new.device_pages = pages[pos // p : n // p]
-                new.device = RESIDENT
-                node.children[ck] = new
-                node.n_dev_children += 1
-                self.num_nodes += 1
-                self.dev_evictable += (n - pos) // p
-                if not pin:
-                    self._dev_heap.offer(new)
-                out.created.append(new)
-                node = new
-                pos = n
-                break
-            key = child.key
-            klen = len(key)
-            if not (pos + klen <= n and tokens[pos : pos + klen] == key):
-                child = self._split(child, self._common(key, tokens, pos, min(klen, n - pos)))
-                klen = len(child.key)
-            if child.device is ABSENT:
+        pos = 0
+        base = first_page * p
+        assert not base or base <= sum(t.numel() for t in plan.existing) * p, (
+            f"first_page {first_page} past the tree's device run"
+        )
+        passed = plan.steps
+        if plan.split is not None:
+            assert plan.split.parent is (passed[-1] if passed else node), "stale insert plan"
+            passed = [*passed, self._split(plan.split, plan.common)]
+        for child in passed:
+            klen = len(child.key)
+            if child.device is ABSENT:  # host-only: adopt the caller's pages
                 self._acct(child, -1)
-                child.device_pages = pages[pos // p : (pos + klen) // p]
+                child.device_pages = pages[(pos - base) // p : (pos + klen - base) // p]
                 self._set_device(child, RESIDENT, accounted=True)
                 out.adopted.append(child)
             node = child
             pos += klen
-            out.prefix_tokens = pos
-            if child.device is FILLING:
-                # still loading: nothing may hang below it on device (if the load fails, it
-                # goes back to host-only), so the rest of this insert is not cached
-                break
+        out.prefix_tokens = pos
+        if pos < n and (node.device is not FILLING or node.parent is None):
+            # fresh device-only leaf: the device transition ABSENT->RESIDENT, inlined
+            new = Node(tokens[pos:n], node, ns)
+            new.last_access = clock
+            new.device_pages = pages[(pos - base) // p : (n - base) // p]
+            new.device = RESIDENT
+            node.children[tokens[pos] if p == 1 else tuple(tokens[pos : pos + p])] = new
+            node.n_dev_children += 1
+            self.num_nodes += 1
+            self.dev_evictable += (n - pos) // p
+            if not pin:
+                self._dev_heap.offer(new)
+            out.created.append(new)
+            node = new
+            pos = n
         out.node = node
         out.inserted_tokens = pos
         if pin:
@@ -233,36 +308,9 @@ class RadixTree(TierBook):
         return out
 
     def device_prefix(self, ns: Hashable, tokens: list[int], n: int) -> torch.Tensor:
-        """Device pages the tree holds for the leading part of ``tokens[:n]``, read-only.
-
-        Follows the walk of :meth:`insert` (it ends after a node that is still loading), so a
-        caller can check an insert's pages before anything changes.
-        """
-        node = self._roots.get(ns)
-        if node is None:
-            return torch.empty(0, dtype=torch.int64)
-        p = self.page_size
-        pos = 0
-        parts: list[torch.Tensor] = []
-        while pos < n:
-            child = node.children.get(tokens[pos] if p == 1 else tuple(tokens[pos : pos + p]))
-            if child is None or child.device is ABSENT:
-                break
-            key = child.key
-            assert child.device_pages is not None
-            if pos + len(key) <= n and tokens[pos : pos + len(key)] == key:
-                parts.append(child.device_pages)
-                pos += len(key)
-                node = child
-                if child.device is FILLING:
-                    break
-                continue
-            common = self._common(key, tokens, pos, min(len(key), n - pos))
-            parts.append(child.device_pages[: common // p])
-            break
-        if not parts:
-            return torch.empty(0, dtype=torch.int64)
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        """Device pages the tree holds for the leading part of ``tokens[:n]``, read-only
+        (those of :meth:`plan_insert`)."""
+        return self.plan_insert(ns, tokens, n).device_pages()
 
     def split_at(self, node: Node, at: int) -> Node:
         """Split ``node`` after ``at`` tokens (page-aligned); return the new head."""
@@ -550,4 +598,3 @@ class RadixTree(TierBook):
 
 
 __all__ = ["Eviction", "InsertOutcome", "RadixTree", "Tier", "TierState"]
-

@@ -1,0 +1,272 @@
+/* Checks of caller input on the per-request path, in C: the optional fast path of
+ * aiocache_kv/fastcheck.py (which holds the numpy reference of every function here and says
+ * what each returns).  Each function is one pass over a list or an int64 buffer; none keeps a
+ * reference to its arguments or touches Python state beyond them, and none raises for bad
+ * *values*: it returns where the first one is, and the Python caller words the typed error.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* whether an exact int is in [0, 2**30) without converting it (its internal layout) */
+static inline int is_small_nonnegative(PyObject *v)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyUnstable_Long_IsCompact((PyLongObject *)v) &&
+           PyUnstable_Long_CompactValue((PyLongObject *)v) >= 0;
+#else
+    Py_ssize_t size = Py_SIZE(v); /* digits, negative for a negative value */
+    return size == 0 || size == 1;
+#endif
+}
+
+/* index of the first element that is not an int in [0, 2**63 - 1], or -1 */
+static PyObject *first_bad_token(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    if (!PyList_CheckExact(arg)) {
+        PyErr_SetString(PyExc_TypeError, "first_bad_token needs a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(arg, i);
+        if (PyLong_CheckExact(item) && is_small_nonnegative(item)) {
+            continue; /* the common case: no conversion call */
+        }
+        if (!PyLong_Check(item)) {
+            return PyLong_FromSsize_t(i);
+        }
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow != 0 || v < 0) {
+            return PyLong_FromSsize_t(i);
+        }
+    }
+    return PyLong_FromSsize_t(-1);
+}
+
+static int int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
+        return -1;
+    }
+    if (view->len % 8 != 0) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "%s must be an int64 buffer", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* slot_pages(slots, page_size, limit, out) -> 0 ok, 1 a slot outside [0, limit), 2 a run of
+ * page_size slots that is not page * page_size + 0..page_size-1.  Writes the page ids (slot
+ * // page_size of each run's first slot; the slots themselves when page_size is 1) to out. */
+static PyObject *slot_pages(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *slots_obj, *out_obj;
+    long long p, limit;
+    if (!PyArg_ParseTuple(args, "OLLO", &slots_obj, &p, &limit, &out_obj)) {
+        return NULL;
+    }
+    if (p < 1) {
+        PyErr_SetString(PyExc_ValueError, "page_size must be >= 1");
+        return NULL;
+    }
+    Py_buffer sv, ov;
+    if (int64_buffer(slots_obj, &sv, 0, "slots") < 0) {
+        return NULL;
+    }
+    if (int64_buffer(out_obj, &ov, 1, "out") < 0) {
+        PyBuffer_Release(&sv);
+        return NULL;
+    }
+    const int64_t *s = (const int64_t *)sv.buf;
+    int64_t *o = (int64_t *)ov.buf;
+    Py_ssize_t n = sv.len / 8;
+    long code = 0;
+    if (n % p != 0 || ov.len / 8 != n / p) {
+        code = 2;
+    }
+    for (Py_ssize_t i = 0; code == 0 && i < n; i++) {
+        if (s[i] < 0 || s[i] >= limit) {
+            code = 1;
+        }
+    }
+    if (code == 0 && p == 1) { /* no runs to check, and no division per slot */
+        memcpy(o, s, (size_t)n * 8);
+    }
+    for (Py_ssize_t i = 0; code == 0 && p > 1 && i < n; i += p) {
+        int64_t first = s[i];
+        if (first % p != 0) {
+            code = 2;
+            break;
+        }
+        for (long long j = 1; j < p; j++) {
+            if (s[i + j] != first + j) {
+                code = 2;
+                break;
+            }
+        }
+        o[i / p] = first / p;
+    }
+    PyBuffer_Release(&sv);
+    PyBuffer_Release(&ov);
+    return PyLong_FromLong(code);
+}
+
+/* first_repeat(pages, stamp, epoch) -> index of the first page id seen before in pages, or -1.
+ * stamp is scratch indexed by page id; epoch must differ from every value it holds for these
+ * ids (the caller counts up), so no clearing is needed.  Ids must index stamp. */
+static PyObject *first_repeat(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *pages_obj, *stamp_obj;
+    long long epoch;
+    if (!PyArg_ParseTuple(args, "OOL", &pages_obj, &stamp_obj, &epoch)) {
+        return NULL;
+    }
+    Py_buffer pv, sv;
+    if (int64_buffer(pages_obj, &pv, 0, "pages") < 0) {
+        return NULL;
+    }
+    if (int64_buffer(stamp_obj, &sv, 1, "stamp") < 0) {
+        PyBuffer_Release(&pv);
+        return NULL;
+    }
+    const int64_t *pg = (const int64_t *)pv.buf;
+    int64_t *st = (int64_t *)sv.buf;
+    Py_ssize_t n = pv.len / 8, size = sv.len / 8, found = -1;
+    int bad_id = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t id = pg[i];
+        if (id < 0 || id >= size) {
+            bad_id = 1;
+            break;
+        }
+        if (st[id] == epoch) {
+            found = i;
+            break;
+        }
+        st[id] = epoch;
+    }
+    PyBuffer_Release(&pv);
+    PyBuffer_Release(&sv);
+    if (bad_id) {
+        PyErr_SetString(PyExc_IndexError, "page id outside the stamp array");
+        return NULL;
+    }
+    return PyLong_FromSsize_t(found);
+}
+
+/* held_check(pages, existing, state, held) -> (first_bad, differing).  Page i < len(existing)
+ * is fine if it equals existing[i] or is in state `held`; later pages must be `held`.
+ * first_bad is the first index breaking that (-1: none); differing counts i < len(existing)
+ * with pages[i] != existing[i].  state is one byte per page id; ids must index it. */
+static PyObject *held_check(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *pages_obj, *existing_obj, *state_obj;
+    int held;
+    if (!PyArg_ParseTuple(args, "OOOi", &pages_obj, &existing_obj, &state_obj, &held)) {
+        return NULL;
+    }
+    Py_buffer pv, ev, sv;
+    if (int64_buffer(pages_obj, &pv, 0, "pages") < 0) {
+        return NULL;
+    }
+    if (int64_buffer(existing_obj, &ev, 0, "existing") < 0) {
+        PyBuffer_Release(&pv);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(state_obj, &sv, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&pv);
+        PyBuffer_Release(&ev);
+        return NULL;
+    }
+    const int64_t *pg = (const int64_t *)pv.buf, *ex = (const int64_t *)ev.buf;
+    const uint8_t *state = (const uint8_t *)sv.buf;
+    Py_ssize_t n = pv.len / 8, d = ev.len / 8, size = sv.len, bad = -1, differing = 0;
+    int bad_id = 0;
+    if (d > n) {
+        d = n;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t id = pg[i];
+        if (id < 0 || id >= size) {
+            bad_id = 1;
+            break;
+        }
+        int same = i < d && id == ex[i];
+        if (i < d && !same) {
+            differing++;
+        }
+        if (!same && state[id] != held && bad < 0) {
+            bad = i;
+        }
+    }
+    PyBuffer_Release(&pv);
+    PyBuffer_Release(&ev);
+    PyBuffer_Release(&sv);
+    if (bad_id) {
+        PyErr_SetString(PyExc_IndexError, "page id outside the state array");
+        return NULL;
+    }
+    return Py_BuildValue("nn", bad, differing);
+}
+
+/* page_slots(pages, page_size, out): out[i * p + j] = pages[i] * p + j */
+static PyObject *page_slots(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *pages_obj, *out_obj;
+    long long p;
+    if (!PyArg_ParseTuple(args, "OLO", &pages_obj, &p, &out_obj)) {
+        return NULL;
+    }
+    Py_buffer pv, ov;
+    if (int64_buffer(pages_obj, &pv, 0, "pages") < 0) {
+        return NULL;
+    }
+    if (int64_buffer(out_obj, &ov, 1, "out") < 0) {
+        PyBuffer_Release(&pv);
+        return NULL;
+    }
+    Py_ssize_t n = pv.len / 8;
+    int ok = p >= 1 && ov.len / 8 == n * p;
+    if (ok) {
+        const int64_t *pg = (const int64_t *)pv.buf;
+        int64_t *o = (int64_t *)ov.buf;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t base = pg[i] * p;
+            for (long long j = 0; j < p; j++) {
+                *o++ = base + j;
+            }
+        }
+    }
+    PyBuffer_Release(&pv);
+    PyBuffer_Release(&ov);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "out must hold len(pages) * page_size slots");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"first_bad_token", first_bad_token, METH_O, "Index of the first non-token, or -1."},
+    {"slot_pages", slot_pages, METH_VARARGS, "Page ids of whole-page slot runs (status code)."},
+    {"first_repeat", first_repeat, METH_VARARGS, "Index of the first repeated page id, or -1."},
+    {"held_check", held_check, METH_VARARGS, "(first page not held, pages differing)."},
+    {"page_slots", page_slots, METH_VARARGS, "Token slots of whole pages."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fastcheck", "Per-request input checks in C.", -1, methods, NULL, NULL,
+    NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fastcheck(void) { return PyModule_Create(&module); }

@@ -1,0 +1,127 @@
+"""Checks of caller input that run on every request: token lists, slot runs, page ids.
+
+Each function is one pass over a list or an int64 array and reports *where* the first bad
+value is; the callers (:mod:`aiocache_kv.validate`, the page allocator) word the typed error.
+Two implementations return the same values: a C extension (``_fastcheck``, built by
+``pip install -e .`` where a C compiler is at hand) and the numpy functions below (the
+reference, used where the extension is missing).  :data:`FASTCHECK_IMPL` says which one runs.
+
+Arrays are C-contiguous ``int64`` (``state`` is ``uint8``); ``out`` is written in place.
+"""
+
+from __future__ import annotations
+
+from array import array
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from aiocache_kv.tree.hashing import MAX_TOKEN_ID
+
+#: :func:`slot_pages` codes
+SLOTS_OK, SLOTS_OUT_OF_RANGE, SLOTS_NOT_PAGES = 0, 1, 2
+
+
+def py_first_bad_token(tokens: list[Any]) -> int:
+    """Index of the first element that is not an int in ``[0, MAX_TOKEN_ID]``, or -1.
+
+    An int means an ``int`` instance (``bool`` included): numpy and torch scalars are refused,
+    so tree keys and hashes only ever see plain ints.
+    """
+    try:
+        words = array("Q", tokens)  # one C pass: most bad values stop it
+    except (TypeError, OverflowError):
+        words = None
+    if words is not None and all(isinstance(t, int) for t in tokens):
+        big = np.frombuffer(words, dtype=np.uint64) > MAX_TOKEN_ID
+        return int(big.argmax()) if big.any() else -1
+    return next(
+        i for i, t in enumerate(tokens) if not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID
+    )
+
+
+def py_slot_pages(slots: np.ndarray, page_size: int, limit: int, out: np.ndarray) -> int:
+    """Page ids of ``slots`` (whole runs ``page * page_size + 0..page_size-1``) into ``out``.
+
+    Returns :data:`SLOTS_OK`, :data:`SLOTS_OUT_OF_RANGE` (a slot outside ``[0, limit)``) or
+    :data:`SLOTS_NOT_PAGES` (a run is not one page, or ``out`` has the wrong length).
+    """
+    p = page_size
+    if slots.size % p or out.size != slots.size // p:
+        return SLOTS_NOT_PAGES
+    if slots.size and (slots.min() < 0 or slots.max() >= limit):
+        return SLOTS_OUT_OF_RANGE
+    if p == 1:
+        out[:] = slots
+        return SLOTS_OK
+    grid = slots.reshape(-1, p)
+    first = grid[:, 0]
+    if (first % p).any() or (np.diff(grid, axis=1) != 1).any():
+        return SLOTS_NOT_PAGES
+    out[:] = first // p
+    return SLOTS_OK
+
+
+def py_first_repeat(pages: np.ndarray, stamp: np.ndarray, epoch: int) -> int:
+    """-1 if the ids in ``pages`` are distinct, else the index of an id that repeats.
+
+    ``stamp`` is scratch indexed by page id; ``epoch`` differs from every value it holds (the
+    C version marks ids with it and stops at the second sighting; this one writes positions
+    and reports the first).
+    """
+    del epoch
+    order = np.arange(pages.size, dtype=np.int64)
+    stamp[pages] = order  # a repeated id keeps one of its positions (the last)
+    lost = stamp[pages] != order
+    return int(lost.argmax()) if lost.any() else -1
+
+
+def py_held_check(
+    pages: np.ndarray, existing: np.ndarray, state: np.ndarray, held: int
+) -> tuple[int, int]:
+    """``(first_bad, differing)``: page ``i < len(existing)`` is fine if it is
+    ``existing[i]`` or in state ``held``, later pages must be ``held``; ``first_bad`` is the
+    first index breaking that (-1: none), ``differing`` counts ``pages[i] != existing[i]``."""
+    d = min(existing.size, pages.size)
+    same = np.zeros(pages.size, dtype=bool)
+    same[:d] = pages[:d] == existing[:d]
+    bad = ~same & (state[pages] != held)
+    return (int(bad.argmax()) if bad.any() else -1), int(d - np.count_nonzero(same))
+
+
+def py_page_slots(pages: np.ndarray, page_size: int, out: np.ndarray) -> None:
+    """Token slots of whole ``pages`` into ``out``: ``page * page_size + 0..page_size-1``."""
+    p = page_size
+    out.reshape(-1, p)[:] = pages[:, None] * p + np.arange(p, dtype=np.int64)
+
+
+def _extension() -> ModuleType | None:
+    try:
+        from aiocache_kv import _fastcheck
+    except ImportError:  # no compiler at install time, or a source tree never built
+        return None
+    return _fastcheck
+
+
+_EXT = _extension()
+#: ``"c"`` where the C extension runs the checks, else ``"python"``.
+FASTCHECK_IMPL = "python" if _EXT is None else "c"
+
+first_bad_token = py_first_bad_token if _EXT is None else _EXT.first_bad_token
+slot_pages = py_slot_pages if _EXT is None else _EXT.slot_pages
+first_repeat = py_first_repeat if _EXT is None else _EXT.first_repeat
+held_check = py_held_check if _EXT is None else _EXT.held_check
+page_slots_into = py_page_slots if _EXT is None else _EXT.page_slots
+
+__all__ = [
+    "FASTCHECK_IMPL",
+    "SLOTS_NOT_PAGES",
+    "SLOTS_OK",
+    "SLOTS_OUT_OF_RANGE",
+    "first_bad_token",
+    "first_repeat",
+    "held_check",
+    "page_slots_into",
+    "slot_pages",
+]
