@@ -35,6 +35,7 @@ __all__ = [
     "StatsCounter",
     "StorageBackend",
     "StorageStats",
+    "byte_chunks",
     "leading_run",
 ]
 
@@ -133,6 +134,23 @@ class StatsCounter:
         """A frozen copy of the counters."""
         with self._lock:
             return StorageStats(**self._values)
+
+
+def byte_chunks(idx: list[int], nbytes: Sequence[int], target: int) -> list[list[int]]:
+    """``idx`` cut, in order, into runs of about ``target`` bytes (``nbytes[i]`` each; at
+    least one page a run).  Under ``2 * target`` in all it stays whole: a call more costs
+    more than overlapping two halves wins."""
+    if sum(nbytes[i] for i in idx) < 2 * target:
+        return [idx]
+    out: list[list[int]] = [[]]
+    acc = 0
+    for i in idx:
+        if acc >= target:
+            out.append([])
+            acc = 0
+        out[-1].append(i)
+        acc += nbytes[i]
+    return out
 
 
 def leading_run(flags: Sequence[bool]) -> int:

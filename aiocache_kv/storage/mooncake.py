@@ -22,13 +22,11 @@ is an IP literal, :meth:`open` sets it to that address so a loopback deployment 
 loopback).  ``MC_STORE_CLIENT_SETUP_RETRIES`` bounds ``setup`` when no master answers.
 
 Semantics.  ``put`` asks ``batch_is_exist`` and does not re-send present keys (a Mooncake
-``put`` on an existing key returns 0 and keeps the old value anyway); the rest are sealed
-(trailer written into each slot, one batched checksum) and sent with one zero-copy
-``batch_put_from``.  The existence check runs on a helper thread while the calling thread seals
-every distinct key of the batch: the cache only backs up pages storage does not have, so the
-seal is rarely wasted, and the check (0.1-0.4 ms per call, a third of a 16 x 64 KiB put) no
-longer adds to the seal.  The pre-check is kept (rather than relying on put's keep-the-old-value
-behaviour) because it is what tells ``put_ok`` from ``put_skipped`` and ``bytes_written``.
+``put`` on an existing key returns 0 and keeps the old value anyway; the check is what tells
+``put_ok`` from ``put_skipped``).  The rest are sealed (trailer written into each slot, batched
+checksums) and sent zero-copy with ``batch_put_from``, pipelined: the first chunk is sealed
+while the check is in flight, and chunk k is sent on a helper thread while chunk k + 1 is
+sealed (chunks of :data:`PIPELINE_BYTES`), so neither the check nor the seal adds to the send.
 ``get_into`` verifies the whole batch with one batched checksum right after the read.  Return codes:
 ``-704`` = missing (a miss); ``-900``/``-901``/``-800`` = unavailable (master dead, master hung,
 data holder dead); ``-200`` = no space: the failed keys are retried once after
@@ -61,7 +59,13 @@ from aiocache_kv.errors import (
 )
 from aiocache_kv.logs import get_logger
 from aiocache_kv.storage import integrity
-from aiocache_kv.storage.base import PageBuffer, StatsCounter, StorageStats, leading_run
+from aiocache_kv.storage.base import (
+    PageBuffer,
+    StatsCounter,
+    StorageStats,
+    byte_chunks,
+    leading_run,
+)
 from aiocache_kv.storage.keys import check_keys
 
 __all__ = [
@@ -91,6 +95,10 @@ _HELPER_THREADS = 4
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+#: bytes per ``batch_put_from`` of a pipelined put: one chunk is sent while the next is sealed
+PIPELINE_BYTES = 4 << 20
 
 
 def parse_size(value: int | str, name: str = "size") -> int:
@@ -389,13 +397,15 @@ class MooncakeStorage:
         self._stats.add(puts=n)
         results = [False] * n
         pending = self._submit(self._call, "batch_is_exist", store.batch_is_exist, list(keys))
-        sealed: set[int] = set()
+        distinct = list({key: i for i, key in reversed(list(enumerate(keys)))}.values())
+        distinct.sort()
+        chunks = byte_chunks(distinct, [b.nbytes for b in buffers], PIPELINE_BYTES)
+        sealed = 0  # chunks sealed so far
         if pending is not None:
-            # Seal every distinct key while the existence check is in flight: the cache only
-            # backs up pages storage does not have, so the work is rarely wasted, and the
-            # check (~0.1-0.3 ms per call) no longer adds to the seal.
-            sealed = set({key: i for i, key in reversed(list(enumerate(keys)))}.values())
-            integrity.seal_many([buffers[i] for i in sealed], [keys[i] for i in sealed])
+            # Seal while the existence check is in flight: the cache only backs up pages
+            # storage does not have, so the work is rarely wasted.
+            integrity.seal_many([buffers[i] for i in chunks[0]], [keys[i] for i in chunks[0]])
+            sealed = 1
             exist = pending.result()
         else:
             exist = self._call("batch_is_exist", store.batch_is_exist, list(keys))
@@ -410,27 +420,30 @@ class MooncakeStorage:
                 first[key] = i
         skipped = sum(results)
         todo = list(first.values())
-        unsealed = [i for i in todo if i not in sealed]
-        integrity.seal_many([buffers[i] for i in unsealed], [keys[i] for i in unsealed])
+        todo_set = set(todo)
         self._check_registered([buffers[i] for i in todo])
         codes: dict[int, int] = {}
+        # Pipeline: chunk k goes out on a helper thread while this one seals chunk k + 1
+        # (the checksum releases the GIL), so the seal never adds to the transfer.
+        in_flight: tuple[list[int], concurrent.futures.Future[Any] | None] | None = None
+        for k, chunk in enumerate(chunks):
+            if k >= sealed:
+                integrity.seal_many([buffers[i] for i in chunk], [keys[i] for i in chunk])
+            if in_flight is not None:
+                codes.update(zip(in_flight[0], self._finish(in_flight, keys, buffers), strict=True))
+            send = [i for i in chunk if i in todo_set]
+            in_flight = (send, self._put_async(store, send, keys, buffers)) if send else None
+        if in_flight is not None:
+            codes.update(zip(in_flight[0], self._finish(in_flight, keys, buffers), strict=True))
+        late = [i for i in todo if i not in codes]  # a repeated key the check saw differently
+        integrity.seal_many([buffers[i] for i in late], [keys[i] for i in late])
+        codes.update(zip(late, self._send(store, late, keys, buffers) if late else [], strict=True))
         retries = 0
-        attempt = todo
-        for round_ in range(2):
-            if not attempt:
-                break
-            got = self._call(
-                "batch_put_from",
-                store.batch_put_from,
-                [keys[i] for i in attempt],
-                [buffers[i].ptr for i in attempt],
-                [buffers[i].nbytes for i in attempt],
-            )
-            codes.update(zip(attempt, got, strict=True))
-            attempt = [i for i, c in zip(attempt, got, strict=True) if c == CODE_NO_SPACE]
-            if round_ == 0 and attempt:
-                retries = len(attempt)
-                time.sleep(self.no_space_retry_delay)
+        attempt = [i for i in todo if codes[i] == CODE_NO_SPACE]
+        if attempt:
+            retries = len(attempt)
+            time.sleep(self.no_space_retry_delay)
+            codes.update(zip(attempt, self._send(store, attempt, keys, buffers), strict=True))
         ok = failed = unavailable = 0
         sent_bytes = 0
         failures: dict[int, int] = {}
@@ -465,6 +478,35 @@ class MooncakeStorage:
                 f"mooncake put failed for all {n} keys (codes {failures})"
             )
         return results
+
+    def _send(
+        self, store: Any, idx: list[int], keys: Sequence[str], buffers: Sequence[PageBuffer]
+    ) -> list[int]:
+        return self._call(
+            "batch_put_from",
+            store.batch_put_from,
+            [keys[i] for i in idx],
+            [buffers[i].ptr for i in idx],
+            [buffers[i].nbytes for i in idx],
+        )
+
+    def _put_async(
+        self, store: Any, idx: list[int], keys: Sequence[str], buffers: Sequence[PageBuffer]
+    ) -> concurrent.futures.Future[Any] | None:
+        """``_send`` on a helper thread (``None``: closed, :meth:`_finish` sends inline)."""
+        return self._submit(self._send, store, idx, keys, buffers)
+
+    def _finish(
+        self,
+        sent: tuple[list[int], concurrent.futures.Future[Any] | None],
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+    ) -> list[int]:
+        idx, future = sent
+        if future is None:
+            return self._send(self._client(), idx, keys, buffers)
+        codes: list[int] = future.result()
+        return codes
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
         """Read slots zero-copy and verify them; corrupt pages are misses and are removed.

@@ -7,12 +7,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
 
 from aiocache_kv.errors import ConfigError, StorageUnavailableError
-from aiocache_kv.storage import FRAME_OVERHEAD, MooncakeStorage, PageBuffer, StorageIO
+from aiocache_kv.storage import FRAME_OVERHEAD, MooncakeStorage, PageBuffer, StorageIO, integrity
 from aiocache_kv.storage.keys import parse_storage_key, storage_key
 from aiocache_kv.storage.mooncake import MooncakeNotInstalledError, parse_size
 from aiocache_kv.testing.fake_mooncake import FakeMooncakeClient, FakeMooncakeStorage
@@ -273,3 +275,91 @@ def test_missing_client_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setitem(sys.modules, "mooncake.store", None)
     with pytest.raises(MooncakeNotInstalledError, match="pip install"):
         MooncakeStorage(master="127.0.0.1:1").open()
+
+
+# -- the pipelined put: chunk k is sent while chunk k + 1 is sealed ----------------------------
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Chunks of two 64 KiB slots, so a handful of pages makes a pipeline."""
+    from aiocache_kv.storage import mooncake
+
+    monkeypatch.setattr(mooncake, "PIPELINE_BYTES", 2 * SLOT)
+    return 2
+
+
+def test_pipelined_put_chunks_skip_present_and_seal_everything(small_chunks: int) -> None:
+    client = FakeMooncakeClient()
+    s = scripted(client)
+    src = HostPool(8, seed=5)
+    keys = [storage_key("t", 0x100 + i) for i in range(7)]
+    keys.insert(3, keys[1])  # a repeated key rides along with its first copy
+    assert s.put([keys[2]], [src.slots[2]]) == [True]  # present before: not re-sent
+    assert s.put(keys, src.slots) == [True] * 8
+    sent = client.put_calls[1:]
+    assert sent == [[keys[0], keys[1]], [keys[4]], [keys[5], keys[6]], [keys[7]]]
+    st = s.statistics()
+    assert (st.put_ok, st.put_skipped) == (1 + 6, 2)
+    dst = HostPool(8)
+    distinct = [k for i, k in enumerate(keys) if k not in keys[:i]]
+    assert s.get_into(distinct, dst.slots[:7]) == [True] * 7  # every stored page verifies
+    by_key = {k: i for i, k in reversed(list(enumerate(keys)))}
+    for j, k in enumerate(distinct):
+        assert dst.payload(j) == src.payload(by_key[k])
+
+
+def test_pipelined_put_retries_no_space_from_every_chunk(small_chunks: int) -> None:
+    client = scripted_client(
+        exist=[[0] * 6], put=[[0, -200], [-200, 0], [-704, -200], [0, 0, -200]]
+    )
+    s = scripted(client)
+    keys = [f"k{i}" for i in range(6)]
+    out = s.put(keys, HostPool(6).slots)
+    assert client.put_calls == [keys[0:2], keys[2:4], keys[4:6], ["k1", "k2", "k5"]]
+    assert out == [True, True, True, True, False, False]
+    st = s.statistics()
+    assert (st.put_ok, st.put_failed, st.put_retries) == (4, 2, 3)
+
+
+def test_pipelined_put_seals_the_next_chunk_while_one_is_in_flight(small_chunks: int) -> None:
+    client = FakeMooncakeClient()
+    s = scripted(client)
+    src = HostPool(4, seed=6)
+    keys = [storage_key("t", 0x200 + i) for i in range(4)]
+    client.gates["batch_put_from"].clear()  # the first chunk's send hangs
+    result: list[list[bool]] = []
+    t = threading.Thread(target=lambda: result.append(s.put(keys, src.slots)))
+    t.start()
+    try:
+        assert client.entered["batch_put_from"].wait(10), "the first chunk was never sent"
+        # the second chunk is sealed while the first is still in flight
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+            integrity.verify(src.slots[i], keys[i]) is integrity.Verdict.OK for i in (2, 3)
+        ):
+            time.sleep(0.005)
+        for i in (2, 3):
+            assert integrity.verify(src.slots[i], keys[i]) is integrity.Verdict.OK
+        assert client.put_calls == [keys[:2]]
+    finally:
+        client.gates["batch_put_from"].set()
+        t.join(10)
+    assert result == [[True] * 4]
+    assert client.put_calls == [keys[:2], keys[2:]]
+
+
+def test_pipelined_put_round_trips_on_a_real_master(
+    mc_storage: MooncakeStorage, tag: str, small_chunks: int
+) -> None:
+    src, dst = HostPool(9, seed=7), HostPool(9)
+    for pool in (src, dst):
+        mc_storage.register_buffer(pool.tensor)
+    keys = keys_for(tag, 9)
+    assert mc_storage.put(keys[:1], src.slots[:1]) == [True]
+    before = mc_storage.statistics()
+    assert mc_storage.put(keys, src.slots) == [True] * 9
+    after = mc_storage.statistics()
+    assert (after.put_ok - before.put_ok, after.put_skipped - before.put_skipped) == (8, 1)
+    assert mc_storage.get_into(keys, dst.slots) == [True] * 9
+    assert torch.equal(src.tensor, dst.tensor)
