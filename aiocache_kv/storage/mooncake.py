@@ -27,7 +27,7 @@ Semantics.  ``put`` asks ``batch_is_exist`` and does not re-send present keys (a
 checksums) and sent zero-copy with ``batch_put_from``, pipelined: the first chunk is sealed
 while the check is in flight, and chunk k is sent on a helper thread while chunk k + 1 is
 sealed (chunks of :data:`PIPELINE_BYTES`), so neither the check nor the seal adds to the send.
-``get_into`` verifies the whole batch with one batched checksum right after the read.  Return codes:
+``get_into`` reads the same chunks, verifying chunk k while chunk k + 1 is read.  Return codes:
 ``-704`` = missing (a miss); ``-900``/``-901``/``-800`` = unavailable (master dead, master hung,
 data holder dead); ``-200`` = no space: the failed keys are retried once after
 ``no_space_retry_delay`` seconds (the master evicts in the meantime), then reported as
@@ -43,7 +43,6 @@ from __future__ import annotations
 import concurrent.futures
 import ipaddress
 import os
-import re
 import threading
 import time
 from collections.abc import Sequence
@@ -67,6 +66,8 @@ from aiocache_kv.storage.base import (
     leading_run,
 )
 from aiocache_kv.storage.keys import check_keys
+from aiocache_kv.storage.sizes import env_first as _env
+from aiocache_kv.storage.sizes import parse_size
 
 __all__ = [
     "CODE_MISSING",
@@ -93,38 +94,16 @@ _DEFAULT_LOCAL_BUFFER = 16 << 20
 #: helper threads for RPCs overlapped with the checksum (one per concurrent put is enough)
 _HELPER_THREADS = 4
 
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
 
 #: bytes per ``batch_put_from`` of a pipelined put: one chunk is sent while the next is sealed
-PIPELINE_BYTES = 4 << 20
+PIPELINE_BYTES = 16 << 20
 
 
-def parse_size(value: int | str, name: str = "size") -> int:
-    """Parse ``4096``, ``"4096"``, ``"16mb"``, ``"4GiB"`` into bytes (binary units).
-
-    Raises:
-        ConfigError: not a non-negative int or a recognised size string.
-    """
-    if isinstance(value, bool):
-        raise ConfigError(f"{name} must be a size, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{name} must be >= 0, got {value}")
-        return value
-    match = _SIZE_RE.match(str(value))
-    if match is None:
-        raise ConfigError(f"{name} must be bytes or a size like '4gb', got {value!r}")
-    return int(match.group(1)) * _UNITS[match.group(2).lower()]
-
-
-def _env(*names: str) -> str | None:
-    for name in names:
-        value = os.environ.get(name)
-        if value:
-            return value
-    return None
+def _settle(future: concurrent.futures.Future[Any] | None) -> None:
+    """Wait for a helper's call to end, whatever it returns (the buffers it uses are given
+    back to the caller only then)."""
+    if future is not None:
+        concurrent.futures.wait([future])
 
 
 class MooncakeStorage:
@@ -426,15 +405,20 @@ class MooncakeStorage:
         # Pipeline: chunk k goes out on a helper thread while this one seals chunk k + 1
         # (the checksum releases the GIL), so the seal never adds to the transfer.
         in_flight: tuple[list[int], concurrent.futures.Future[Any] | None] | None = None
-        for k, chunk in enumerate(chunks):
-            if k >= sealed:
-                integrity.seal_many([buffers[i] for i in chunk], [keys[i] for i in chunk])
+        try:
+            for k, chunk in enumerate(chunks):
+                if k >= sealed:
+                    integrity.seal_many([buffers[i] for i in chunk], [keys[i] for i in chunk])
+                if in_flight is not None:
+                    sent, in_flight = in_flight, None
+                    codes.update(zip(sent[0], self._finish(sent, keys, buffers), strict=True))
+                send = [i for i in chunk if i in todo_set]
+                in_flight = (send, self._put_async(store, send, keys, buffers)) if send else None
             if in_flight is not None:
-                codes.update(zip(in_flight[0], self._finish(in_flight, keys, buffers), strict=True))
-            send = [i for i in chunk if i in todo_set]
-            in_flight = (send, self._put_async(store, send, keys, buffers)) if send else None
-        if in_flight is not None:
-            codes.update(zip(in_flight[0], self._finish(in_flight, keys, buffers), strict=True))
+                sent, in_flight = in_flight, None
+                codes.update(zip(sent[0], self._finish(sent, keys, buffers), strict=True))
+        finally:
+            _settle(None if in_flight is None else in_flight[1])  # no send reads the buffers
         late = [i for i in todo if i not in codes]  # a repeated key the check saw differently
         integrity.seal_many([buffers[i] for i in late], [keys[i] for i in late])
         codes.update(zip(late, self._send(store, late, keys, buffers) if late else [], strict=True))
@@ -490,6 +474,17 @@ class MooncakeStorage:
             [buffers[i].nbytes for i in idx],
         )
 
+    def _get(
+        self, store: Any, idx: list[int], keys: Sequence[str], buffers: Sequence[PageBuffer]
+    ) -> list[int]:
+        return self._call(
+            "batch_get_into",
+            store.batch_get_into,
+            [keys[i] for i in idx],
+            [buffers[i].ptr for i in idx],
+            [buffers[i].nbytes for i in idx],
+        )
+
     def _put_async(
         self, store: Any, idx: list[int], keys: Sequence[str], buffers: Sequence[PageBuffer]
     ) -> concurrent.futures.Future[Any] | None:
@@ -522,22 +517,31 @@ class MooncakeStorage:
             return []
         store = self._client()
         self._check_registered(buffers)
-        codes = self._call(
-            "batch_get_into",
-            store.batch_get_into,
-            list(keys),
-            [b.ptr for b in buffers],
-            [b.nbytes for b in buffers],
-        )
+        codes: list[int] = []
+        read: list[int] = []
+        verdicts: list[integrity.Verdict] = []
+        # Pipeline: chunk k + 1 is read on a helper thread while this one verifies chunk k
+        chunks = byte_chunks(list(range(n)), [b.nbytes for b in buffers], PIPELINE_BYTES)
+        ahead = None
+        try:
+            for k, chunk in enumerate(chunks):
+                got = self._get(store, chunk, keys, buffers) if ahead is None else ahead.result()
+                ahead = None
+                if k + 1 < len(chunks):
+                    ahead = self._submit(self._get, store, chunks[k + 1], keys, buffers)
+                codes += got
+                done = [i for i, code in zip(chunk, got, strict=True) if code > 0]
+                read += done
+                verdicts += integrity.verify_many(
+                    [buffers[i] for i in done], [keys[i] for i in done], [codes[i] for i in done]
+                )
+        finally:
+            _settle(ahead)  # the buffers are the caller's again only once no read is writing
         results = [False] * n
         hits = misses = failed = unavailable = 0
         read_bytes = 0
         corrupt: list[tuple[str, integrity.Verdict]] = []
         failures: dict[int, int] = {}
-        read = [i for i, code in enumerate(codes) if code > 0]
-        verdicts = integrity.verify_many(
-            [buffers[i] for i in read], [keys[i] for i in read], [codes[i] for i in read]
-        )
         for i, verdict in zip(read, verdicts, strict=True):
             if verdict is integrity.Verdict.OK:
                 results[i] = True

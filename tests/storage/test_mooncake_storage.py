@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from aiocache_kv.errors import ConfigError, StorageUnavailableError
+from aiocache_kv.errors import ConfigError, InvalidInputError, StorageUnavailableError
 from aiocache_kv.storage import FRAME_OVERHEAD, MooncakeStorage, PageBuffer, StorageIO, integrity
 from aiocache_kv.storage.keys import parse_storage_key, storage_key
 from aiocache_kv.storage.mooncake import MooncakeNotInstalledError, parse_size
@@ -363,3 +363,97 @@ def test_pipelined_put_round_trips_on_a_real_master(
     assert (after.put_ok - before.put_ok, after.put_skipped - before.put_skipped) == (8, 1)
     assert mc_storage.get_into(keys, dst.slots) == [True] * 9
     assert torch.equal(src.tensor, dst.tensor)
+
+
+def test_pipelined_get_verifies_every_chunk_and_drops_the_corrupt(small_chunks: int) -> None:
+    client = FakeMooncakeClient()
+    s = scripted(client)
+    src, dst = HostPool(5, seed=8), HostPool(5)
+    keys = [storage_key("t", 0x300 + i) for i in range(5)]
+    assert s.put(keys, src.slots) == [True] * 5
+    raw = bytearray(client.objects[keys[3]])
+    raw[7] ^= 0xFF  # one flipped payload byte in the second chunk
+    client.objects[keys[3]] = bytes(raw)
+    del client.objects[keys[1]]
+    assert s.get_into(keys, dst.slots) == [True, False, True, False, True]
+    gets = [k for name, k in client.log if name == "batch_get_into"]
+    assert gets == [keys[0:2], keys[2:4], keys[4:5]]
+    for i in (0, 2, 4):
+        assert dst.payload(i) == src.payload(i)
+    st = s.statistics()
+    assert (st.hits, st.misses, st.corrupt) == (3, 1, 1)
+    assert keys[3] not in client.objects  # removed so a later put can replace it
+
+
+class _HeldCall:
+    """Wraps one client call: its ``nth`` call waits for ``release`` (a read or send that is
+    still using the buffers when the calling thread fails)."""
+
+    def __init__(self, fn: object, nth: int) -> None:
+        self.fn = fn
+        self.nth = nth
+        self.calls = 0
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.finished = threading.Event()
+
+    def __call__(self, *args: object) -> object:
+        self.calls += 1
+        if self.calls == self.nth:
+            self.entered.set()
+            assert self.release.wait(10)
+        try:
+            return self.fn(*args)  # type: ignore[operator]
+        finally:
+            if self.calls >= self.nth:
+                self.finished.set()
+
+
+@pytest.mark.parametrize("call", ["batch_get_into", "batch_put_from"])
+def test_a_failure_mid_pipeline_returns_only_after_the_helper_is_done(
+    small_chunks: int, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    client = FakeMooncakeClient()
+    s = scripted(client)
+    src = HostPool(4, seed=9)
+    keys = [storage_key("t", 0x400 + i) for i in range(4)]
+    if call == "batch_get_into":
+        assert s.put(keys, src.slots) == [True] * 4
+    # get: chunk 0 is read inline, chunk 1 on the helper; put: every chunk on the helper
+    held = _HeldCall(getattr(client, call), 2 if call == "batch_get_into" else 1)
+    monkeypatch.setattr(client, call, held)
+    step = "verify_many" if call == "batch_get_into" else "seal_many"
+    real = getattr(integrity, step)
+    seen = [0]
+
+    def fail_on_the_overlapped_one(*args: object) -> object:
+        seen[0] += 1
+        # get: chunk 0 is verified while chunk 1 is read; put: chunk 1 is sealed while
+        # chunk 0 is sent (the first seal overlaps the existence check)
+        if seen[0] == (1 if call == "batch_get_into" else 2):
+            assert held.entered.wait(10)
+            raise InvalidInputError("injected")
+        return real(*args)
+
+    monkeypatch.setattr(integrity, step, fail_on_the_overlapped_one)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            if call == "batch_get_into":
+                s.get_into(keys, HostPool(4).slots)
+            else:
+                s.put(keys, src.slots)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(0.3)
+    assert held.entered.is_set() and not held.finished.is_set()
+    assert t.is_alive(), "returned while a helper still used the buffers"
+    held.release.set()
+    t.join(10)
+    assert not t.is_alive()
+    assert len(errors) == 1 and "injected" in str(errors[0])
+    assert held.finished.is_set()
