@@ -1,7 +1,8 @@
 """Build hook for the optional C fast paths (everything else is pyproject.toml).
 
 ``optional=True``: where no C compiler is at hand the build goes on without them, and
-``aiocache_kv.tree.hashing`` / ``aiocache_kv.fastcheck`` compute the same values in Python.
+``aiocache_kv.tree.hashing`` / ``aiocache_kv.fastcheck`` / ``aiocache_kv.storage.integrity``
+compute the same values in Python.
 """
 
 from setuptools import Extension, setup
@@ -16,6 +17,11 @@ setup(
         Extension(
             "aiocache_kv._fastcheck",
             sources=["aiocache_kv/_fastcheck.c"],
+            optional=True,
+        ),
+        Extension(
+            "aiocache_kv.storage._blocksum",
+            sources=["aiocache_kv/storage/_blocksum.c"],
             optional=True,
         ),
     ]

@@ -436,7 +436,7 @@ class HiCache:
         if differing:
             alloc.free([dupes])
         if kept > 0:
-            alloc.set_state(own[:kept], PageState.OWNED)
+            alloc.set_state(ids[d : d + kept], PageState.OWNED)
         if own.numel() > kept:
             alloc.free([own[kept:]])
         core.counters.inserted_tokens += out.inserted_tokens - out.prefix_tokens

@@ -150,14 +150,9 @@ class PageAllocator:
         """Pages some worker holds now (in use or quarantined)."""
         return int(np.count_nonzero(self._leases))
 
-    def set_state(self, pages: torch.Tensor, state: PageState) -> None:
+    def set_state(self, pages: torch.Tensor | np.ndarray, state: PageState) -> None:
         """Change the ownership state of allocated pages (HELD -> OWNED on insert)."""
-        self._state[pages.numpy()] = int(state)
-
-    def mask(self, pages: torch.Tensor, state: PageState) -> np.ndarray:
-        """Boolean mask: which of ``pages`` are in ``state``."""
-        mask: np.ndarray = self._state[pages.numpy()] == int(state)
-        return mask
+        self._state[pages.numpy() if isinstance(pages, torch.Tensor) else pages] = int(state)
 
     def check(self, pages: torch.Tensor, state: PageState) -> bool:
         """Whether every page in ``pages`` is in ``state``."""

@@ -42,6 +42,12 @@ path ~3 GB/s (~20 us of op overhead per page), a batch of 16 pages ~11 GB/s, of 
 plus tiny ops that keep it; torch releases and re-takes the GIL around each of its ~10 ops, and
 a storage worker re-taking it waits behind the event loop and the other worker (measured in the
 cache path: ~560 -> ~210 us per 16-page seal).  The format is unchanged (``FORMAT_VERSION`` 1).
+
+C.  Where the ``_blocksum`` extension is built (``pip install -e .`` with a C compiler;
+:data:`CHECKSUM_IMPL` says), :func:`checksums` and :func:`checksum` are one C pass per page
+with the GIL released for the whole batch: ~23 GB/s on 64 KiB pages in batches of 16 (numpy:
+~12), the same ~24 GB/s on 4 MiB pages.  The numpy/torch code above is the reference the tests
+hold it to, and what runs without the extension.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import struct
 import zlib
 from collections import Counter
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -64,6 +71,7 @@ from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.keys import check_keys
 
 __all__ = [
+    "CHECKSUM_IMPL",
     "FORMAT_VERSION",
     "FRAME_OVERHEAD",
     "MAGIC",
@@ -101,6 +109,19 @@ _TORCH_MIN_BYTES = 2 << 20
 _DENSE = 0.5
 
 log = get_logger(__name__)
+
+
+def _extension() -> ModuleType | None:
+    try:
+        from aiocache_kv.storage import _blocksum
+    except ImportError:  # no compiler at install time, or a source tree never built
+        return None
+    return _blocksum
+
+
+_EXT = _extension()
+#: ``"c"`` where the C extension computes the checksums, else ``"python"`` (numpy/torch)
+CHECKSUM_IMPL = "python" if _EXT is None else "c"
 
 
 class Verdict(enum.Enum):
@@ -151,6 +172,14 @@ def _key_crc(key: str) -> int:
 
 def checksum(data: torch.Tensor) -> tuple[int, int]:
     """Block-Fletcher ``(S1, S2)`` of a contiguous 1-D ``uint8`` CPU tensor (see module doc)."""
+    if _EXT is not None:
+        pair: tuple[int, int] = _EXT.sums([data.numpy()], data.numel())[0]
+        return pair
+    return py_checksum(data)
+
+
+def py_checksum(data: torch.Tensor) -> tuple[int, int]:
+    """:func:`checksum` in numpy/torch (the reference the C extension is tested against)."""
     n = int(data.numel())
     nwords = n // 8
     s1 = 0
@@ -272,6 +301,9 @@ def checksums(buffers: Sequence[PageBuffer], nbytes: int) -> list[tuple[int, int
     for b in buffers:
         if b.nbytes < nbytes:
             raise InvalidInputError(f"buffer of {b.nbytes} bytes is shorter than {nbytes}")
+    if _EXT is not None:  # one pass per page at memory speed, without the GIL
+        pairs: list[tuple[int, int]] = _EXT.sums([b.view for b in buffers], nbytes)
+        return pairs
     out: list[tuple[int, int] | None] = [None] * len(buffers)
     nwords = nbytes // 8
     if nwords and len(buffers) > 1:

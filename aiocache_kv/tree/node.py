@@ -42,6 +42,9 @@ FILLING = TierState.FILLING
 RESIDENT = TierState.RESIDENT
 
 
+_VALID: frozenset[str] = frozenset()
+
+
 class Node:
     """A radix-tree node: ``key`` tokens (whole pages) and the pages that hold their KV."""
 
@@ -88,7 +91,7 @@ class Node:
         self.backup: Any = None  # the in-flight host->storage backup reading this node
         #: trailing-window components whose pages this node lacks (it came from storage
         #: without them); a prefix may not end where such a page is inside the window
-        self.invalid: frozenset[str] = frozenset()
+        self.invalid: frozenset[str] = _VALID  # shared: a new empty set per node costs
         #: host-resident but not announced on CPU (its parent was not on CPU when it landed):
         #: announced once the parent is, never reported removed otherwise
         self.cpu_hidden = False

@@ -19,6 +19,7 @@ from aiocache_kv.storage.integrity import (
     Verdict,
     checksum,
     checksums,
+    py_checksum,
     seal,
     seal_many,
     verify,
@@ -47,7 +48,33 @@ def keys_for(n: int) -> list[str]:
 
 
 def per_page(bufs: list[PageBuffer], nbytes: int) -> list[tuple[int, int]]:
-    return [checksum(b.tensor[:nbytes]) for b in bufs]
+    """The reference: numpy/torch, one page at a time."""
+    return [py_checksum(b.tensor[:nbytes]) for b in bufs]
+
+
+@pytest.fixture(params=["c", "python"], autouse=True)
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on the C extension and on the numpy/torch path."""
+    if request.param == "python":
+        monkeypatch.setattr(integrity, "_EXT", None)
+    elif integrity._EXT is None:
+        pytest.skip("aiocache_kv.storage._blocksum not built (pip install -e . builds it)")
+    return str(request.param)
+
+
+def test_c_extension_is_the_one_in_use(impl: str) -> None:
+    assert integrity.CHECKSUM_IMPL == "c"
+    assert (integrity._EXT is None) == (impl == "python")
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, BLOCK - 1, BLOCK, BLOCK + 5, 3 * BLOCK + 13])
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_checksum_equals_the_reference_at_every_edge(n: int, offset: int) -> None:
+    g = torch.Generator().manual_seed(n * 7 + offset)
+    raw = torch.randint(0, 256, (n + offset + 8,), dtype=torch.uint8, generator=g)
+    data = raw[offset : offset + n]
+    assert checksum(data) == py_checksum(data)
+    assert checksums([PageBuffer.from_tensor(raw[offset:])], n) == [py_checksum(data)]
 
 
 @pytest.mark.parametrize(

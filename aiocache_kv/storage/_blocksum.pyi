@@ -1,0 +1,6 @@
+"""Types of the C extension built from ``_blocksum.c`` (see ``aiocache_kv.storage.integrity``)."""
+
+from collections.abc import Sequence
+from typing import Any
+
+def sums(buffers: Sequence[Any], nbytes: int, /) -> list[tuple[int, int]]: ...
