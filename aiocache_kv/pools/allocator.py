@@ -132,14 +132,22 @@ class PageAllocator:
         the matching :meth:`unlease`."""
         idx = pages.numpy()
         assert bool((self._state[idx] != _FREE).all()), f"{self.name}: lease of a free page"
-        np.add.at(self._leases, idx, 1)
+        if self.repeat_at(idx) < 0:
+            self._leases[idx] += 1  # distinct ids (the usual case): no slow ufunc.at
+        else:
+            np.add.at(self._leases, idx, 1)
 
     def unlease(self, pages: torch.Tensor) -> None:
         """The worker is done with ``pages`` (the same tensor given to :meth:`lease`);
         quarantined pages whose last lease ended become free."""
         idx = pages.numpy()
-        np.subtract.at(self._leases, idx, 1)
+        if self.repeat_at(idx) < 0:
+            self._leases[idx] -= 1
+        else:
+            np.subtract.at(self._leases, idx, 1)
         assert bool((self._leases[idx] >= 0).all()), f"{self.name}: unlease without lease"
+        if not self.quarantined:
+            return  # nothing waits for a lease to end
         done = np.unique(idx[(self._leases[idx] == 0) & (self._state[idx] == _QUARANTINED)])
         if done.size:
             self.quarantined -= int(done.size)
