@@ -83,6 +83,16 @@ def master_executable() -> str:
     return exe
 
 
+def _proc_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` from ``/proc`` (``None``: gone, or no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2 :][:1].decode()  # the name may hold spaces and ")"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
@@ -176,9 +186,16 @@ class LoopbackMaster:
             self.proc.kill()
             self.proc.wait()
 
-    def stop(self) -> None:
-        """SIGSTOP (a hung master)."""
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGSTOP (a hung master); returns once the kernel reports it stopped.
+
+        A signal to another process is not synchronous: on a busy machine the master may still
+        answer a request sent right after ``os.kill`` returns, so this waits for state ``T``.
+        """
         os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while _proc_state(self.pid) not in ("T", "t", None) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def cont(self) -> None:
         """SIGCONT after :meth:`stop`."""
