@@ -78,7 +78,7 @@ class HiCache:
         self._engine = (
             copy_engine
             if copy_engine is not None
-            else default_engine(self._core.device, config.copy_threads)
+            else default_engine(self._core.device, config.copy_threads, config.worker_nice)
         )
         self._state = Lifecycle.NEW
         self._handles = HandleTable(self._core)

@@ -56,6 +56,9 @@ class CacheConfig:
     components: tuple[Any, ...] = field(default_factory=tuple)
     #: CPU copy worker: torch intra-op threads (None: torch's default; 1 favours loop latency)
     copy_threads: int | None = None
+    #: background workers (the CPU copy worker): nice increment over the loop's thread, so
+    #: the loop wins a contended core (Linux; 0 leaves their priority alone)
+    worker_nice: int = 10
     #: storage tier: worker threads, per-call deadline (s), back-off after a failed backup (s)
     storage_workers: int = 2
     storage_timeout: float = 5.0
@@ -113,6 +116,8 @@ class CacheConfig:
             raise ConfigError(
                 f"copy_threads must be None or an int >= 1, got {self.copy_threads!r}"
             )
+        if type(self.worker_nice) is not int or not 0 <= self.worker_nice <= 19:
+            raise ConfigError(f"worker_nice must be an int in [0, 19], got {self.worker_nice!r}")
         for name in ("storage_workers", "prefetch_batch_pages"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:

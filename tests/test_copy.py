@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aiocache_kv import CacheConfig
+from aiocache_kv.errors import ConfigError
 from aiocache_kv.transfer import CopyJob, Direction, ThreadCopyEngine, page_runs
 from aiocache_kv.transfer.copy import device_to_host, host_to_device
 
@@ -59,3 +64,45 @@ async def test_thread_engine_delivers_on_the_loop() -> None:
     engine.submit(bad, fut2.set_result)
     assert isinstance(await asyncio.wait_for(fut2, 10), IndexError | RuntimeError)
     await engine.aclose()
+
+
+class _NiceProbe:
+    """A copy job that records the worker thread's nice value and that of a thread it starts
+    (as OpenMP would), instead of copying."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def run(self, *, non_blocking: bool = False) -> None:
+        self.seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        child = threading.Thread(
+            target=lambda: self.seen.append(
+                os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            )
+        )
+        child.start()
+        child.join()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice is Linux's")
+@pytest.mark.parametrize("nice", [0, 7])
+async def test_copy_worker_runs_below_the_loop(nice: int) -> None:
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    engine = ThreadCopyEngine(nice=nice)
+    loop = asyncio.get_running_loop()
+    engine.start(loop)
+    probe = _NiceProbe()
+    fut: asyncio.Future[BaseException | None] = loop.create_future()
+    engine.submit(probe, fut.set_result)
+    assert await asyncio.wait_for(fut, 10) is None
+    await engine.aclose()
+    want = min(19, base + nice)
+    assert probe.seen == [want, want], (base, nice, probe.seen)
+    # the loop's own thread is untouched
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 1.5, True, "10"])
+def test_worker_nice_is_validated(bad: object) -> None:
+    with pytest.raises(ConfigError, match="worker_nice"):
+        CacheConfig(worker_nice=bad)  # type: ignore[arg-type]
