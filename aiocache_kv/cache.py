@@ -75,6 +75,7 @@ class HiCache:
         self.tp_group: TPGroup = tp_group if tp_group is not None else SingleRank()
         self._core = CacheCore(config, self.tp_group)
         self._tree = self._core.tree  # tests inspect the tree through this name
+        self._default_ns = namespace_of(config.namespace, "", "")
         self._engine = (
             copy_engine
             if copy_engine is not None
@@ -173,6 +174,8 @@ class HiCache:
         self._core.check_owner()
 
     def _ns(self, tenant: str | None, lora: str | None) -> Namespace:
+        if tenant is None and lora is None:
+            return self._default_ns
         return namespace_of(self.config.namespace, *check_names(tenant, lora))
 
     # ------------------------------------------------------------------ match / load back
@@ -207,9 +210,9 @@ class HiCache:
         c.match_queries += 1
         if node.parent is not None:
             tree.record_hit(node)
-            dev, host = m.parts()
-            c.hit_tokens_device += sum(len(n.key) for n in dev)
-            c.hit_tokens_host += sum(len(n.key) for n in host)
+            dev, host = m.lens()
+            c.hit_tokens_device += dev
+            c.hit_tokens_host += host
             if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
                 threshold = self.config.write_through_threshold
                 self._transfers.backup(
@@ -444,7 +447,8 @@ class HiCache:
             for node in out.adopted + out.created:
                 core.emit_stored(node, Tier.DEVICE)
         ack = None
-        if self.config.write_policy is WritePolicy.WRITE_THROUGH and n:
+        host = core.host_pool is not None
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH and n and host:
             op = self._transfers.backup(tree.path(out.node), OpKind.WRITE_THROUGH)
             if op is not None:
                 ack = WriteAck(op.future)

@@ -51,13 +51,14 @@ class Handle:
         self._releaser = releaser  # the issuing cache's ``release``
         self.state = HandleState.PINNED
         self.token = 0  #: the issuing cache's key for this handle's pin
-        #: called with ``token`` if the handle is collected while pinned (see ``pins``)
-        self.on_drop: Callable[[int], None] | None = None
+        #: called with ``token`` and the class name if the handle is collected while pinned
+        #: (see ``pins``)
+        self.on_drop: Callable[[int, str], None] | None = None
 
     def __del__(self) -> None:
         on_drop = getattr(self, "on_drop", None)  # None too if __init__ did not finish
         if on_drop is not None and self.state is HandleState.PINNED:
-            on_drop(self.token)
+            on_drop(self.token, type(self).__name__)
 
     def __enter__(self: H) -> H:
         return self
@@ -96,6 +97,21 @@ class MatchResult(Handle):
             j += 1
         return path[:i], path[i:j]
 
+    def lens(self) -> tuple[int, int]:
+        """``(device_len, host_len)`` in one walk of the path (what :meth:`parts` covers)."""
+        path = self.core.usable_path(self._path())
+        dev = host = 0
+        on_device = True
+        for n in path:
+            if on_device and n.device is RESIDENT:
+                dev += len(n.key)
+                continue
+            on_device = False
+            if n.host is not RESIDENT or n.device is RESIDENT:
+                break
+            host += len(n.key)
+        return dev, host
+
     @property
     def matched_len(self) -> int:
         """Tokens matched in any tier (and usable for every component)."""
@@ -104,20 +120,23 @@ class MatchResult(Handle):
     @property
     def device_len(self) -> int:
         """Tokens of the leading device-resident part."""
-        return sum(len(n.key) for n in self.parts()[0])
+        return self.lens()[0]
 
     @property
     def host_len(self) -> int:
         """Tokens after the device part that are host-resident (``load_back`` moves them)."""
-        return sum(len(n.key) for n in self.parts()[1])
+        return self.lens()[1]
 
     @property
     def device_pages(self) -> torch.Tensor:
         """Device page ids of the device-resident part."""
-        nodes = self.parts()[0]
-        if not nodes:
+        pages = []
+        for n in self.core.usable_path(self._path()):
+            if n.device is not RESIDENT:
+                break
+            pages.append(n.device_pages)
+        if not pages:
             return torch.empty(0, dtype=torch.int64)
-        pages = [n.device_pages for n in nodes]
         return torch.cat(pages) if len(pages) > 1 else pages[0]  # type: ignore[arg-type,return-value]
 
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiocache_kv.errors import InvalidInputError
 
@@ -19,6 +19,8 @@ class Namespace:
     model: str
     tenant: str = ""
     lora: str = ""
+    #: the hash of the parts, computed once: the tree looks namespaces up on every request
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("model", "tenant", "lora"):
@@ -27,6 +29,10 @@ class Namespace:
                 raise InvalidInputError(f"namespace {name} must be a str, got {value!r}")
         if not self.model:
             raise InvalidInputError("namespace model must not be empty")
+        object.__setattr__(self, "_hash", hash((self.model, self.tenant, self.lora)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def tag(self) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiocache_kv.handles import HandleState
@@ -30,19 +29,13 @@ __all__ = ["HandleTable"]
 log = get_logger(__name__)
 
 
-@dataclass(slots=True)
-class _Pin:
-    node: Node
-    what: str  #: the handle's class name
-
-
 class HandleTable:
     """Pins by handle token (see the module docstring).  Loop thread only, except
     :meth:`dropped_soon`, which only schedules :meth:`dropped`."""
 
     def __init__(self, core: CacheCore) -> None:
         self._core = core
-        self._pins: dict[int, _Pin] = {}
+        self._pins: dict[int, Node] = {}  # handle token -> its pinned node
         self._tokens = itertools.count(1)
         self._closed = False
         self.leaked = 0  #: handles garbage-collected while pinned
@@ -55,45 +48,43 @@ class HandleTable:
         token = next(self._tokens)
         handle.token = token
         handle.on_drop = self.dropped_soon
-        self._pins[token] = _Pin(handle.node, type(handle).__name__)
+        self._pins[token] = handle.node
 
     def release(self, handle: Handle) -> None:
         """Drop the pin of ``handle`` (checked by the caller: pinned, of this cache); the
         handle is ``RELEASED`` from now on."""
         handle.state = HandleState.RELEASED
         handle.on_drop = None
-        pin = self._pins.pop(handle.token)
-        self._core.tree.unpin(pin.node)
+        self._core.tree.unpin(self._pins.pop(handle.token))
 
-    def dropped_soon(self, token: int) -> None:
+    def dropped_soon(self, token: int, what: str) -> None:
         """From a pinned handle's ``__del__`` (any thread): schedule :meth:`dropped` on the
-        loop, then warn."""
-        pin = self._pins.get(token)
+        loop, then warn.  ``what`` is the handle's class name."""
         loop = self._core.loop
-        if pin is None or loop is None or self._closed:
+        if token not in self._pins or loop is None or self._closed:
             return
         with contextlib.suppress(RuntimeError):  # a closed loop: the cache is closed too
-            loop.call_soon_threadsafe(self.dropped, token)
+            loop.call_soon_threadsafe(self.dropped, token, what)
         # after the release is scheduled: under ``-W error`` this raises (and is reported)
         warnings.warn(
-            f"{pin.what} #{token} was garbage-collected without cache.release(); its pin is "
+            f"{what} #{token} was garbage-collected without cache.release(); its pin is "
             "released now. Release every handle (or use `with cache.match_prefix(...) as m:`).",
             ResourceWarning,
             stacklevel=2,
         )
 
-    def dropped(self, token: int) -> None:
+    def dropped(self, token: int, what: str) -> None:
         """On the loop: a pinned handle was garbage-collected; release its pin."""
-        pin = self._pins.pop(token, None)
-        if pin is None or self._closed:
+        node = self._pins.pop(token, None)
+        if node is None or self._closed:
             return  # released meanwhile, or the cache closed
         self.leaked += 1
-        self._core.tree.unpin(pin.node)
-        log.warning("handle_leaked", handle=f"{pin.what} #{token}", leaked=self.leaked)
+        self._core.tree.unpin(node)
+        log.warning("handle_leaked", handle=f"{what} #{token}", leaked=self.leaked)
 
     def nodes(self) -> list[Node]:
         """The pinned node of every live handle (one entry per pin)."""
-        return [pin.node for pin in self._pins.values()]
+        return list(self._pins.values())
 
     def close(self) -> None:
         """The cache closed: its pins go with the tree; dropped handles no longer warn."""

@@ -361,6 +361,8 @@ class HiCacheMachine(RuleBasedStateMachine):
             f"matched {n} outside [{lower}, {upper}] for {tenant!r} {toks}"
         )
         assert m.device_len + m.host_len <= n, m
+        dev, host = m.parts()  # the one-walk lengths agree with the node lists
+        assert m.lens() == (sum(len(x.key) for x in dev), sum(len(x.key) for x in host)), m
         h = Live(m, tenant, toks, n)
         self._check_data(h)
         self.live.append(h)
