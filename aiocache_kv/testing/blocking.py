@@ -1,4 +1,10 @@
-"""``BlockingCallDetector``: fails blocking calls made on a thread running an event loop."""
+"""``BlockingCallDetector``: fails blocking calls made on a thread running an event loop.
+
+Besides sleeps, files, sockets, joins and explicit CUDA synchronizations, it catches the
+implicit ones: reading a CUDA tensor's values on the host (``.item()``, ``.tolist()``,
+``.cpu()``, ``bool()``/``int()``/``float()``, a blocking ``.to("cpu")``) waits for every
+kernel queued before it.
+"""
 
 from __future__ import annotations
 
@@ -61,7 +67,9 @@ class BlockingCallDetector:
             return original(*args, **kwargs)
 
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-        self._saved.append((owner, name, original))
+        # an inherited attribute is restored by deleting the override, not by shadowing it
+        inherited = isinstance(owner, type) and name not in vars(owner)
+        self._saved.append((owner, name, None if inherited else original))
         setattr(owner, name, wrapper)
 
     def __enter__(self) -> BlockingCallDetector:
@@ -99,6 +107,23 @@ class BlockingCallDetector:
         self._guard(subprocess.Popen, "communicate")
         self._guard(subprocess, "run")
         self._guard(urllib.request, "urlopen")
+        # implicit syncs: reading a CUDA tensor's values on the host waits for the device
+        def on_device(t: torch.Tensor, *a: Any, **k: Any) -> bool:
+            return t.is_cuda
+
+        for meth in ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__"):
+            self._guard(torch.Tensor, meth, on_device)
+
+        def to_host(t: torch.Tensor, *a: Any, **k: Any) -> bool:
+            if not t.is_cuda or k.get("non_blocking", False):
+                return False
+            targets = [*a, k.get("device")]
+            return any(
+                isinstance(x, (str, torch.device)) and torch.device(x).type == "cpu"
+                for x in targets
+            )
+
+        self._guard(torch.Tensor, "to", to_host)
         self._guard(torch.cuda, "synchronize")
         self._guard(torch.cuda.Event, "synchronize")
         self._guard(torch.cuda.Stream, "synchronize")
@@ -111,5 +136,8 @@ class BlockingCallDetector:
         tb: TracebackType | None,
     ) -> None:
         for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         self._saved.clear()

@@ -55,11 +55,22 @@ def host_to_device(
     *,
     non_blocking: bool = False,
 ) -> int:
-    """Copy host pages ``src`` into device pages ``dst``; return bytes copied."""
+    """Copy host pages ``src`` into device pages ``dst``; return bytes copied.
+
+    On CUDA each run is first copied as it lies in host memory (contiguous, pinned: a true
+    asynchronous DMA) into a device staging block, and permuted into the device layout by a
+    device-side copy.  Copying the permuted host view directly would make torch gather it
+    into *pageable* host memory on the calling thread - the event loop's - and then copy
+    from there synchronously.
+    """
+    staged = device.is_cuda
     for s, d, r in page_runs(src, dst):
-        device[:, :, d : d + r].copy_(
-            host[s : s + r].permute(1, 2, 0, 3), non_blocking=non_blocking
-        )
+        block = host[s : s + r]
+        if staged:
+            # allocated on the current (copy) stream; torch's caching allocator keeps it
+            # until the work queued on that stream has used it
+            block = block.to(device.device, non_blocking=non_blocking)
+        device[:, :, d : d + r].copy_(block.permute(1, 2, 0, 3), non_blocking=non_blocking)
     return src.numel() * host[0].numel() * host.element_size()
 
 
