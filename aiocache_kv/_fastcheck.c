@@ -60,6 +60,37 @@ static int int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char
     return 0;
 }
 
+/* slot_pages on raw buffers: see slot_pages() */
+static long slot_pages_core(const int64_t *s, Py_ssize_t n, long long p, long long limit,
+                            int64_t *o, Py_ssize_t on)
+{
+    if (n % p != 0 || on != n / p) {
+        return 2;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (s[i] < 0 || s[i] >= limit) {
+            return 1;
+        }
+    }
+    if (p == 1) { /* no runs to check, and no division per slot */
+        memcpy(o, s, (size_t)n * 8);
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < n; i += p) {
+        int64_t first = s[i];
+        if (first % p != 0) {
+            return 2;
+        }
+        for (long long j = 1; j < p; j++) {
+            if (s[i + j] != first + j) {
+                return 2;
+            }
+        }
+        o[i / p] = first / p;
+    }
+    return 0;
+}
+
 /* slot_pages(slots, page_size, limit, out) -> 0 ok, 1 a slot outside [0, limit), 2 a run of
  * page_size slots that is not page * page_size + 0..page_size-1.  Writes the page ids (slot
  * // page_size of each run's first slot; the slots themselves when page_size is 1) to out. */
@@ -83,38 +114,29 @@ static PyObject *slot_pages(PyObject *self, PyObject *args)
         PyBuffer_Release(&sv);
         return NULL;
     }
-    const int64_t *s = (const int64_t *)sv.buf;
-    int64_t *o = (int64_t *)ov.buf;
-    Py_ssize_t n = sv.len / 8;
-    long code = 0;
-    if (n % p != 0 || ov.len / 8 != n / p) {
-        code = 2;
-    }
-    for (Py_ssize_t i = 0; code == 0 && i < n; i++) {
-        if (s[i] < 0 || s[i] >= limit) {
-            code = 1;
-        }
-    }
-    if (code == 0 && p == 1) { /* no runs to check, and no division per slot */
-        memcpy(o, s, (size_t)n * 8);
-    }
-    for (Py_ssize_t i = 0; code == 0 && p > 1 && i < n; i += p) {
-        int64_t first = s[i];
-        if (first % p != 0) {
-            code = 2;
-            break;
-        }
-        for (long long j = 1; j < p; j++) {
-            if (s[i + j] != first + j) {
-                code = 2;
-                break;
-            }
-        }
-        o[i / p] = first / p;
-    }
+    long code = slot_pages_core((const int64_t *)sv.buf, sv.len / 8, p, limit, (int64_t *)ov.buf,
+                                ov.len / 8);
     PyBuffer_Release(&sv);
     PyBuffer_Release(&ov);
     return PyLong_FromLong(code);
+}
+
+/* first_repeat on raw buffers (sets *bad_id for an id outside stamp) */
+static Py_ssize_t first_repeat_core(const int64_t *pg, Py_ssize_t n, int64_t *st,
+                                    Py_ssize_t size, long long epoch, int *bad_id)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t id = pg[i];
+        if (id < 0 || id >= size) {
+            *bad_id = 1;
+            return -1;
+        }
+        if (st[id] == epoch) {
+            return i;
+        }
+        st[id] = epoch;
+    }
+    return -1;
 }
 
 /* first_repeat(pages, stamp, epoch) -> index of the first page id seen before in pages, or -1.
@@ -136,22 +158,9 @@ static PyObject *first_repeat(PyObject *self, PyObject *args)
         PyBuffer_Release(&pv);
         return NULL;
     }
-    const int64_t *pg = (const int64_t *)pv.buf;
-    int64_t *st = (int64_t *)sv.buf;
-    Py_ssize_t n = pv.len / 8, size = sv.len / 8, found = -1;
     int bad_id = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t id = pg[i];
-        if (id < 0 || id >= size) {
-            bad_id = 1;
-            break;
-        }
-        if (st[id] == epoch) {
-            found = i;
-            break;
-        }
-        st[id] = epoch;
-    }
+    Py_ssize_t found = first_repeat_core((const int64_t *)pv.buf, pv.len / 8, (int64_t *)sv.buf,
+                                         sv.len / 8, epoch, &bad_id);
     PyBuffer_Release(&pv);
     PyBuffer_Release(&sv);
     if (bad_id) {
@@ -159,6 +168,33 @@ static PyObject *first_repeat(PyObject *self, PyObject *args)
         return NULL;
     }
     return PyLong_FromSsize_t(found);
+}
+
+/* held_check on raw buffers: returns first_bad, sets *differing (and *bad_id for an id outside
+ * state) */
+static Py_ssize_t held_check_core(const int64_t *pg, Py_ssize_t n, const int64_t *ex,
+                                  Py_ssize_t d, const uint8_t *state, Py_ssize_t size, int held,
+                                  Py_ssize_t *differing, int *bad_id)
+{
+    Py_ssize_t bad = -1;
+    if (d > n) {
+        d = n;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t id = pg[i];
+        if (id < 0 || id >= size) {
+            *bad_id = 1;
+            return -1;
+        }
+        int same = i < d && id == ex[i];
+        if (i < d && !same) {
+            (*differing)++;
+        }
+        if (!same && state[id] != held && bad < 0) {
+            bad = i;
+        }
+    }
+    return bad;
 }
 
 /* held_check(pages, existing, state, held) -> (first_bad, differing).  Page i < len(existing)
@@ -186,27 +222,11 @@ static PyObject *held_check(PyObject *self, PyObject *args)
         PyBuffer_Release(&ev);
         return NULL;
     }
-    const int64_t *pg = (const int64_t *)pv.buf, *ex = (const int64_t *)ev.buf;
-    const uint8_t *state = (const uint8_t *)sv.buf;
-    Py_ssize_t n = pv.len / 8, d = ev.len / 8, size = sv.len, bad = -1, differing = 0;
+    Py_ssize_t differing = 0;
     int bad_id = 0;
-    if (d > n) {
-        d = n;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t id = pg[i];
-        if (id < 0 || id >= size) {
-            bad_id = 1;
-            break;
-        }
-        int same = i < d && id == ex[i];
-        if (i < d && !same) {
-            differing++;
-        }
-        if (!same && state[id] != held && bad < 0) {
-            bad = i;
-        }
-    }
+    Py_ssize_t bad = held_check_core((const int64_t *)pv.buf, pv.len / 8, (const int64_t *)ev.buf,
+                                     ev.len / 8, (const uint8_t *)sv.buf, sv.len, held,
+                                     &differing, &bad_id);
     PyBuffer_Release(&pv);
     PyBuffer_Release(&ev);
     PyBuffer_Release(&sv);
@@ -215,6 +235,79 @@ static PyObject *held_check(PyObject *self, PyObject *args)
         return NULL;
     }
     return Py_BuildValue("nn", bad, differing);
+}
+
+/* insert_pages(slots, page_size, limit, out, existing, state, held, stamp, epoch)
+ *   -> (code, index, differing): every check of an insert in one call.  First slot_pages()
+ * into out (code 1 or 2 as there; index -1), then first_repeat() of out (code 3: out[index]
+ * repeats an earlier id), then held_check() of out (code 4: out[index] is neither
+ * existing[index] nor in state `held`).  Code 0: all fine; differing counts the leading ids
+ * that are not the tree's own. */
+static PyObject *insert_pages(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *slots_obj, *out_obj, *existing_obj, *state_obj, *stamp_obj;
+    long long p, limit, epoch;
+    int held;
+    if (!PyArg_ParseTuple(args, "OLLOOOiOL", &slots_obj, &p, &limit, &out_obj, &existing_obj,
+                          &state_obj, &held, &stamp_obj, &epoch)) {
+        return NULL;
+    }
+    if (p < 1) {
+        PyErr_SetString(PyExc_ValueError, "page_size must be >= 1");
+        return NULL;
+    }
+    Py_buffer views[5];
+    int got = 0;
+    long code = 0;
+    Py_ssize_t index = -1, differing = 0;
+    int bad_id = 0;
+    if (int64_buffer(slots_obj, &views[0], 0, "slots") < 0) {
+        goto done;
+    }
+    got = 1;
+    if (int64_buffer(out_obj, &views[1], 1, "out") < 0) {
+        goto done;
+    }
+    got = 2;
+    if (int64_buffer(existing_obj, &views[2], 0, "existing") < 0) {
+        goto done;
+    }
+    got = 3;
+    if (PyObject_GetBuffer(state_obj, &views[3], PyBUF_SIMPLE) < 0) {
+        goto done;
+    }
+    got = 4;
+    if (int64_buffer(stamp_obj, &views[4], 1, "stamp") < 0) {
+        goto done;
+    }
+    got = 5;
+    int64_t *ids = (int64_t *)views[1].buf;
+    Py_ssize_t n = views[1].len / 8;
+    code = slot_pages_core((const int64_t *)views[0].buf, views[0].len / 8, p, limit, ids, n);
+    if (code == 0 && n > 1) {
+        index = first_repeat_core(ids, n, (int64_t *)views[4].buf, views[4].len / 8, epoch,
+                                  &bad_id);
+        code = index >= 0 ? 3 : 0;
+    }
+    if (code == 0 && !bad_id) {
+        index = held_check_core(ids, n, (const int64_t *)views[2].buf, views[2].len / 8,
+                                (const uint8_t *)views[3].buf, views[3].len, held, &differing,
+                                &bad_id);
+        code = index >= 0 ? 4 : 0;
+    }
+done:
+    for (int i = 0; i < got; i++) {
+        PyBuffer_Release(&views[i]);
+    }
+    if (got < 5) {
+        return NULL;
+    }
+    if (bad_id) {
+        PyErr_SetString(PyExc_IndexError, "page id outside the stamp or state array");
+        return NULL;
+    }
+    return Py_BuildValue("lnn", code, index, differing);
 }
 
 /* page_slots(pages, page_size, out): out[i * p + j] = pages[i] * p + j */
@@ -261,6 +354,7 @@ static PyMethodDef methods[] = {
     {"first_repeat", first_repeat, METH_VARARGS, "Index of the first repeated page id, or -1."},
     {"held_check", held_check, METH_VARARGS, "(first page not held, pages differing)."},
     {"page_slots", page_slots, METH_VARARGS, "Token slots of whole pages."},
+    {"insert_pages", insert_pages, METH_VARARGS, "(code, index, differing) of an insert."},
     {NULL, NULL, 0, NULL},
 };
 

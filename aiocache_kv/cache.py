@@ -23,6 +23,7 @@ from aiocache_kv.core import CacheCore
 from aiocache_kv.distributed import SingleRank, TPGroup
 from aiocache_kv.errors import CacheClosedError, CapacityError, InvalidInputError, InvalidTypeError
 from aiocache_kv.events import BlockStored, KVEvent
+from aiocache_kv.fastcheck import INSERT_NOT_HELD, INSERT_REPEAT
 from aiocache_kv.handles import Handle, InsertResult, MatchResult, WriteAck, check_handle
 from aiocache_kv.introspection import blocks, check_all, describe, snapshot, snapshot_events
 from aiocache_kv.lifecycle import Lifecycle
@@ -40,8 +41,8 @@ from aiocache_kv.tree import Node, Tier
 from aiocache_kv.validate import (
     check_names,
     check_tokens,
-    page_slots,
-    slot_page_ids,
+    raise_for_slots,
+    slot_array,
     slots_to_pages,
 )
 
@@ -209,11 +210,11 @@ class HiCache:
         c = core.counters
         c.match_queries += 1
         if node.parent is not None:
-            tree.record_hit(node)
             dev, host = m.lens()
             c.hit_tokens_device += dev
             c.hit_tokens_host += host
             if self.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+                tree.record_hit(node)  # hit counts only decide selective write-through
                 threshold = self.config.write_through_threshold
                 self._transfers.backup(
                     [n for n in tree.path(node) if n.hit_count >= threshold],
@@ -294,7 +295,7 @@ class HiCache:
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
         p = self.config.page_size
-        return page_slots(self._core.alloc_device(-(-n // p), PageState.HELD), p)
+        return self._core.alloc_device(-(-n // p), PageState.HELD, slots_of=p)
 
     async def alloc_wait(self, n: int) -> torch.Tensor:
         """Like :meth:`alloc`, but when pages are only held back by copies in flight
@@ -411,26 +412,26 @@ class HiCache:
         p = self.config.page_size
         n = len(toks) // p * p
         alloc = self._dev_alloc
-        ids = slot_page_ids(kv_indices, n, p, self.config.device_pages, alloc.scratch(n // p))
+        slots = slot_array(kv_indices, n)
         ns = self._ns(tenant, lora)
         core = self._core
         tree = core.tree
         # validate ownership before changing anything (not even a new namespace's root)
         plan = tree.plan_insert(ns, toks, n)  # the walk, once; nothing changes until applied
-        existing = plan.device_pages()
-        d = existing.numel()
-        dup = alloc.repeat_at(ids)
-        if dup >= 0:
-            raise InvalidInputError(f"kv_indices repeat page {int(ids[dup])}")
-        bad, differing = alloc.held_check(ids, existing)
-        if bad >= 0:
+        existing = plan.device_pages().numpy()
+        d = existing.size
+        code, at, differing, ids = alloc.check_insert(slots, p, existing)
+        if code == INSERT_REPEAT:
+            raise InvalidInputError(f"kv_indices repeat page {int(ids[at])}")
+        if code == INSERT_NOT_HELD:
             raise InvalidInputError(
-                f"kv_indices name page {int(ids[bad])} (of token {bad * p}), which the caller "
+                f"kv_indices name page {int(ids[at])} (of token {at * p}), which the caller "
                 "does not hold (not from alloc(), already inserted elsewhere, or freed)"
             )
+        raise_for_slots(code, slots, p, self.config.device_pages)
         if differing:  # the caller's own copies of pages the tree has: freed below
             lead = ids[:d]
-            dupes = torch.from_numpy(lead[lead != existing.numpy()])
+            dupes = torch.from_numpy(lead[lead != existing])
         # the tree keeps only the pages after its own (ids is scratch, reused next insert)
         own = torch.from_numpy(ids[d:].copy())
         tree.root(ns, ns.tag)

@@ -113,8 +113,11 @@ class CacheCore:
 
     # ------------------------------------------------------------------ pages
 
-    def alloc_device(self, n: int, state: PageState = PageState.OWNED) -> torch.Tensor:
-        """``n`` device pages, evicting only if that can succeed.
+    def alloc_device(
+        self, n: int, state: PageState = PageState.OWNED, *, slots_of: int = 0
+    ) -> torch.Tensor:
+        """``n`` device pages, evicting only if that can succeed (with ``slots_of=p``: their
+        token slots for page size ``p``, as :meth:`PageAllocator.alloc` gives them).
 
         Raises:
             CapacityError: too few pages even after eviction (nothing evicted or taken).
@@ -132,7 +135,7 @@ class CacheCore:
                     f"{alloc.count(PageState.HELD)} allocated and not inserted, "
                     f"{alloc.quarantined} held by workers"
                 )
-        return alloc.alloc(n, state)
+        return alloc.alloc(n, state, slots_of=slots_of)
 
     def alloc_host(self, n: int) -> torch.Tensor | None:
         """``n`` host pages (evicting host-only leaves if that can succeed), else ``None``."""

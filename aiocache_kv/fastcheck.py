@@ -90,6 +90,41 @@ def py_held_check(
     return (int(bad.argmax()) if bad.any() else -1), int(d - np.count_nonzero(same))
 
 
+#: :func:`insert_pages` codes beyond :func:`slot_pages`'s
+INSERT_REPEAT, INSERT_NOT_HELD = 3, 4
+
+
+def py_insert_pages(
+    slots: np.ndarray,
+    page_size: int,
+    limit: int,
+    out: np.ndarray,
+    existing: np.ndarray,
+    state: np.ndarray,
+    held: int,
+    stamp: np.ndarray,
+    epoch: int,
+) -> tuple[int, int, int]:
+    """Every check of an insert in one call: ``(code, index, differing)``.
+
+    :func:`py_slot_pages` into ``out`` (its codes, index -1), then a repeat check of ``out``
+    (:data:`INSERT_REPEAT` at the first position whose id occurred before; ``stamp`` and
+    ``epoch`` are the C version's scratch, unused here), then :func:`py_held_check`
+    (:data:`INSERT_NOT_HELD` at ``index``); ``differing`` as there (0 before that check).
+    """
+    code = py_slot_pages(slots, page_size, limit, out)
+    if code != SLOTS_OK:
+        return code, -1, 0
+    del stamp, epoch
+    _, first = np.unique(out, return_index=True)
+    if first.size < out.size:  # the first position holding an id seen before, as C reports
+        again = np.ones(out.size, dtype=bool)
+        again[first] = False
+        return INSERT_REPEAT, int(again.argmax()), 0
+    bad, differing = py_held_check(out, existing, state, held)
+    return (INSERT_NOT_HELD if bad >= 0 else SLOTS_OK), bad, differing
+
+
 def py_page_slots(pages: np.ndarray, page_size: int, out: np.ndarray) -> None:
     """Token slots of whole ``pages`` into ``out``: ``page * page_size + 0..page_size-1``."""
     p = page_size
@@ -113,15 +148,19 @@ slot_pages = py_slot_pages if _EXT is None else _EXT.slot_pages
 first_repeat = py_first_repeat if _EXT is None else _EXT.first_repeat
 held_check = py_held_check if _EXT is None else _EXT.held_check
 page_slots_into = py_page_slots if _EXT is None else _EXT.page_slots
+insert_pages = py_insert_pages if _EXT is None else _EXT.insert_pages
 
 __all__ = [
     "FASTCHECK_IMPL",
+    "INSERT_NOT_HELD",
+    "INSERT_REPEAT",
     "SLOTS_NOT_PAGES",
     "SLOTS_OK",
     "SLOTS_OUT_OF_RANGE",
     "first_bad_token",
     "first_repeat",
     "held_check",
+    "insert_pages",
     "page_slots_into",
     "slot_pages",
 ]

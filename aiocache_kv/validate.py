@@ -81,6 +81,25 @@ def slot_page_ids(
         InvalidTypeError: ``slots`` is not a tensor.
         InvalidInputError: wrong dtype/shape/device, out of range, or not whole pages.
     """
+    arr = slot_array(slots, n)
+    ids = out[: n // page_size]
+    raise_for_slots(
+        fastcheck.slot_pages(arr, page_size, device_pages * page_size, ids),
+        arr,
+        page_size,
+        device_pages,
+    )
+    return ids
+
+
+def slot_array(slots: Any, n: int) -> np.ndarray:
+    """The leading ``n`` entries of the token slots ``slots`` as a C-contiguous int64 array
+    (a view where possible).
+
+    Raises:
+        InvalidTypeError: ``slots`` is not a tensor.
+        InvalidInputError: wrong dtype/shape, or a tensor off the CPU.
+    """
     if not isinstance(slots, torch.Tensor):
         raise InvalidTypeError(f"kv_indices must be a torch.Tensor, got {type(slots).__name__}")
     if slots.dim() != 1 or slots.dtype not in (torch.int64, torch.int32):
@@ -92,11 +111,18 @@ def slot_page_ids(
     arr = slots.numpy()[:n]  # numpy slices cost a tenth of torch ones
     if arr.dtype != np.int64 or not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr, dtype=np.int64)
-    limit = device_pages * page_size
-    ids = out[: n // page_size]
-    code = fastcheck.slot_pages(arr, page_size, limit, ids)
+    return arr
+
+
+def raise_for_slots(code: int, arr: np.ndarray, page_size: int, device_pages: int) -> None:
+    """Raise the typed error for a :func:`fastcheck.slot_pages` code (nothing for OK).
+
+    Raises:
+        InvalidInputError: a slot out of range, or runs that are not whole pages.
+    """
     if code == fastcheck.SLOTS_OUT_OF_RANGE:
         lo, hi = int(arr.min()), int(arr.max())
+        limit = device_pages * page_size
         raise InvalidInputError(f"kv_indices out of range [0, {limit}): min {lo} max {hi}")
     if code != fastcheck.SLOTS_OK:
         p = page_size
@@ -104,7 +130,6 @@ def slot_page_ids(
             f"kv_indices must cover whole pages (page_size {p}): each run of {p} slots must "
             "be page*page_size + 0..page_size-1, as returned by alloc()"
         )
-    return ids
 
 
 def page_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -116,4 +141,12 @@ def page_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-__all__ = ["check_names", "check_tokens", "page_slots", "slot_page_ids", "slots_to_pages"]
+__all__ = [
+    "check_names",
+    "check_tokens",
+    "page_slots",
+    "raise_for_slots",
+    "slot_array",
+    "slot_page_ids",
+    "slots_to_pages",
+]

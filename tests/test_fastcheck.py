@@ -135,6 +135,53 @@ def test_first_repeat_and_held_check_agree() -> None:
         assert tuple(c) == tuple(py), f"seed {seed} trial {trial}: C {c} vs numpy {py}"
 
 
+def test_insert_pages_agrees_with_the_reference_and_the_separate_checks() -> None:
+    """The fused insert check: C and numpy give the same (code, index, differing) and ids, and
+    each code is the one the separate checks (slot_pages, first_repeat, held_check) imply."""
+    ext = _ext()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    num = 32
+    stamp_c = np.zeros(num, dtype=np.int64)
+    epoch = 0
+    seen: set[int] = set()
+    for trial in range(600):
+        p = rng.choice((1, 2, 4))
+        pages = [rng.randrange(num + 2) for _ in range(rng.randint(0, 8))]
+        slots = np.array([pg * p + j for pg in pages for j in range(p)], dtype=np.int64)
+        if slots.size and rng.random() < 0.15:  # break a run
+            slots[rng.randrange(slots.size)] += rng.choice((-1, 1))
+        state = np.array([rng.randrange(4) for _ in range(num)], dtype=np.uint8)
+        k = rng.randint(0, len(pages))
+        existing = np.array(
+            [pg if rng.random() < 0.7 else rng.randrange(num) for pg in pages[:k]], dtype=np.int64
+        )
+        held = int(PageState.HELD)
+        out_c = np.full(slots.size // p, -7, dtype=np.int64)
+        out_py = np.full(slots.size // p, -7, dtype=np.int64)
+        epoch -= 1
+        c = ext.insert_pages(slots, p, num * p, out_c, existing, state, held, stamp_c, epoch)
+        py = fastcheck.py_insert_pages(
+            slots, p, num * p, out_py, existing, state, held, np.zeros(num, dtype=np.int64), 0
+        )
+        where = f"seed {seed} trial {trial}: p={p} slots={slots.tolist()} C {c} numpy {py}"
+        assert tuple(c) == tuple(py), where
+        code = c[0]
+        seen.add(code)
+        want = fastcheck.py_slot_pages(slots, p, num * p, np.empty(slots.size // p, np.int64))
+        if want != fastcheck.SLOTS_OK:
+            assert code == want, where
+            continue
+        assert out_c.tolist() == out_py.tolist(), where
+        distinct = len(set(out_c.tolist())) == out_c.size
+        assert (code == fastcheck.INSERT_REPEAT) == (not distinct), where
+        if distinct:
+            bad, differing = fastcheck.py_held_check(out_c, existing, state, held)
+            assert (code, c[1]) == ((fastcheck.INSERT_NOT_HELD, bad) if bad >= 0 else (0, -1))
+            assert c[2] == differing, where
+    assert seen == {0, 1, 2, 3, 4}, f"seed {seed}: codes seen {seen}"
+
+
 def test_page_slots_agree() -> None:
     ext = _ext()
     for p in (1, 2, 16):
@@ -216,8 +263,20 @@ def _cfg(p: int) -> CacheConfig:
     )
 
 
+@pytest.mark.parametrize("impl", ["c", "python"])
 @pytest.mark.parametrize("p", [1, 4])
-async def test_insert_rejects_bad_pages_and_keeps_no_caller_buffer(p: int) -> None:
+async def test_insert_rejects_bad_pages_and_keeps_no_caller_buffer(
+    p: int, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if impl == "python":  # the numpy reference, as where the extension is not built
+        for name, ref in (
+            ("insert_pages", fastcheck.py_insert_pages),
+            ("slot_pages", fastcheck.py_slot_pages),
+            ("first_repeat", fastcheck.py_first_repeat),
+            ("page_slots_into", fastcheck.py_page_slots),
+            ("first_bad_token", fastcheck.py_first_bad_token),
+        ):
+            monkeypatch.setattr(fastcheck, name, ref)
     async with HiCache(_cfg(p)) as cache:
         toks = list(range(100, 100 + 8 * p))
         slots = cache.alloc(len(toks))

@@ -89,19 +89,29 @@ class PageAllocator:
         self._returned = []
         self._returned_count = 0
 
-    def alloc(self, n: int, state: PageState = PageState.OWNED) -> torch.Tensor:
-        """Take ``n`` free pages and mark them ``state``.
+    def alloc(
+        self, n: int, state: PageState = PageState.OWNED, *, slots_of: int = 0
+    ) -> torch.Tensor:
+        """Take ``n`` free pages and mark them ``state``; returns their ids, or with
+        ``slots_of=p`` (> 1) their token slots ``page * p + 0..p-1`` (one conversion less on
+        the per-request path).
 
         Raises:
             CapacityError: fewer than ``n`` pages are free (nothing is taken).
         """
-        if n > self.num_free:
-            raise CapacityError(f"{self.name} pool: need {n} pages, {self.num_free} free")
-        if self._free.size - self._cursor < n:
+        cursor = self._cursor
+        if self._free.size - cursor < n:
+            if n > self.num_free:
+                raise CapacityError(f"{self.name} pool: need {n} pages, {self.num_free} free")
             self._consolidate()
-        taken = self._free[self._cursor : self._cursor + n].copy()
-        self._cursor += n
+            cursor = 0
+        taken = self._free[cursor : cursor + n].copy()
+        self._cursor = cursor + n
         self._state[taken] = int(state)
+        if slots_of > 1:
+            out = np.empty(n * slots_of, dtype=np.int64)
+            fastcheck.page_slots_into(taken, slots_of, out)
+            return torch.from_numpy(out)
         return torch.from_numpy(taken)
 
     def free(self, pages: list[torch.Tensor]) -> None:
@@ -194,6 +204,28 @@ class PageAllocator:
             _int64(pages), _int64(existing.numpy()), self._state, _HELD
         )
         return int(bad), int(differing)
+
+    def check_insert(
+        self, slots: np.ndarray, page_size: int, existing: np.ndarray
+    ) -> tuple[int, int, int, np.ndarray]:
+        """The page ids of an insert's token ``slots`` (int64, C-contiguous) and every check
+        of them at once: ``(code, index, differing, ids)``.  ``ids`` is scratch (read it
+        before the next call); codes are :func:`fastcheck.insert_pages`'s: whole pages in
+        range, distinct, each ``existing[i]`` (the tree's own) or HELD by the caller."""
+        ids = self.scratch(slots.size // page_size)
+        self._epoch -= 1
+        code, index, differing = fastcheck.insert_pages(
+            slots,
+            page_size,
+            self.num_pages * page_size,
+            ids,
+            _int64(existing),
+            self._state,
+            _HELD,
+            self._stamp,
+            self._epoch,
+        )
+        return code, index, differing, ids
 
     def count(self, state: PageState) -> int:
         """Pages in ``state``."""
