@@ -202,20 +202,20 @@ class InsertResult(Handle):
         )
 
 
-def check_handle(handle: object, kind: type, core: CacheCore) -> None:
+def check_handle(handle: object, kind: type[Handle], core: CacheCore) -> None:
     """Raise unless ``handle`` is a pinned ``kind`` issued by the cache whose core is ``core``.
 
     Raises:
         InvalidTypeError: not a ``kind``.
         HandleError: another cache's handle, or already released.
     """
+    if isinstance(handle, kind) and handle.core is core and handle.state is HandleState.PINNED:
+        return  # the per-request case, checked in one line
     if not isinstance(handle, kind):
         raise InvalidTypeError(f"expected a {kind.__name__}, got {type(handle).__name__}")
-    h: Handle = handle  # type: ignore[assignment]
-    if h.core is not core:
+    if handle.core is not core:
         raise HandleError("handle belongs to another cache")
-    if h.state is not HandleState.PINNED:
-        raise HandleError(f"handle already {h.state.name.lower()}")
+    raise HandleError(f"handle already {handle.state.name.lower()}")
 
 
 __all__ = ["ABSENT", "FILLING", "Handle", "HandleState", "InsertResult", "MatchResult", "WriteAck"]

@@ -21,6 +21,7 @@ class Namespace:
     lora: str = ""
     #: the hash of the parts, computed once: the tree looks namespaces up on every request
     _hash: int = field(init=False, repr=False, compare=False)
+    _tag: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("model", "tenant", "lora"):
@@ -30,6 +31,7 @@ class Namespace:
         if not self.model:
             raise InvalidInputError("namespace model must not be empty")
         object.__setattr__(self, "_hash", hash((self.model, self.tenant, self.lora)))
+        object.__setattr__(self, "_tag", _tag(self.model, self.tenant, self.lora))
 
     def __hash__(self) -> int:
         return self._hash
@@ -40,7 +42,7 @@ class Namespace:
 
         The tenant salt appears only inside the digest, so keys do not reveal it.
         """
-        return _tag(self.model, self.tenant, self.lora)
+        return self._tag
 
 
 @functools.lru_cache(maxsize=4096)

@@ -71,6 +71,7 @@ class InsertPlan:
     common: int = 0
     pos: int = 0  #: tokens the walk covered
     existing: list[torch.Tensor] = field(default_factory=list)  #: the leading device pages
+    existing_pages: int = 0  #: how many pages ``existing`` holds
 
     def device_pages(self) -> torch.Tensor:
         """Device pages the tree holds for the leading part of the walk."""
@@ -222,6 +223,7 @@ class RadixTree(TierBook):
                 steps.append(child)
                 if on_device:
                     existing.append(child.device_pages)  # type: ignore[arg-type]
+                    plan.existing_pages += klen // p
                 node = child
                 pos += klen
                 if child.device is FILLING:
@@ -232,6 +234,7 @@ class RadixTree(TierBook):
             plan.common = common
             if on_device:
                 existing.append(child.device_pages[: common // p])  # type: ignore[index]
+                plan.existing_pages += common // p
             pos += common
             break
         plan.pos = pos
@@ -268,8 +271,8 @@ class RadixTree(TierBook):
         clock = self._clock
         pos = 0
         base = first_page * p
-        assert not base or base <= sum(t.numel() for t in plan.existing) * p, (
-            f"first_page {first_page} past the tree's device run"
+        assert first_page <= plan.existing_pages, (
+            f"first_page {first_page} past the tree's device run of {plan.existing_pages}"
         )
         passed = plan.steps
         if plan.split is not None:
