@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import AsyncIterator, Sequence
 
 import torch
@@ -23,7 +24,6 @@ from aiocache_kv.core import CacheCore
 from aiocache_kv.distributed import SingleRank, TPGroup
 from aiocache_kv.errors import CacheClosedError, CapacityError, InvalidInputError, InvalidTypeError
 from aiocache_kv.events import BlockStored, KVEvent
-from aiocache_kv.fastcheck import INSERT_NOT_HELD, INSERT_REPEAT
 from aiocache_kv.handles import Handle, InsertResult, MatchResult, WriteAck, check_handle
 from aiocache_kv.introspection import blocks, check_all, describe, snapshot, snapshot_events
 from aiocache_kv.lifecycle import Lifecycle
@@ -41,12 +41,13 @@ from aiocache_kv.tree import Node, Tier
 from aiocache_kv.validate import (
     check_names,
     check_tokens,
-    raise_for_slots,
+    raise_for_insert,
     slot_array,
     slots_to_pages,
 )
 
 log = get_logger(__name__)
+_get_ident = threading.get_ident
 
 CacheState = Lifecycle  #: the first release's name of :class:`Lifecycle`
 
@@ -167,6 +168,8 @@ class HiCache:
         await self.aclose()
 
     def _check(self) -> None:
+        if self._state is Lifecycle.RUNNING and _get_ident() == self._core.owner:
+            return  # every call on the loop thread of a running cache
         if self._state is not Lifecycle.RUNNING:
             hint = " (use `async with HiCache(cfg)` or `await cache.start()`)"
             raise CacheClosedError(
@@ -421,14 +424,8 @@ class HiCache:
         existing = plan.device_pages().numpy()
         d = existing.size
         code, at, differing, ids = alloc.check_insert(slots, p, existing)
-        if code == INSERT_REPEAT:
-            raise InvalidInputError(f"kv_indices repeat page {int(ids[at])}")
-        if code == INSERT_NOT_HELD:
-            raise InvalidInputError(
-                f"kv_indices name page {int(ids[at])} (of token {at * p}), which the caller "
-                "does not hold (not from alloc(), already inserted elsewhere, or freed)"
-            )
-        raise_for_slots(code, slots, p, self.config.device_pages)
+        if code:
+            raise_for_insert(code, at, ids, slots, p, self.config.device_pages)
         if differing:  # the caller's own copies of pages the tree has: freed below
             lead = ids[:d]
             dupes = torch.from_numpy(lead[lead != existing])

@@ -114,6 +114,25 @@ def slot_array(slots: Any, n: int) -> np.ndarray:
     return arr
 
 
+def raise_for_insert(
+    code: int, at: int, ids: np.ndarray, slots: np.ndarray, page_size: int, device_pages: int
+) -> None:
+    """Raise the typed error for a :func:`fastcheck.insert_pages` code (nothing for OK).
+
+    Raises:
+        InvalidInputError: a repeated page, a page the caller does not hold, a slot out of
+            range, or runs that are not whole pages.
+    """
+    if code == fastcheck.INSERT_REPEAT:
+        raise InvalidInputError(f"kv_indices repeat page {int(ids[at])}")
+    if code == fastcheck.INSERT_NOT_HELD:
+        raise InvalidInputError(
+            f"kv_indices name page {int(ids[at])} (of token {at * page_size}), which the "
+            "caller does not hold (not from alloc(), already inserted elsewhere, or freed)"
+        )
+    raise_for_slots(code, slots, page_size, device_pages)
+
+
 def raise_for_slots(code: int, arr: np.ndarray, page_size: int, device_pages: int) -> None:
     """Raise the typed error for a :func:`fastcheck.slot_pages` code (nothing for OK).
 
@@ -145,6 +164,7 @@ __all__ = [
     "check_names",
     "check_tokens",
     "page_slots",
+    "raise_for_insert",
     "raise_for_slots",
     "slot_array",
     "slot_page_ids",

@@ -18,6 +18,7 @@ from aiocache_kv.errors import OwnershipError
 from aiocache_kv.tree.lru import VictimHeap
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, TierState
 
+_get_ident = threading.get_ident  # one global lookup on every ownership check
 
 class TierBook:
     """Pins, per-tier accounting and transitions of a tree's nodes (owned by one thread)."""
@@ -45,7 +46,7 @@ class TierBook:
         self._owner = threading.get_ident() if ident is None else ident
 
     def _check_owner(self) -> None:
-        if threading.get_ident() != self._owner:
+        if _get_ident() != self._owner:
             raise OwnershipError(
                 f"radix tree mutated from thread {threading.current_thread().name!r}; "
                 "only the owning event-loop thread may change cache state"
