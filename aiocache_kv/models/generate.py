@@ -31,6 +31,7 @@ from aiocache_kv.cache import HiCache
 from aiocache_kv.errors import CacheClosedError, ConfigError, InvalidInputError
 from aiocache_kv.handles import MatchResult
 from aiocache_kv.logs import get_logger
+from aiocache_kv.models.compat import cache_kwargs
 from aiocache_kv.models.gpt2 import kv_shape
 from aiocache_kv.models.paged import PagedKV
 from aiocache_kv.telemetry import PromptAttribution, PromptCounters, attribute
@@ -188,7 +189,7 @@ def reference_generate(
     with torch.no_grad():
         ids = torch.tensor([toks], dtype=torch.long)
         for step in range(max_new_tokens):
-            res = model(input_ids=ids, past_key_values=kv, use_cache=True, logits_to_keep=1)
+            res = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, kv))
             logits = res.logits[0, -1]
             tok = _argmax(logits)
             if step == 0:

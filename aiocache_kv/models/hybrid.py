@@ -40,6 +40,7 @@ from aiocache_kv.components import Component, HitPolicy, SlidingWindow
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.errors import CapacityError, ConfigError, InvalidInputError
 from aiocache_kv.logs import get_logger
+from aiocache_kv.models.compat import cache_kwargs
 from aiocache_kv.models.generate import CachedLM, reference_generate
 
 log = get_logger(__name__)
@@ -398,8 +399,8 @@ class PagedHybridKV(Cache):
         with torch.no_grad():
             out = model(
                 input_ids=ids,
-                past_key_values=self,
                 position_ids=pos,
+                **cache_kwargs(model, self),
                 use_cache=True,
                 logits_to_keep=1,
             )

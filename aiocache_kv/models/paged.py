@@ -28,6 +28,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from aiocache_kv.errors import CapacityError, InvalidInputError
+from aiocache_kv.models.compat import cache_kwargs
 
 
 class _PoolLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
@@ -129,8 +130,8 @@ class PagedKV(Cache):
         with torch.no_grad():
             out = model(
                 input_ids=ids,
-                past_key_values=self,
                 position_ids=pos,
+                **cache_kwargs(model, self),
                 use_cache=True,
                 logits_to_keep=1,
             )
