@@ -78,7 +78,15 @@ async def test_a_backup_queued_past_its_deadline_fails_unsent() -> None:
         a = insert(cache, PROMPTS[0], seed=1)
         await entered(client)
         b = insert(cache, PROMPTS[1], seed=2)
-        await asyncio.sleep(0.8)  # both deadlines pass while the worker is stuck
+        tier_ = cache._l3
+        assert tier_ is not None
+        for _ in range(500):  # until its write ack queued the backup behind the stuck worker
+            if tier_._queued:
+                break
+            await asyncio.sleep(0.01)
+        (queued,) = tier_._queued
+        queued.deadline = asyncio.get_running_loop().time()  # due before the worker frees up
+        await asyncio.sleep(0.8)  # the first put's deadline passes too, the worker stuck
         stats = cache.statistics()
         assert (stats.backup_pages_ok, stats.backup_pages_failed) == (0, 6)
         assert len(client.put_calls) == 1  # the queued one was never sent
