@@ -1,10 +1,11 @@
 """``StoreTransfers``: the embedding cache's global-store paths (push, fetch, slot release).
 
 *Push.*  All of an ``insert_batch``'s entries, local hits included, go to the store in ONE
-``put`` (``MooncakeStorage.put`` asks ``batch_is_exist`` first and sends only the keys the store
-lacks).  The entries stay pinned until the worker has released their slots - after a timeout or
-cancellation that is later than the caller's return, handled by a cleanup task that awaits
-``StorageIO.wait_released``.
+``put`` (the store keeps a key it already holds without moving its bytes; with
+``check_existing=True`` ``MooncakeStorage.put`` asks ``batch_is_exist`` first, so its counters
+tell re-sent from skipped).  The entries stay pinned until the worker has released their
+slots - after a timeout or cancellation that is later than the caller's return, handled by a
+cleanup task that awaits ``StorageIO.wait_released``.
 
 *Fetch.*  Misses are fetched with one size lookup
 (:func:`~aiocache_kv.embedding.remote.mooncake_object_sizes`) and ONE ``get_into``: each is

@@ -21,13 +21,19 @@ The client's own ``MC_*`` variables are read by the C++ client at :meth:`open`:
 is an IP literal, :meth:`open` sets it to that address so a loopback deployment stays on
 loopback).  ``MC_STORE_CLIENT_SETUP_RETRIES`` bounds ``setup`` when no master answers.
 
-Semantics.  ``put`` asks ``batch_is_exist`` and does not re-send present keys (a Mooncake
-``put`` on an existing key returns 0 and keeps the old value anyway; the check is what tells
-``put_ok`` from ``put_skipped``).  The rest are sealed (trailer written into each slot, batched
-checksums) and sent zero-copy with ``batch_put_from``, pipelined: the first chunk is sealed
-while the check is in flight, and chunk k is sent on a helper thread while chunk k + 1 is
-sealed (chunks of :data:`PIPELINE_BYTES`), so neither the check nor the seal adds to the send.
-``get_into`` reads the same chunks, verifying chunk k while chunk k + 1 is read.  Return codes:
+Semantics.  ``put`` seals every slot (trailer written into it, batched checksums) and sends it
+zero-copy with ``batch_put_from``.  A Mooncake put on a key the store already holds returns 0
+and keeps the old value without moving any bytes, so by default (``check_existing=False``) no
+existence check precedes it: a present key costs the same one master round trip as the check
+would, and the cache only backs up pages storage lacks.  The price is in the counters: a key
+the store already had counts as ``put_ok`` (and its slot in ``bytes_written``), and only a key
+repeated inside the batch as ``put_skipped``.  ``check_existing=True`` asks ``batch_is_exist``
+first (sealing the first chunk while it is in flight) and does not send present keys, which
+keeps ``put_ok`` / ``put_skipped`` / ``bytes_written`` exact.  A batch of several chunks
+(:data:`PIPELINE_BYTES`) is pipelined: chunk k is sent on a helper thread while chunk k + 1 is
+sealed; a batch of one chunk is sealed and sent on the calling thread
+(:mod:`.mooncake_pipeline`).  ``get_into`` reads the same chunks, verifying chunk k while
+chunk k + 1 is read.  Return codes:
 ``-704`` = missing (a miss); ``-900``/``-901``/``-800`` = unavailable (master dead, master hung,
 data holder dead); ``-200`` = no space: the failed keys are retried once after
 ``no_space_retry_delay`` seconds (the master evicts in the meantime), then reported as
@@ -66,6 +72,7 @@ from aiocache_kv.storage.base import (
     leading_run,
 )
 from aiocache_kv.storage.keys import check_keys
+from aiocache_kv.storage.mooncake_pipeline import PIPELINE_BYTES, pipelined_get, pipelined_put
 from aiocache_kv.storage.sizes import env_first as _env
 from aiocache_kv.storage.sizes import parse_size
 
@@ -95,17 +102,6 @@ _DEFAULT_LOCAL_BUFFER = 16 << 20
 _HELPER_THREADS = 4
 
 
-#: bytes per ``batch_put_from`` of a pipelined put: one chunk is sent while the next is sealed
-PIPELINE_BYTES = 16 << 20
-
-
-def _settle(future: concurrent.futures.Future[Any] | None) -> None:
-    """Wait for a helper's call to end, whatever it returns (the buffers it uses are given
-    back to the caller only then)."""
-    if future is not None:
-        concurrent.futures.wait([future])
-
-
 class MooncakeStorage:
     """L3 pages in a Mooncake Store cluster; see the module docstring for config and codes.
 
@@ -127,6 +123,7 @@ class MooncakeStorage:
         *,
         rpc_timeout_ms: int | None = None,
         no_space_retry_delay: float = 0.02,
+        check_existing: bool = False,
     ) -> None:
         """Raises:
         ConfigError: a size or timeout is malformed or an address is empty.
@@ -162,6 +159,7 @@ class MooncakeStorage:
             raise ConfigError(f"master must be host:port, got {self.master!r}")
         self.rpc_timeout_ms = rpc_timeout_ms
         self.no_space_retry_delay = no_space_retry_delay
+        self.check_existing = check_existing
         self._store: Any = None
         self._open_lock = threading.Lock()
         self._closed = False
@@ -361,7 +359,8 @@ class MooncakeStorage:
         return leading_run(self.exists(keys))
 
     def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
-        """Store slots not already present, zero-copy; see module doc for codes and retries.
+        """Seal and store slots zero-copy; see module doc for codes, retries and
+        ``check_existing``.
 
         Raises:
             StorageKeyError, InvalidInputError: malformed batch (nothing sent).
@@ -374,60 +373,50 @@ class MooncakeStorage:
             return []
         store = self._client()
         self._stats.add(puts=n)
-        results = [False] * n
-        pending = self._submit(self._call, "batch_is_exist", store.batch_is_exist, list(keys))
-        distinct = list({key: i for i, key in reversed(list(enumerate(keys)))}.values())
-        distinct.sort()
-        chunks = byte_chunks(distinct, [b.nbytes for b in buffers], PIPELINE_BYTES)
-        sealed = 0  # chunks sealed so far
-        if pending is not None:
-            # Seal while the existence check is in flight: the cache only backs up pages
-            # storage does not have, so the work is rarely wasted.
-            integrity.seal_many([buffers[i] for i in chunks[0]], [keys[i] for i in chunks[0]])
-            sealed = 1
-            exist = pending.result()
-        else:
-            exist = self._call("batch_is_exist", store.batch_is_exist, list(keys))
-        if all(c < 0 for c in exist):
-            self._stats.add(put_failed=n, unavailable=n)
-            raise StorageUnavailableError(f"mooncake batch_is_exist failed for all {n} keys")
         first: dict[str, int] = {}  # key -> index it is sent from (duplicates ride along)
         for i, key in enumerate(keys):
-            if exist[i] == 1:
-                results[i] = True
-            elif key not in first:
-                first[key] = i
+            first.setdefault(key, i)
+        distinct = sorted(first.values())
+        chunks = byte_chunks(distinct, [b.nbytes for b in buffers], PIPELINE_BYTES)
+        results = [False] * n
+        sealed = 0  # chunks sealed before the pipeline starts
+        todo: set[int] | None = None  # indices to send (None: every distinct one)
+        if self.check_existing:
+            pending = self._submit(self._call, "batch_is_exist", store.batch_is_exist, list(keys))
+            if pending is not None:
+                # seal while the check is in flight: the cache backs up only what storage
+                # lacks, so the work is rarely wasted
+                integrity.seal_many([buffers[i] for i in chunks[0]], [keys[i] for i in chunks[0]])
+                sealed = 1
+                exist = pending.result()
+            else:
+                exist = self._call("batch_is_exist", store.batch_is_exist, list(keys))
+            if all(c < 0 for c in exist):
+                self._stats.add(put_failed=n, unavailable=n)
+                raise StorageUnavailableError(f"mooncake batch_is_exist failed for all {n} keys")
+            first = {}
+            for i, key in enumerate(keys):
+                if exist[i] == 1:
+                    results[i] = True
+                else:
+                    first.setdefault(key, i)
+            todo = set(first.values())
         skipped = sum(results)
-        todo = list(first.values())
-        todo_set = set(todo)
-        self._check_registered([buffers[i] for i in todo])
-        codes: dict[int, int] = {}
-        # Pipeline: chunk k goes out on a helper thread while this one seals chunk k + 1
-        # (the checksum releases the GIL), so the seal never adds to the transfer.
-        in_flight: tuple[list[int], concurrent.futures.Future[Any] | None] | None = None
-        try:
-            for k, chunk in enumerate(chunks):
-                if k >= sealed:
-                    integrity.seal_many([buffers[i] for i in chunk], [keys[i] for i in chunk])
-                if in_flight is not None:
-                    sent, in_flight = in_flight, None
-                    codes.update(zip(sent[0], self._finish(sent, keys, buffers), strict=True))
-                send = [i for i in chunk if i in todo_set]
-                in_flight = (send, self._put_async(store, send, keys, buffers)) if send else None
-            if in_flight is not None:
-                sent, in_flight = in_flight, None
-                codes.update(zip(sent[0], self._finish(sent, keys, buffers), strict=True))
-        finally:
-            _settle(None if in_flight is None else in_flight[1])  # no send reads the buffers
-        late = [i for i in todo if i not in codes]  # a repeated key the check saw differently
+        self._check_registered([buffers[i] for i in first.values()])
+
+        def send(idx: list[int]) -> list[int]:
+            return self._send(store, idx, keys, buffers)
+
+        codes = pipelined_put(chunks, keys, buffers, send, self._submit, sealed=sealed, todo=todo)
+        late = [i for i in first.values() if i not in codes]  # the check saw a repeat differently
         integrity.seal_many([buffers[i] for i in late], [keys[i] for i in late])
-        codes.update(zip(late, self._send(store, late, keys, buffers) if late else [], strict=True))
+        codes.update(zip(late, send(late) if late else [], strict=True))
         retries = 0
-        attempt = [i for i in todo if codes[i] == CODE_NO_SPACE]
+        attempt = [i for i in first.values() if codes[i] == CODE_NO_SPACE]
         if attempt:
             retries = len(attempt)
             time.sleep(self.no_space_retry_delay)
-            codes.update(zip(attempt, self._send(store, attempt, keys, buffers), strict=True))
+            codes.update(zip(attempt, send(attempt), strict=True))
         ok = failed = unavailable = 0
         sent_bytes = 0
         failures: dict[int, int] = {}
@@ -485,24 +474,6 @@ class MooncakeStorage:
             [buffers[i].nbytes for i in idx],
         )
 
-    def _put_async(
-        self, store: Any, idx: list[int], keys: Sequence[str], buffers: Sequence[PageBuffer]
-    ) -> concurrent.futures.Future[Any] | None:
-        """``_send`` on a helper thread (``None``: closed, :meth:`_finish` sends inline)."""
-        return self._submit(self._send, store, idx, keys, buffers)
-
-    def _finish(
-        self,
-        sent: tuple[list[int], concurrent.futures.Future[Any] | None],
-        keys: Sequence[str],
-        buffers: Sequence[PageBuffer],
-    ) -> list[int]:
-        idx, future = sent
-        if future is None:
-            return self._send(self._client(), idx, keys, buffers)
-        codes: list[int] = future.result()
-        return codes
-
     def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
         """Read slots zero-copy and verify them; corrupt pages are misses and are removed.
 
@@ -517,26 +488,12 @@ class MooncakeStorage:
             return []
         store = self._client()
         self._check_registered(buffers)
-        codes: list[int] = []
-        read: list[int] = []
-        verdicts: list[integrity.Verdict] = []
-        # Pipeline: chunk k + 1 is read on a helper thread while this one verifies chunk k
         chunks = byte_chunks(list(range(n)), [b.nbytes for b in buffers], PIPELINE_BYTES)
-        ahead = None
-        try:
-            for k, chunk in enumerate(chunks):
-                got = self._get(store, chunk, keys, buffers) if ahead is None else ahead.result()
-                ahead = None
-                if k + 1 < len(chunks):
-                    ahead = self._submit(self._get, store, chunks[k + 1], keys, buffers)
-                codes += got
-                done = [i for i, code in zip(chunk, got, strict=True) if code > 0]
-                read += done
-                verdicts += integrity.verify_many(
-                    [buffers[i] for i in done], [keys[i] for i in done], [codes[i] for i in done]
-                )
-        finally:
-            _settle(ahead)  # the buffers are the caller's again only once no read is writing
+
+        def get(idx: list[int]) -> list[int]:
+            return self._get(store, idx, keys, buffers)
+
+        codes, read, verdicts = pipelined_get(chunks, keys, buffers, get, self._submit)
         results = [False] * n
         hits = misses = failed = unavailable = 0
         read_bytes = 0

@@ -8,7 +8,12 @@ synchronous steps between awaits; completions reach the tree through the core's 
 blocking backend calls run on :class:`~aiocache_kv.storage.executor.StorageIO` workers.
 
 Backup.  When a write ack makes nodes host-resident, :meth:`backup` marks them storage-FILLING
-(their host copy is then protected from eviction), and a task puts their pages.  The op's
+(their host copy is then protected from eviction) and queues the op.  At most
+``storage_workers`` backup puts are in flight; ops acked meanwhile are sent together, in ack
+order, as one put of up to :data:`BACKUP_BATCH_BYTES` (at least one op), so a burst of small
+write acks pays the per-call cost once per batch of bytes rather than once per ack.  Every op
+keeps its own slice of the verdicts and lands on its own; an op still queued at its deadline
+(``storage_timeout`` after its ack) fails unsent.  The op's
 target list is re-targeted by node splits exactly like device<->host copies, and its per-page
 results are consumed in target order, so every fragment gets its own verdict, its own STORAGE
 ``BlockStored`` event, and a failed page is never reported as stored.  After a failed batch the
@@ -33,14 +38,16 @@ pages at the same agreed point.)
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from aiocache_kv.distributed.acks import AckQueue
-from aiocache_kv.errors import KVCacheError
+from aiocache_kv.errors import KVCacheError, StorageTimeoutError
 from aiocache_kv.logs import get_logger
 from aiocache_kv.storage.base import PageBuffer, StorageBackend
 from aiocache_kv.storage.prefetch import (
@@ -59,10 +66,29 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
+#: backups queued while every storage worker is busy are sent together, in puts of about
+#: this many bytes (one call per op at least): the per-call cost is paid per batch of bytes,
+#: not per write ack
+BACKUP_BATCH_BYTES = 32 << 20
+
+
 class BackupOp:
     """A batch of nodes whose pages are being put to storage, in page order."""
 
-    __slots__ = ("entry_pages", "error", "future", "results", "started", "targets")
+    __slots__ = (
+        "bufs",
+        "deadline",
+        "entry_pages",
+        "error",
+        "future",
+        "keys",
+        "nbytes",
+        "parents",
+        "release",
+        "results",
+        "started",
+        "targets",
+    )
 
     def __init__(self, targets: list[Node], future: asyncio.Future[None]) -> None:
         self.targets = targets
@@ -72,6 +98,13 @@ class BackupOp:
         self.results: list[bool] = []
         self.error: str | None = None
         self.started = time.monotonic()
+        #: what the put sends (set by ``backup``): keys, parents, slots, their bytes
+        self.keys: list[str] = []
+        self.parents: list[str | None] = []
+        self.bufs: list[PageBuffer] = []
+        self.nbytes = 0
+        self.release: Callable[[], None] | None = None  #: ends the lease (once)
+        self.deadline = 0.0  #: loop time by which its put must have answered
 
 class StorageTier(PrefetchingTier):
     """L3 for one cache.  Created and driven by :class:`~aiocache_kv.cache.HiCache`."""
@@ -83,6 +116,9 @@ class StorageTier(PrefetchingTier):
         core.coordinator.register(self.acks)
         core.on_split(self.retarget)
         self._retry_after = 0.0
+        self._queued: collections.deque[BackupOp] = collections.deque()  # waiting for a worker
+        self._sending = 0  # backup puts handed to StorageIO and not yet answered
+        self._pump_scheduled = False
 
     async def settle(self, *, drain: bool = True) -> None:
         """Wait for every backup and background prefetch (each bounded by its deadline), then
@@ -166,40 +202,91 @@ class StorageTier(PrefetchingTier):
         alloc = core.host_alloc
         assert alloc is not None
         alloc.lease(leased)  # until the worker is done with the bytes, whatever the verdict
-        release = functools.partial(alloc.unlease, leased)
-        loop.create_task(self._run_backup(op, keys, parents, bufs, release))
+        op.keys, op.parents, op.bufs = keys, parents, bufs
+        op.nbytes = sum(b.nbytes for b in bufs)
+        op.release = functools.partial(alloc.unlease, leased)
+        op.deadline = loop.time() + core.config.storage_timeout
+        self._queued.append(op)
+        self._schedule_pump()
         return op
+
+    def _schedule_pump(self) -> None:
+        if not self._pump_scheduled and self._queued:
+            loop = self.core.loop
+            assert loop is not None
+            self._pump_scheduled = True
+            loop.call_soon(self._pump)
+
+    def _pump(self) -> None:
+        """Send queued backups while a storage worker is free, those queued meanwhile
+        together (up to :data:`BACKUP_BATCH_BYTES` a put, in ack order; on the loop)."""
+        self._pump_scheduled = False
+        loop = self.core.loop
+        assert loop is not None
+        while self._queued and self._sending < self.io.workers:
+            group = [self._queued.popleft()]
+            size = group[0].nbytes
+            while self._queued and size + self._queued[0].nbytes <= BACKUP_BATCH_BYTES:
+                size += self._queued[0].nbytes
+                group.append(self._queued.popleft())
+            self._sending += 1
+            loop.create_task(self._run_backup(group))
 
     @property
     def backups_pending(self) -> int:
         """Backups started and not yet applied."""
         return len(self._backups)
 
-    async def _run_backup(
-        self,
-        op: BackupOp,
-        keys: list[str],
-        parents: list[str | None],
-        bufs: list[PageBuffer],
-        release: functools.partial[None],
-    ) -> None:
-        with span("aiocache_kv.backup", pages=len(keys), nodes=len(op.targets)) as sp:
-            try:
-                op.results = await self.io.put(keys, bufs, on_release=release, parents=parents)
-            except KVCacheError as exc:
-                op.results = [False] * len(keys)
-                op.error = repr(exc)
-                if self.core.coordinator.deferred:  # every rank frees at the agreed point
-                    await self.io.wait_released(bufs)
-            except BaseException:
-                op.results = [False] * len(keys)
-                op.error = "cancelled"
+    async def _run_backup(self, group: list[BackupOp]) -> None:
+        """One put for ``group``'s pages; each op gets its own slice of the verdicts and
+        lands on its own, in order.  The lease of every op ends when the worker is done."""
+        keys = [k for op in group for k in op.keys]
+        parents = [p for op in group for p in op.parents]
+        bufs = [b for op in group for b in op.bufs]
+        releases = [op.release for op in group if op.release is not None]
+        for op in group:
+            op.release = None
+
+        def release() -> None:
+            for r in releases:
+                r()
+
+        loop = self.core.loop
+        assert loop is not None
+        results: list[bool] = [False] * len(keys)
+        error: str | None = None
+        try:
+            with span("aiocache_kv.backup", pages=len(keys), nodes=len(group)) as sp:
+                try:
+                    timeout = min(op.deadline for op in group) - loop.time()
+                    if timeout <= 0:  # queued past its deadline behind busy workers
+                        release()
+                        raise StorageTimeoutError("storage put did not start in time")
+                    results = await self.io.put(
+                        keys, bufs, timeout=timeout, on_release=release, parents=parents
+                    )
+                except KVCacheError as exc:
+                    error = repr(exc)
+                    if self.core.coordinator.deferred:  # every rank frees at the agreed point
+                        await self.io.wait_released(bufs)
+                except BaseException:
+                    error = "cancelled"
+                    raise
+                finally:
+                    at = 0
+                    for op in group:
+                        n = len(op.keys)
+                        op.results = results[at : at + n]
+                        op.error = error
+                        at += n
+                sp.set_attribute("aiocache_kv.pages_ok", sum(results))
+                if error is not None:
+                    sp.set_attribute("aiocache_kv.error", error)
+        finally:
+            self._sending -= 1
+            self._schedule_pump()
+            for op in group:
                 self._land_backup(op)
-                raise
-            sp.set_attribute("aiocache_kv.pages_ok", sum(op.results))
-            if op.error is not None:
-                sp.set_attribute("aiocache_kv.error", op.error)
-        self._land_backup(op)
 
     def _land_backup(self, op: BackupOp) -> None:
         # one rank applies per-page verdicts (ok=True: the results decide); TP agrees on

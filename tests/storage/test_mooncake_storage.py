@@ -73,14 +73,37 @@ def test_existing_keys_are_not_resent(mc_storage: MooncakeStorage, tag: str) -> 
     assert mc_storage.put(keys[:2], first.slots[:2]) == [True, True]
     before = mc_storage.statistics()
     other = HostPool(4, seed=3)
-    assert mc_storage.put(keys, other.slots) == [True] * 4
+    mc_storage.check_existing = True
+    try:
+        assert mc_storage.put(keys, other.slots) == [True] * 4
+    finally:
+        mc_storage.check_existing = False
     after = mc_storage.statistics()
     assert after.bytes_written - before.bytes_written == 2 * SLOT  # only the two new keys
     assert after.put_skipped - before.put_skipped == 2
     dst = HostPool(4)
     assert mc_storage.get_into(keys, dst.slots) == [True] * 4
     assert [dst.payload(i) for i in range(2)] == [first.payload(i) for i in range(2)]
-    assert [dst.payload(i) for i in (2, 3)] == [other.payload(i) for i in (2, 3)]
+
+
+def test_put_without_check_keeps_the_stored_value(mc_storage: MooncakeStorage, tag: str) -> None:
+    """The default put sends no existence check: on a present key the real store answers 0 and
+    keeps the old value (what makes skipping the check safe), and both verify."""
+    keys = keys_for(tag, 4)
+    first, other = HostPool(4, seed=12), HostPool(4, seed=13)
+    assert mc_storage.put(keys[:2], first.slots[:2]) == [True, True]
+    before = mc_storage.statistics()
+    assert mc_storage.put(keys, other.slots) == [True] * 4
+    after = mc_storage.statistics()
+    assert (after.put_ok - before.put_ok, after.put_failed - before.put_failed) == (4, 0)
+    dst = HostPool(4)
+    assert mc_storage.get_into(keys, dst.slots) == [True] * 4  # every stored page verifies
+    assert [dst.payload(i) for i in range(4)] == [
+        first.payload(0),
+        first.payload(1),
+        other.payload(2),
+        other.payload(3),
+    ]
 
 
 def test_missing_keys_are_misses(mc_storage: MooncakeStorage, tag: str) -> None:
@@ -194,7 +217,7 @@ def scripted_client(exist: list[list[int]], put: list[list[int]]) -> FakeMooncak
 
 
 def scripted(client: FakeMooncakeClient) -> MooncakeStorage:
-    s = FakeMooncakeStorage(client, no_space_retry_delay=0.0)
+    s = FakeMooncakeStorage(client, no_space_retry_delay=0.0, check_existing=True)
     s.open()
     return s
 
@@ -360,7 +383,8 @@ def test_pipelined_put_round_trips_on_a_real_master(
     before = mc_storage.statistics()
     assert mc_storage.put(keys, src.slots) == [True] * 9
     after = mc_storage.statistics()
-    assert (after.put_ok - before.put_ok, after.put_skipped - before.put_skipped) == (8, 1)
+    # no existence check: the present key is sent too, and the store answers 0 for it
+    assert (after.put_ok - before.put_ok, after.put_skipped - before.put_skipped) == (9, 0)
     assert mc_storage.get_into(keys, dst.slots) == [True] * 9
     assert torch.equal(src.tensor, dst.tensor)
 

@@ -161,7 +161,7 @@ def test_large_pages_round_trip(tmp_path: Path) -> None:
 
 
 def scripted(client: FakeMooncakeClient) -> MooncakeStorage:
-    s = FakeMooncakeStorage(client, no_space_retry_delay=0.0)
+    s = FakeMooncakeStorage(client, no_space_retry_delay=0.0, check_existing=True)
     s.open()
     return s
 
@@ -254,3 +254,28 @@ def test_workers_cap_intra_op_threads(threads: int | None) -> None:
 def test_intra_op_threads_must_be_positive() -> None:
     with pytest.raises(ConfigError):
         StorageIO(FileStorage("/nonexistent-unused"), intra_op_threads=0)
+
+
+def test_mooncake_default_put_has_no_existence_check_and_no_hand_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    client = FakeMooncakeClient()
+    s = FakeMooncakeStorage(client, no_space_retry_delay=0.0)
+    s.open()
+    keys = keys_for(4)
+    first = track(pool(4, seed=1))
+    assert s.put(keys[:2], first[:2]) == [True, True]
+
+    def no_helper(*_: object) -> None:
+        raise AssertionError("a one-chunk put must not hand off to a helper thread")
+
+    monkeypatch.setattr(s, "_submit", no_helper)
+    second = track(pool(4, seed=2))
+    assert s.put([*keys, keys[1]], [*second, second[0]]) == [True] * 5
+    assert client.calls["batch_is_exist"] == 0
+    assert client.log[-1] == ("batch_put_from", keys)  # present keys too; the repeat rides along
+    st = s.statistics()
+    assert (st.put_ok, st.put_skipped) == (2 + 4, 1)
+    dst = track(empty(4))
+    assert s.get_into(keys, dst) == [True] * 4  # the store kept the first values: they verify
+    assert [payload(b) for b in dst] == [payload(b) for b in [*first[:2], *second[2:]]]

@@ -1,0 +1,101 @@
+"""Backups queued behind busy storage workers are sent together, sized by bytes.
+
+The tier keeps at most ``storage_workers`` backup puts in flight; write acks that arrive
+meanwhile queue up and go out as one put of up to ``BACKUP_BATCH_BYTES`` (at least one op a
+put).  Each op still gets its own per-page verdicts, and a queued op whose deadline passed
+fails without being sent (its lease ends at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import aiocache_kv as akv
+from aiocache_kv.storage import tier
+from aiocache_kv.testing.fake_mooncake import FakeMooncakeClient, FakeMooncakeStorage
+from aiocache_kv.tree import TierState
+from tests.conftest import small_config
+from tests.test_split_ack import insert
+
+PROMPTS = [[base + i for i in range(6)] for base in (100, 200, 300, 400)]  # 3 pages each
+
+
+def config(store: FakeMooncakeStorage, **kw: object) -> akv.CacheConfig:
+    return small_config(storage=store, storage_workers=1, storage_retry_seconds=0.0, **kw)
+
+
+async def entered(client: FakeMooncakeClient) -> None:
+    assert await asyncio.to_thread(client.entered["batch_put_from"].wait, 10)
+
+
+def storage_state(cache: akv.HiCache, tokens: list[int]) -> TierState:
+    """The storage state of the node holding ``tokens`` (no match: a hit would back it up)."""
+    (node,) = [n for n in cache._tree.walk() if n.key and n.key[0] == tokens[0]]
+    return node.storage
+
+
+@pytest.mark.parametrize("limit", [None, 1])
+async def test_queued_backups_share_a_put_and_keep_their_own_verdicts(
+    limit: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if limit is not None:  # every op alone: one put per op, as before batching
+        monkeypatch.setattr(tier, "BACKUP_BATCH_BYTES", limit)
+    client = FakeMooncakeClient()
+    client.gates["batch_put_from"].clear()
+    store = FakeMooncakeStorage(client)
+    async with akv.HiCache(config(store)) as cache:
+        handles = [insert(cache, PROMPTS[0], seed=1)]
+        await entered(client)  # the only worker is busy with the first backup
+        handles += [insert(cache, p, seed=k + 2) for k, p in enumerate(PROMPTS[1:])]
+        await asyncio.sleep(0.05)
+        assert len(client.put_calls) == 1  # the others wait for the worker, unsent
+        # the page in the middle of the third prompt fails, whichever put carries it
+        codes = [[0] * 3] + ([[0] * 9] if limit is None else [[0] * 3, [0] * 3, [0] * 3])
+        codes[-2 if limit is not None else 1][4 if limit is None else 1] = -1
+        client.put_codes = codes
+        client.gates["batch_put_from"].set()
+        await cache.flush()
+        calls = [len(keys) for keys in client.put_calls]
+        assert calls == ([3, 3, 3, 3] if limit == 1 else [3, 9])
+        stats = cache.statistics()
+        assert (stats.backup_pages_ok, stats.backup_pages_failed) == (9, 3)
+        states = [storage_state(cache, p) for p in PROMPTS]
+        ok, absent = TierState.RESIDENT, TierState.ABSENT
+        assert states == [ok, ok, absent, ok]
+        for h in handles:
+            cache.release(h)
+        assert cache.statistics().host.quarantined_pages == 0
+        cache.check_invariants()
+
+
+async def test_a_backup_queued_past_its_deadline_fails_unsent() -> None:
+    client = FakeMooncakeClient()
+    client.gates["batch_put_from"].clear()
+    store = FakeMooncakeStorage(client)
+    async with akv.HiCache(config(store, storage_timeout=0.3)) as cache:
+        a = insert(cache, PROMPTS[0], seed=1)
+        await entered(client)
+        b = insert(cache, PROMPTS[1], seed=2)
+        tier_ = cache._l3
+        assert tier_ is not None
+        for _ in range(500):  # until its write ack queued the backup behind the stuck worker
+            if tier_._queued:
+                break
+            await asyncio.sleep(0.01)
+        (queued,) = tier_._queued
+        queued.deadline = asyncio.get_running_loop().time()  # due before the worker frees up
+        await asyncio.sleep(0.8)  # the first put's deadline passes too, the worker stuck
+        stats = cache.statistics()
+        assert (stats.backup_pages_ok, stats.backup_pages_failed) == (0, 6)
+        assert len(client.put_calls) == 1  # the queued one was never sent
+        assert storage_state(cache, PROMPTS[1]) is TierState.ABSENT
+        client.gates["batch_put_from"].set()
+        await cache.flush()  # the late put returns: its pages are released, never a verdict
+        assert cache.statistics().backup_pages_ok == 0
+        assert len(client.put_calls) == 1  # and the expired one is never sent late
+        for h in (a, b):
+            cache.release(h)
+        assert cache.statistics().host.quarantined_pages == 0
+        cache.check_invariants()
