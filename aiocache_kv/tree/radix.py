@@ -37,7 +37,6 @@ flight; host candidates are unpinned host-only leaves.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,55 +44,10 @@ import torch
 from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, Tier, TierState
+from aiocache_kv.tree.results import Eviction, InsertOutcome, InsertPlan
 from aiocache_kv.tree.tiers import TierBook
 
 _CHUNK = 64  # tokens compared per slice while searching a mismatch
-
-
-@dataclass(slots=True)
-class InsertOutcome:
-    """What :meth:`RadixTree.insert` did."""
-
-    node: Node  #: last node of the inserted path (pinned if ``pin=True``)
-    prefix_tokens: int  #: tokens that were already in the tree (any tier)
-    inserted_tokens: int = 0  #: tokens the tree now holds for this insert (see ``insert``)
-    created: list[Node] = field(default_factory=list)  #: new nodes, root-most first
-    adopted: list[Node] = field(default_factory=list)  #: host-only nodes given the new pages
-
-
-@dataclass(slots=True)
-class InsertPlan:
-    """The read-only walk of an insert (:meth:`RadixTree.plan_insert`)."""
-
-    root: Node | None  #: the namespace's root (``None``: not created yet)
-    steps: list[Node] = field(default_factory=list)  #: whole nodes passed, root-most first
-    split: Node | None = None  #: the node the walk ends inside (split at ``common``)
-    common: int = 0
-    pos: int = 0  #: tokens the walk covered
-    existing: list[torch.Tensor] = field(default_factory=list)  #: the leading device pages
-    existing_pages: int = 0  #: how many pages ``existing`` holds
-
-    def device_pages(self) -> torch.Tensor:
-        """Device pages the tree holds for the leading part of the walk."""
-        parts = self.existing
-        if not parts:
-            return _NO_PAGES
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-_NO_PAGES = torch.empty(0, dtype=torch.int64)
-
-
-@dataclass(slots=True)
-class Eviction:
-    """What an eviction freed: page tensors and the nodes whose tier copy went away."""
-
-    pages: list[torch.Tensor] = field(default_factory=list)
-    nodes: list[Node] = field(default_factory=list)
-    num_pages: int = 0
-    #: host copies dropped with a deleted device victim's host-only subtree
-    host_pages: list[torch.Tensor] = field(default_factory=list)
-    host_nodes: list[Node] = field(default_factory=list)
 
 
 class RadixTree(TierBook):

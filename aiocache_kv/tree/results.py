@@ -1,0 +1,57 @@
+"""What the tree's operations return: an insert's plan and outcome, an eviction's spoils."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from aiocache_kv.tree.node import Node
+
+__all__ = ["Eviction", "InsertOutcome", "InsertPlan"]
+
+
+@dataclass(slots=True)
+class InsertOutcome:
+    """What :meth:`RadixTree.insert` did."""
+
+    node: Node  #: last node of the inserted path (pinned if ``pin=True``)
+    prefix_tokens: int  #: tokens that were already in the tree (any tier)
+    inserted_tokens: int = 0  #: tokens the tree now holds for this insert (see ``insert``)
+    created: list[Node] = field(default_factory=list)  #: new nodes, root-most first
+    adopted: list[Node] = field(default_factory=list)  #: host-only nodes given the new pages
+
+
+@dataclass(slots=True)
+class InsertPlan:
+    """The read-only walk of an insert (:meth:`RadixTree.plan_insert`)."""
+
+    root: Node | None  #: the namespace's root (``None``: not created yet)
+    steps: list[Node] = field(default_factory=list)  #: whole nodes passed, root-most first
+    split: Node | None = None  #: the node the walk ends inside (split at ``common``)
+    common: int = 0
+    pos: int = 0  #: tokens the walk covered
+    existing: list[torch.Tensor] = field(default_factory=list)  #: the leading device pages
+    existing_pages: int = 0  #: how many pages ``existing`` holds
+
+    def device_pages(self) -> torch.Tensor:
+        """Device pages the tree holds for the leading part of the walk."""
+        parts = self.existing
+        if not parts:
+            return _NO_PAGES
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+_NO_PAGES = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(slots=True)
+class Eviction:
+    """What an eviction freed: page tensors and the nodes whose tier copy went away."""
+
+    pages: list[torch.Tensor] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    num_pages: int = 0
+    #: host copies dropped with a deleted device victim's host-only subtree
+    host_pages: list[torch.Tensor] = field(default_factory=list)
+    host_nodes: list[Node] = field(default_factory=list)
