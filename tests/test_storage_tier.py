@@ -320,3 +320,39 @@ async def test_unwritable_storage_dir_fails_at_start(tmp_path: Path) -> None:
 def test_storage_must_be_a_backend() -> None:
     with pytest.raises(akv.ConfigError, match="StorageBackend"):
         small_config(storage="/tmp/kv")
+
+
+class CallLog(FileStorage):
+    """FileStorage that records the size of every read and the threads that ran them."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.reads: list[int] = []
+        self.threads: set[int] = set()
+        self.both = threading.Barrier(2, timeout=10)
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+        self.reads.append(len(keys))
+        self.threads.add(threading.get_ident())
+        self.both.wait()  # returns only once two reads run at the same time
+        return super().get_into(keys, buffers)
+
+
+@pytest.mark.parametrize("batch", [8, 100])
+async def test_prefetch_spreads_one_batch_over_every_worker(tmp_path: Path, batch: int) -> None:
+    """8 pages and a batch of 8 (or more): two reads of 4, on two workers at once, not one
+    read of 8 while the other worker idles; each still at most ``prefetch_batch_pages``."""
+    written = await stored_prompt(tmp_path)
+    store = CallLog(tmp_path)
+    async with akv.HiCache(
+        cfg(tmp_path, storage=store, storage_workers=2, prefetch_batch_pages=batch)
+    ) as cache:
+        res = await cache.prefetch(PROMPT)
+        assert res.status is PrefetchStatus.COMPLETE and res.hit_tokens == 16
+        assert store.reads == [4, 4] and len(store.threads) == 2
+        m = cache.match_prefix(PROMPT)
+        await cache.load_back(m)
+        for a, b in zip(read_kv(cache, m.device_indices), written, strict=True):
+            assert torch.equal(a, b)
+        cache.release(m)
+        cache.check_invariants()

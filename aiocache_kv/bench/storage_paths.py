@@ -129,6 +129,8 @@ class HeldAckEngine:
         self._want = count
         self._held = []
         self._ready = asyncio.Event()
+        if count <= 0:
+            self._ready.set()  # nothing to wait for
 
     def submit(self, job: CopyJob, done: Done) -> None:
         """Run ``job`` on the worker; park its completion while holding."""

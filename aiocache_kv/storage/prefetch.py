@@ -304,7 +304,9 @@ class PrefetchingTier(StorageTierBase):
             for j in range(min(job.hits, fits))
             if by_pool[pool][j]
         ]
-        chunk = self.core.config.prefetch_batch_pages
+        # at most prefetch_batch_pages a call, and spread over every worker: a read of one
+        # batch would otherwise run on one worker while the others idle
+        chunk = max(1, min(self.core.config.prefetch_batch_pages, -(-len(plan) // self.io.workers)))
         alloc = self.core.host_alloc
         assert alloc is not None
         tasks: list[tuple[list[tuple[int, int]], asyncio.Future[list[bool]]]] = []
