@@ -11,10 +11,12 @@ Backup.  When a write ack makes nodes host-resident, :meth:`backup` marks them s
 (their host copy is then protected from eviction) and queues the op.  At most
 ``storage_workers`` backup puts are in flight; ops acked meanwhile are sent together, in ack
 order, as one put of up to :data:`BACKUP_BATCH_BYTES` (at least one op), so a burst of small
-write acks pays the per-call cost once per batch of bytes rather than once per ack.  Every op
-keeps its own slice of the verdicts and lands on its own; an op still queued at its deadline
-(``storage_timeout`` after its ack) fails unsent.  The op's
-target list is re-targeted by node splits exactly like device<->host copies, and its per-page
+write acks pays the per-call cost once per batch of bytes rather than once per ack.  The last
+group queued goes out over every idle worker instead: consecutive slices of at least
+:data:`BACKUP_PART_BYTES`, put at once (a slice that fails fails the group, as one put
+would).  Every op keeps its own slice of the verdicts and lands on its own; an op still queued
+at its deadline (``storage_timeout`` after its ack) fails unsent.  The op's target list is
+re-targeted by node splits exactly like device<->host copies, and its per-page
 results are consumed in target order, so every fragment gets its own verdict, its own STORAGE
 ``BlockStored`` event, and a failed page is never reported as stored.  After a failed batch the
 tier backs off for ``storage_retry_seconds``; nodes whose backup failed stay storage-ABSENT and
@@ -40,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import itertools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -70,6 +73,9 @@ log = get_logger(__name__)
 #: this many bytes (one call per op at least): the per-call cost is paid per batch of bytes,
 #: not per write ack
 BACKUP_BATCH_BYTES = 32 << 20
+#: a backup with storage workers to spare is split into puts of at least this many bytes,
+#: one per idle worker, so one large backup does not run on one worker while the others idle
+BACKUP_PART_BYTES = 2 << 20
 
 
 class BackupOp:
@@ -229,17 +235,23 @@ class StorageTier(PrefetchingTier):
             while self._queued and size + self._queued[0].nbytes <= BACKUP_BATCH_BYTES:
                 size += self._queued[0].nbytes
                 group.append(self._queued.popleft())
-            self._sending += 1
-            loop.create_task(self._run_backup(group))
+            parts = 1
+            if not self._queued:  # the last group: spread it over every idle worker
+                pages = sum(len(op.keys) for op in group)
+                idle = self.io.workers - self._sending
+                parts = max(1, min(idle, pages, size // BACKUP_PART_BYTES))
+            self._sending += parts
+            loop.create_task(self._run_backup(group, parts))
 
     @property
     def backups_pending(self) -> int:
         """Backups started and not yet applied."""
         return len(self._backups)
 
-    async def _run_backup(self, group: list[BackupOp]) -> None:
-        """One put for ``group``'s pages; each op gets its own slice of the verdicts and
-        lands on its own, in order.  The lease of every op ends when the worker is done."""
+    async def _run_backup(self, group: list[BackupOp], parts: int = 1) -> None:
+        """One put for ``group``'s pages (``parts`` concurrent puts of consecutive slices);
+        each op gets its own slice of the verdicts and lands on its own, in order.  The lease
+        of every op ends when the workers are done."""
         keys = [k for op in group for k in op.keys]
         parents = [p for op in group for p in op.parents]
         bufs = [b for op in group for b in op.bufs]
@@ -262,9 +274,7 @@ class StorageTier(PrefetchingTier):
                     if timeout <= 0:  # queued past its deadline behind busy workers
                         release()
                         raise StorageTimeoutError("storage put did not start in time")
-                    results = await self.io.put(
-                        keys, bufs, timeout=timeout, on_release=release, parents=parents
-                    )
+                    results = await self._put_parts(keys, bufs, parents, timeout, release, parts)
                 except KVCacheError as exc:
                     error = repr(exc)
                     if self.core.coordinator.deferred:  # every rank frees at the agreed point
@@ -283,10 +293,59 @@ class StorageTier(PrefetchingTier):
                 if error is not None:
                     sp.set_attribute("aiocache_kv.error", error)
         finally:
-            self._sending -= 1
+            self._sending -= parts
             self._schedule_pump()
             for op in group:
                 self._land_backup(op)
+
+    async def _put_parts(
+        self,
+        keys: list[str],
+        bufs: list[PageBuffer],
+        parents: list[str | None],
+        timeout: float,
+        release: Callable[[], None],
+        parts: int,
+    ) -> list[bool]:
+        """``io.put`` of the pages in ``parts`` consecutive slices at once; ``release`` runs
+        once every slice's worker is done.  A slice that fails fails the whole put (raised
+        once every slice has returned), as one put would.
+
+        Raises:
+            KVCacheError: what a slice's put raised (the first one).
+        """
+        if parts <= 1:
+            return await self.io.put(
+                keys, bufs, timeout=timeout, on_release=release, parents=parents
+            )
+        n = len(keys)
+        cuts = [n * i // parts for i in range(parts + 1)]
+        left = [parts]
+
+        def one_released() -> None:
+            left[0] -= 1
+            if not left[0]:
+                release()
+
+        outs = await asyncio.gather(
+            *(
+                self.io.put(
+                    keys[a:b],
+                    bufs[a:b],
+                    timeout=timeout,
+                    on_release=one_released,
+                    parents=parents[a:b],
+                )
+                for a, b in itertools.pairwise(cuts)
+            ),
+            return_exceptions=True,
+        )
+        results: list[bool] = []
+        for out in outs:
+            if isinstance(out, BaseException):
+                raise out
+            results += out
+        return results
 
     def _land_backup(self, op: BackupOp) -> None:
         # one rank applies per-page verdicts (ok=True: the results decide); TP agrees on

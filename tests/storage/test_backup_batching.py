@@ -9,6 +9,7 @@ fails without being sent (its lease ends at once).
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -97,5 +98,49 @@ async def test_a_backup_queued_past_its_deadline_fails_unsent() -> None:
         assert len(client.put_calls) == 1  # and the expired one is never sent late
         for h in (a, b):
             cache.release(h)
+        assert cache.statistics().host.quarantined_pages == 0
+        cache.check_invariants()
+
+
+class _TwoAtOnce(FakeMooncakeClient):
+    """A fake client whose puts return only once two of them run at the same time."""
+
+    def __init__(self, fail_pair: bool) -> None:
+        super().__init__()
+        self.both = threading.Barrier(2, timeout=10)
+        self.threads: set[int] = set()
+        self.fail_pair = fail_pair  # the put of two pages fails its second page
+
+    def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        self.threads.add(threading.get_ident())
+        self.both.wait()
+        codes: list[int] = super().batch_put_from(keys, ptrs, sizes)
+        return [*codes[:1], -1] if self.fail_pair and len(keys) == 2 else codes
+
+
+@pytest.mark.parametrize("fail", [False, True])
+async def test_one_backup_is_spread_over_idle_workers(
+    fail: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With two idle workers a 3-page backup goes out as two puts at once (consecutive
+    slices); every page gets its verdict, and a failing slice fails the whole backup (as
+    one put would), with every lease returned."""
+    monkeypatch.setattr(tier, "BACKUP_PART_BYTES", 1)
+    client = _TwoAtOnce(fail_pair=fail)
+    store = FakeMooncakeStorage(client)
+    cfg = small_config(storage=store, storage_workers=2, storage_retry_seconds=0.0)
+    async with akv.HiCache(cfg) as cache:
+        h = insert(cache, PROMPTS[0], seed=1)
+        await cache.flush()
+        assert sorted(len(keys) for keys in client.put_calls) == [1, 2]
+        assert len(client.threads) == 2
+        stats = cache.statistics()
+        if not fail:
+            assert (stats.backup_pages_ok, stats.backup_pages_failed) == (3, 0)
+            assert storage_state(cache, PROMPTS[0]) is TierState.RESIDENT
+        else:
+            assert (stats.backup_pages_ok, stats.backup_pages_failed) == (0, 3)
+            assert storage_state(cache, PROMPTS[0]) is TierState.ABSENT
+        cache.release(h)
         assert cache.statistics().host.quarantined_pages == 0
         cache.check_invariants()
