@@ -9,6 +9,13 @@ was, or its parent is unknown) is still a chain end when nothing depends on it. 
 of pages refreshes its ancestors too (:meth:`PageIndex.touch_run`), so a prompt that keeps
 hitting keeps its whole chain.
 
+The refresh of the ancestors is lazy: only a chain end is ever a victim, and a page becomes a
+chain end only when its last dependant leaves, so a hit records its tick on the pages it read
+(``hit``) and each page hands the newest hit of its subtree to its parent when it is removed.
+A page that becomes a chain end is then exactly as recent as the newest hit below it, as if
+every hit had walked up to the root - without the walk, which made a prefetch of a long prompt
+in chunks cost the prompt's length per chunk (quadratic in its pages).
+
 Cycles cannot come from hash chains; should hostile parents form one, nothing in it is a chain
 end and eviction falls back to the least recently used page of all, so the capacity bound
 always holds.
@@ -31,6 +38,7 @@ class _Entry:
     parent: str | None
     tick: int
     children: int = 0  #: stored pages whose parent this is
+    hit: int = 0  #: the newest hit (touch_run) of this page or of a removed page below it
 
 
 class PageIndex:
@@ -103,7 +111,9 @@ class PageIndex:
             if up is not None:
                 up.children -= 1
                 assert up.children >= 0, f"page {parent} has {up.children} children"
+                up.hit = max(up.hit, entry.hit)  # the subtree's newest hit moves up
                 if not up.children:
+                    up.tick = max(up.tick, up.hit)  # a new chain end: as recent as its hits
                     self._push_leaf(parent, up)
             else:
                 left = self._orphans.get(parent, 0) - 1
@@ -125,20 +135,17 @@ class PageIndex:
 
     def touch_run(self, names: list[str]) -> None:
         """``names`` and every stored ancestor of theirs were used now (a prefetch hit its
-        chains).  They all get one new tick, so refreshing a run costs its length plus one
-        walk up to the root: the walk stops at a page this call already refreshed."""
+        chains).  The pages get one new tick; their ancestors get it when they become chain
+        ends (see the module docstring), so a run costs its length, not its chains'."""
         tick = self._next()
         for name in names:
-            cur: str | None = name
-            while cur is not None:
-                entry = self._pages.get(cur)
-                if entry is None or entry.tick == tick:
-                    break
-                entry.tick = tick
-                self._pages.move_to_end(cur)
-                if not entry.children:
-                    self._push_leaf(cur, entry)
-                cur = entry.parent
+            entry = self._pages.get(name)
+            if entry is None:
+                continue
+            entry.tick = entry.hit = tick
+            self._pages.move_to_end(name)
+            if not entry.children:
+                self._push_leaf(name, entry)
 
     def pick_victims(self, capacity: int) -> list[str]:
         """Remove and return pages until the total fits ``capacity``: chain ends, least

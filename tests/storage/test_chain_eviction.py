@@ -101,6 +101,76 @@ def test_index_random_walk_keeps_counts_and_bound(request: pytest.FixtureRequest
         raise
 
 
+class _EagerIndex:
+    """The eviction policy spelled out slowly: a hit walks up and refreshes every stored
+    ancestor at once; victims are the pages nothing stored depends on, oldest first."""
+
+    def __init__(self) -> None:
+        self.pages: dict[str, tuple[int, str | None, int]] = {}  # name -> size, parent, tick
+        self.tick = 0
+
+    def add(self, name: str, size: int, parent: str | None) -> None:
+        self.tick += 1
+        self.pages[name] = (size, parent, self.tick)
+
+    def remove(self, name: str) -> None:
+        self.pages.pop(name, None)
+
+    def touch_run(self, names: list[str]) -> None:
+        self.tick += 1
+        for name in names:
+            cur: str | None = name
+            while cur is not None and cur in self.pages:
+                size, parent, _ = self.pages[cur]
+                self.pages[cur] = (size, parent, self.tick)
+                cur = parent
+
+    def ends(self) -> list[str]:
+        parents = {p for _, p, _ in self.pages.values()}
+        return [n for n in self.pages if n not in parents]
+
+    def pick_victims(self, capacity: int) -> list[str]:
+        out = []
+        while sum(v[0] for v in self.pages.values()) > capacity:
+            victim = min(self.ends(), key=lambda n: (self.pages[n][2], n))
+            self.remove(victim)
+            out.append(victim)
+        return out
+
+
+def test_lazy_chain_refresh_evicts_like_walking_every_hit_to_the_root() -> None:
+    """The index's hits refresh ancestors lazily (when they become chain ends); the victims
+    must be exactly those of refreshing every ancestor at every hit (acyclic chains, pages
+    leave as chain ends - by eviction or removal - and new pages are new names)."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    for trial in range(40):
+        idx, ref = PageIndex(), _EagerIndex()
+        fresh = 0
+        for step in range(300):
+            op = rng.random()
+            names = list(ref.pages)
+            where = f"seed {seed} trial {trial} step {step}"
+            if op < 0.45 or not names:
+                parent = rng.choice([None, *names]) if names else None
+                name, fresh = f"p{fresh}", fresh + 1
+                size = rng.randint(1, 4)
+                idx.add(name, size, parent)
+                ref.add(name, size, parent)
+            elif op < 0.7:
+                run = rng.sample(names, min(len(names), rng.randint(1, 4)))
+                idx.touch_run(run)
+                ref.touch_run(run)
+            elif op < 0.8:
+                end = rng.choice(ref.ends())
+                assert idx.remove(end) is not None, where
+                ref.remove(end)
+            else:
+                cap = rng.randint(0, 40)
+                assert idx.pick_victims(cap) == ref.pick_victims(cap), where
+            idx.check()
+
+
 # ------------------------------------------------------------------ FileStorage
 
 
