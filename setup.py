@@ -2,7 +2,7 @@
 
 ``optional=True``: where no C compiler is at hand the build goes on without them, and
 ``aiocache_kv.tree.hashing`` / ``aiocache_kv.fastcheck`` / ``aiocache_kv.storage.integrity``
-compute the same values in Python.
+compute the same values in Python, and ``aiocache_kv.storage.page_file`` reads page by page.
 """
 
 from setuptools import Extension, setup
@@ -22,6 +22,11 @@ setup(
         Extension(
             "aiocache_kv.storage._blocksum",
             sources=["aiocache_kv/storage/_blocksum.c"],
+            optional=True,
+        ),
+        Extension(
+            "aiocache_kv.storage._pageio",
+            sources=["aiocache_kv/storage/_pageio.c"],
             optional=True,
         ),
     ]

@@ -1,0 +1,193 @@
+/* Batched page-file reads for FileStorage, in C: the optional fast path of
+ * aiocache_kv/storage/page_file.py (whose read_into() is the reference and says what a read
+ * is).  A read of one page is four system calls (open, fstat, preadv, close); from Python each
+ * releases and re-takes the GIL, and with the event loop and a second worker wanting it too,
+ * every re-take waits its turn.  Here a whole batch runs with the GIL released once.
+ *
+ * read_pages(reads) -> list of (status, value), one per read.
+ *   reads: a list of (dir_fd, name: bytes, header: writable buffer, slot: writable buffer).
+ *   Each name is opened relative to dir_fd with O_RDONLY | O_NOFOLLOW | O_NONBLOCK |
+ *   O_CLOEXEC, must be a regular file (fstat), and is read with preadv into header, slot and
+ *   one byte past the slot, from offset 0 until the three are full or the file ends.
+ *   status 0: read, value = bytes read (header + slot + at most one more);
+ *   status 1: no such file;
+ *   status 2: not a regular file (a link, FIFO, socket, device or directory) or no permission;
+ *   status 3: any other failure, value = errno.
+ * Nothing else is touched: the caller checks the header and verifies the slot.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#ifndef O_CLOEXEC
+#define O_CLOEXEC 0
+#endif
+
+enum { READ_OK = 0, READ_MISSING = 1, READ_NOT_REGULAR = 2, READ_FAILED = 3 };
+
+typedef struct {
+    int dir_fd;
+    const char *name;
+    Py_buffer header;
+    Py_buffer slot;
+    int status;
+    long long value;
+} page_read;
+
+static void read_one(page_read *r)
+{
+    int fd;
+    do {
+        fd = openat(r->dir_fd, r->name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) {
+        int e = errno;
+        if (e == ENOENT) {
+            r->status = READ_MISSING;
+        } else if (e == ELOOP || e == ENXIO || e == EMLINK || e == EACCES || e == EPERM) {
+            r->status = READ_NOT_REGULAR;
+        } else {
+            r->status = READ_FAILED;
+            r->value = e;
+        }
+        return;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        r->status = READ_FAILED;
+        r->value = errno;
+        close(fd);
+        return;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        r->status = READ_NOT_REGULAR;
+        close(fd);
+        return;
+    }
+    char extra[1];
+    char *parts[3] = {(char *)r->header.buf, (char *)r->slot.buf, extra};
+    size_t sizes[3] = {(size_t)r->header.len, (size_t)r->slot.len, 1};
+    size_t want = sizes[0] + sizes[1];
+    size_t got = 0;
+    for (;;) {
+        struct iovec iov[3];
+        int cnt = 0;
+        size_t skip = got;
+        for (int i = 0; i < 3; i++) {
+            if (skip >= sizes[i]) {
+                skip -= sizes[i];
+                continue;
+            }
+            iov[cnt].iov_base = parts[i] + skip;
+            iov[cnt].iov_len = sizes[i] - skip;
+            skip = 0;
+            cnt++;
+        }
+        ssize_t n = preadv(fd, iov, cnt, (off_t)got);
+        if (n < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            r->status = READ_FAILED;
+            r->value = errno;
+            close(fd);
+            return;
+        }
+        if (n == 0) {
+            break; /* end of file: a short (truncated) file */
+        }
+        got += (size_t)n;
+        if (got >= want) {
+            break; /* header and slot full (and perhaps the byte past them) */
+        }
+    }
+    close(fd);
+    r->status = READ_OK;
+    r->value = (long long)got;
+}
+
+static PyObject *read_pages(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    if (!PyList_CheckExact(arg)) {
+        PyErr_SetString(PyExc_TypeError, "read_pages needs a list of reads");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    page_read *reads = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(page_read));
+    if (reads == NULL) {
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t ready = 0; /* reads whose two buffers are held */
+    PyObject *out = NULL;
+    for (; ready < n; ready++) {
+        PyObject *item = PyList_GET_ITEM(arg, ready);
+        page_read *r = &reads[ready];
+        PyObject *name;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
+            PyErr_SetString(PyExc_TypeError, "a read is (dir_fd, name, header, slot)");
+            goto done;
+        }
+        r->dir_fd = (int)PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
+        if (r->dir_fd == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        name = PyTuple_GET_ITEM(item, 1);
+        if (!PyBytes_Check(name)) {
+            PyErr_SetString(PyExc_TypeError, "a read's name must be bytes");
+            goto done;
+        }
+        r->name = PyBytes_AS_STRING(name); /* the list keeps the bytes alive */
+        if ((Py_ssize_t)strlen(r->name) != PyBytes_GET_SIZE(name)) {
+            PyErr_SetString(PyExc_ValueError, "a read's name contains a NUL byte");
+            goto done;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 2), &r->header, PyBUF_WRITABLE) < 0) {
+            goto done;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 3), &r->slot, PyBUF_WRITABLE) < 0) {
+            PyBuffer_Release(&r->header);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        read_one(&reads[i]);
+    }
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    if (out == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = Py_BuildValue("iL", reads[i].status, reads[i].value);
+        if (t == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, t);
+    }
+done:
+    for (Py_ssize_t i = 0; i < ready; i++) {
+        PyBuffer_Release(&reads[i].header);
+        PyBuffer_Release(&reads[i].slot);
+    }
+    PyMem_Free(reads);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"read_pages", read_pages, METH_O, "Read page files in one batch, the GIL released."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_pageio", "Batched page-file reads in C.", -1, methods, NULL, NULL,
+    NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__pageio(void) { return PyModule_Create(&module); }

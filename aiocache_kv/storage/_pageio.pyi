@@ -1,0 +1,5 @@
+"""Types of the C extension built from ``_pageio.c`` (see ``aiocache_kv.storage.page_file``)."""
+
+from typing import Any
+
+def read_pages(reads: list[tuple[int, bytes, Any, Any]], /) -> list[tuple[int, int]]: ...
