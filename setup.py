@@ -2,7 +2,8 @@
 
 ``optional=True``: where no C compiler is at hand the build goes on without them, and
 ``aiocache_kv.tree.hashing`` / ``aiocache_kv.fastcheck`` / ``aiocache_kv.storage.integrity``
-compute the same values in Python, and ``aiocache_kv.storage.page_file`` reads page by page.
+compute the same values in Python, ``aiocache_kv.storage.page_file`` reads page by page, and
+``aiocache_kv.gcfree`` leaves the tree's int lists tracked by the garbage collector.
 """
 
 from setuptools import Extension, setup
@@ -22,6 +23,11 @@ setup(
         Extension(
             "aiocache_kv.storage._blocksum",
             sources=["aiocache_kv/storage/_blocksum.c"],
+            optional=True,
+        ),
+        Extension(
+            "aiocache_kv._gcfree",
+            sources=["aiocache_kv/_gcfree.c"],
             optional=True,
         ),
         Extension(

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+from aiocache_kv.gcfree import keep
+
 
 class TierState(enum.IntEnum):
     """Presence of a node's pages in one tier."""
@@ -73,7 +75,7 @@ class Node:
     )
 
     def __init__(self, key: list[int], parent: Node | None, ns: Any) -> None:
-        self.key = key
+        self.key = keep(key)  # never mutated: a split gives both halves new lists
         self.parent = parent
         self.ns = ns
         self.children: dict[Any, Node] = {}

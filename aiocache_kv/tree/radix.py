@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from aiocache_kv.errors import InvalidInputError
+from aiocache_kv.gcfree import keep
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, Tier, TierState
 from aiocache_kv.tree.results import Eviction, InsertOutcome, InsertPlan
@@ -297,9 +298,9 @@ class RadixTree(TierBook):
             head.host_pages = child.host_pages[:pg]
             child.host_pages = child.host_pages[pg:]
         if child.hashes is not None:
-            head.hashes = child.hashes[:pg]
-            child.hashes = child.hashes[pg:]
-        child.key = child.key[at:]
+            head.hashes = keep(child.hashes[:pg])
+            child.hashes = keep(child.hashes[pg:])
+        child.key = keep(child.key[at:])
         parent.children[self._child_key(head.key, 0)] = head
         head.children[self._child_key(child.key, 0)] = child
         head.n_dev_children = 1 if child.device is not ABSENT else 0
@@ -443,7 +444,7 @@ class RadixTree(TierBook):
             parent = node.parent
             assert parent is not None, "roots have no block hashes"
             prev = self._seeds[node.ns] if parent.parent is None else self.block_hashes(parent)[-1]
-            node.hashes = chain_hashes(prev, node.key, self.page_size)
+            node.hashes = keep(chain_hashes(prev, node.key, self.page_size))
         return node.hashes
 
     def parent_hash(self, node: Node) -> int | None:

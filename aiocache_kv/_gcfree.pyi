@@ -1,0 +1,3 @@
+"""Types of the C extension built from ``_gcfree.c`` (see ``aiocache_kv.gcfree``)."""
+
+def untrack_ints(lst: object, /) -> bool: ...
