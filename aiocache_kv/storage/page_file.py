@@ -320,14 +320,30 @@ def _read_batch(
 ) -> None:
     """:func:`read_chunk`'s reads in one C call (the GIL released once for the batch), with
     the outcomes :func:`read_into` gives page by page."""
-    key_bytes = [keys[i].encode("utf-8", "surrogatepass") for i in chunk]
-    headers = [bytearray(HEADER.size + len(k)) for k in key_bytes]
-    reads = [
-        (shard_fd(names[i][:2]), (names[i] + SUFFIX).encode(), header, buffers[i].view)
-        for i, header in zip(chunk, headers, strict=True)
-    ]
-    for i, kb, header, (status, value) in zip(
-        chunk, key_bytes, headers, pageio.read_pages(reads), strict=True
+    todo: list[int] = []
+    reads: list[tuple[int, bytes, bytearray, memoryview]] = []
+    key_bytes: list[bytes] = []
+    for i in chunk:
+        try:
+            dfd = shard_fd(names[i][:2])  # a shard that cannot be opened: as read_into fails
+        except FileNotFoundError:
+            out.gone.append(i)
+            continue
+        except (safe_fs.NotRegularFileError, PermissionError):
+            out.junk.append(i)
+            continue
+        except OSError as exc:
+            out.io_errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        kb = keys[i].encode("utf-8", "surrogatepass")
+        todo.append(i)
+        key_bytes.append(kb)
+        reads.append(
+            (dfd, (names[i] + SUFFIX).encode(), bytearray(HEADER.size + len(kb)), buffers[i].view)
+        )
+    results = pageio.read_pages(reads) if reads else []
+    for i, kb, (_, _, header, _), (status, value) in zip(
+        todo, key_bytes, reads, results, strict=True
     ):
         if status == _READ_MISSING:
             out.gone.append(i)

@@ -4,12 +4,13 @@ crashed directory holds, and the same bytes in the slots."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 import pytest
 
-from aiocache_kv.storage import FileStorage, PageBuffer, page_file
+from aiocache_kv.storage import FileStorage, PageBuffer, page_file, safe_fs
 from aiocache_kv.storage.page_file import SUFFIX, file_name, read_chunk
 from tests.storage.test_file_storage import SLOT, empty, keys_for, pages, payload
 
@@ -88,3 +89,36 @@ def test_read_pages_refuses_malformed_batches() -> None:
     # a bad descriptor is a failure of that read, not of the batch
     ((status, err),) = pageio.read_pages([(-1, b"x", bytearray(1), slot)])  # type: ignore[attr-defined]
     assert status == 3 and err > 0
+
+
+def test_a_shard_that_cannot_be_opened_reads_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard directory that is gone, a link, or unreadable: the same outcome per page from
+    both readers (gone, junk, an I/O error), and the other pages still read."""
+    _pageio()
+    fs = FileStorage(tmp_path / "store", capacity_bytes=None)
+    keys = keys_for("s", 6)
+    assert all(fs.put(keys, pages(6, seed=5)))
+    names = [file_name(k) for k in keys]
+    failing = {
+        names[1][:2]: FileNotFoundError(errno.ENOENT, "gone"),
+        names[2][:2]: safe_fs.NotRegularFileError(errno.ELOOP, "a link"),
+        names[3][:2]: OSError(errno.EIO, "broken"),
+    }
+    assert len({n[:2] for n in names}) == 6, "the pages must sit in six shards"
+
+    def shard_fd(shard: str) -> int:
+        if shard in failing:
+            raise failing[shard]
+        return fs._dirs.get(shard)
+
+    def read() -> page_file.ChunkRead:
+        return read_chunk(shard_fd, keys, names, empty(6), list(range(6)))
+
+    got_c = read()
+    monkeypatch.setattr(page_file, "PAGEIO", None)
+    got_py = read()
+    assert got_c == got_py
+    assert (got_c.good, got_c.gone, got_c.junk) == ([0, 4, 5], [1], [2])
+    assert len(got_c.io_errors) == 1 and "broken" in got_c.io_errors[0]
