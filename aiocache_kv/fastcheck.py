@@ -12,11 +12,11 @@ Arrays are C-contiguous ``int64`` (``state`` is ``uint8``); ``out`` is written i
 from __future__ import annotations
 
 from array import array
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from aiocache_kv.extensions import optional_extension
 from aiocache_kv.tree.hashing import MAX_TOKEN_ID
 
 #: :func:`slot_pages` codes
@@ -131,15 +131,7 @@ def py_page_slots(pages: np.ndarray, page_size: int, out: np.ndarray) -> None:
     out.reshape(-1, p)[:] = pages[:, None] * p + np.arange(p, dtype=np.int64)
 
 
-def _extension() -> ModuleType | None:
-    try:
-        from aiocache_kv import _fastcheck
-    except ImportError:  # no compiler at install time, or a source tree never built
-        return None
-    return _fastcheck
-
-
-_EXT = _extension()
+_EXT = optional_extension("aiocache_kv._fastcheck")
 #: ``"c"`` where the C extension runs the checks, else ``"python"``.
 FASTCHECK_IMPL = "python" if _EXT is None else "c"
 

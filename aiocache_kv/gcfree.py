@@ -13,20 +13,12 @@ list afterwards: the tree never mutates keys or hashes, it replaces them.
 
 from __future__ import annotations
 
-from types import ModuleType
+from aiocache_kv.extensions import optional_extension
 
 __all__ = ["GCFREE_IMPL", "keep"]
 
 
-def _extension() -> ModuleType | None:
-    try:
-        from aiocache_kv import _gcfree
-    except ImportError:  # no compiler at install time, or a source tree never built
-        return None
-    return _gcfree
-
-
-_EXT = _extension()
+_EXT = optional_extension("aiocache_kv._gcfree")
 #: ``"c"`` where kept int lists are untracked, else ``"none"`` (they stay tracked)
 GCFREE_IMPL = "none" if _EXT is None else "c"
 _untrack = None if _EXT is None else _EXT.untrack_ints

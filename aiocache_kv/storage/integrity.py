@@ -59,13 +59,13 @@ import struct
 import zlib
 from collections import Counter
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
 from aiocache_kv.errors import InvalidInputError
+from aiocache_kv.extensions import optional_extension
 from aiocache_kv.logs import get_logger
 from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.keys import check_keys
@@ -111,15 +111,7 @@ _DENSE = 0.5
 log = get_logger(__name__)
 
 
-def _extension() -> ModuleType | None:
-    try:
-        from aiocache_kv.storage import _blocksum
-    except ImportError:  # no compiler at install time, or a source tree never built
-        return None
-    return _blocksum
-
-
-_EXT = _extension()
+_EXT = optional_extension("aiocache_kv.storage._blocksum")
 #: ``"c"`` where the C extension computes the checksums, else ``"python"`` (numpy/torch)
 CHECKSUM_IMPL = "python" if _EXT is None else "c"
 

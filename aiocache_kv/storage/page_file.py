@@ -46,6 +46,7 @@ import struct
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
+from aiocache_kv.extensions import optional_extension
 from aiocache_kv.storage import integrity, safe_fs
 from aiocache_kv.storage.base import PageBuffer
 
@@ -242,16 +243,8 @@ def judge(header: bytearray, got: int, want: int, key_bytes: bytes) -> integrity
     return None
 
 
-def _pageio() -> ModuleType | None:
-    try:
-        from aiocache_kv.storage import _pageio
-    except ImportError:  # no compiler at install time: page by page in Python
-        return None
-    return _pageio
-
-
 #: the batched reader (``_pageio.c``), or ``None``: :func:`read_chunk` reads page by page
-PAGEIO = _pageio()
+PAGEIO = optional_extension("aiocache_kv.storage._pageio")
 
 
 @dataclasses.dataclass
@@ -264,6 +257,15 @@ class ChunkRead:
     #: failed the header, length or checksum check
     corrupt: list[tuple[int, integrity.Verdict]] = dataclasses.field(default_factory=list)
     io_errors: list[str] = dataclasses.field(default_factory=list)  #: other read failures
+
+    def fail(self, i: int, exc: OSError) -> None:
+        """Page ``i`` could not be read: ``exc`` as :func:`read_into` raises it."""
+        if isinstance(exc, FileNotFoundError):
+            self.gone.append(i)
+        elif isinstance(exc, (safe_fs.NotRegularFileError, PermissionError)):
+            self.junk.append(i)
+        else:
+            self.io_errors.append(f"{type(exc).__name__}: {exc}")
 
 
 def read_chunk(
@@ -286,14 +288,8 @@ def read_chunk(
             try:
                 key_bytes = keys[i].encode("utf-8", "surrogatepass")
                 verdict = read_into(shard_fd(name[:2]), name + SUFFIX, key_bytes, buffers[i])
-            except FileNotFoundError:
-                out.gone.append(i)
-                continue
-            except (safe_fs.NotRegularFileError, PermissionError):
-                out.junk.append(i)
-                continue
             except OSError as exc:
-                out.io_errors.append(f"{type(exc).__name__}: {exc}")
+                out.fail(i, exc)
                 continue
             if verdict is None:
                 read.append(i)
@@ -326,14 +322,8 @@ def _read_batch(
     for i in chunk:
         try:
             dfd = shard_fd(names[i][:2])  # a shard that cannot be opened: as read_into fails
-        except FileNotFoundError:
-            out.gone.append(i)
-            continue
-        except (safe_fs.NotRegularFileError, PermissionError):
-            out.junk.append(i)
-            continue
         except OSError as exc:
-            out.io_errors.append(f"{type(exc).__name__}: {exc}")
+            out.fail(i, exc)
             continue
         kb = keys[i].encode("utf-8", "surrogatepass")
         todo.append(i)
@@ -345,13 +335,14 @@ def _read_batch(
     for i, kb, (_, _, header, _), (status, value) in zip(
         todo, key_bytes, reads, results, strict=True
     ):
-        if status == _READ_MISSING:
-            out.gone.append(i)
-        elif status == _READ_NOT_REGULAR:
-            out.junk.append(i)
-        elif status != _READ_OK:
-            err = OSError(value, os.strerror(value), names[i] + SUFFIX)
-            out.io_errors.append(f"{type(err).__name__}: {err}")
+        if status != _READ_OK:
+            fname = names[i] + SUFFIX
+            if status == _READ_MISSING:
+                out.fail(i, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), fname))
+            elif status == _READ_NOT_REGULAR:
+                out.fail(i, safe_fs.NotRegularFileError(errno.EINVAL, "not a regular file", fname))
+            else:
+                out.fail(i, OSError(value, os.strerror(value), fname))
         else:
             verdict = judge(header, value, len(header) + buffers[i].nbytes, kb)
             if verdict is None:

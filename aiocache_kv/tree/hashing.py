@@ -17,9 +17,9 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Callable, Sequence
-from types import ModuleType
 
 from aiocache_kv.errors import InvalidInputError
+from aiocache_kv.extensions import optional_extension
 
 _DIGEST = 8
 #: Largest token id a page hash encodes (ids are hashed as signed 64-bit words); the cache
@@ -56,15 +56,7 @@ def py_chain_hashes(prev: int, tokens: Sequence[int], page_size: int) -> list[in
     return out.tolist()
 
 
-def _extension() -> ModuleType | None:
-    try:
-        from aiocache_kv.tree import _chainhash
-    except ImportError:  # no compiler at install time, or a source tree never built
-        return None
-    return _chainhash
-
-
-_EXT = _extension()
+_EXT = optional_extension("aiocache_kv.tree._chainhash")
 #: ``"c"`` where the C extension computes the hashes, else ``"python"``.
 HASH_IMPL = "python" if _EXT is None else "c"
 
