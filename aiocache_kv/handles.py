@@ -86,8 +86,9 @@ class MatchResult(Handle):
 
     __slots__ = ()
 
-    def parts(self) -> tuple[list[Node], list[Node]]:
-        """The usable path split in its device-resident run and the host run after it."""
+    def _runs(self) -> tuple[list[Node], int, int]:
+        """The usable path and where its runs end: ``path[:i]`` device-resident, then
+        ``path[i:j]`` host-resident only (what ``load_back`` moves)."""
         path = self.core.usable_path(self._path())
         i = 0
         while i < len(path) and path[i].device is RESIDENT:
@@ -95,22 +96,18 @@ class MatchResult(Handle):
         j = i
         while j < len(path) and path[j].host is RESIDENT and path[j].device is not RESIDENT:
             j += 1
+        return path, i, j
+
+    def parts(self) -> tuple[list[Node], list[Node]]:
+        """The usable path split in its device-resident run and the host run after it."""
+        path, i, j = self._runs()
         return path[:i], path[i:j]
 
     def lens(self) -> tuple[int, int]:
-        """``(device_len, host_len)`` in one walk of the path (what :meth:`parts` covers)."""
-        path = self.core.usable_path(self._path())
-        dev = host = 0
-        on_device = True
-        for n in path:
-            if on_device and n.device is RESIDENT:
-                dev += len(n.key)
-                continue
-            on_device = False
-            if n.host is not RESIDENT or n.device is RESIDENT:
-                break
-            host += len(n.key)
-        return dev, host
+        """``(device_len, host_len)``: the tokens of :meth:`parts`, without the lists."""
+        path, i, j = self._runs()
+        dev = sum(len(path[k].key) for k in range(i))
+        return dev, sum(len(path[k].key) for k in range(i, j))
 
     @property
     def matched_len(self) -> int:
@@ -130,11 +127,8 @@ class MatchResult(Handle):
     @property
     def device_pages(self) -> torch.Tensor:
         """Device page ids of the device-resident part."""
-        pages = []
-        for n in self.core.usable_path(self._path()):
-            if n.device is not RESIDENT:
-                break
-            pages.append(n.device_pages)
+        path, i, _ = self._runs()
+        pages = [path[k].device_pages for k in range(i)]
         if not pages:
             return torch.empty(0, dtype=torch.int64)
         return torch.cat(pages) if len(pages) > 1 else pages[0]  # type: ignore[arg-type,return-value]

@@ -151,12 +151,14 @@ def raise_for_slots(code: int, arr: np.ndarray, page_size: int, device_pages: in
         )
 
 
-def page_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Token slots of whole ``pages``: ``page * page_size + 0..page_size-1``, in order."""
+def page_slots(pages: torch.Tensor | np.ndarray, page_size: int) -> torch.Tensor:
+    """Token slots of whole ``pages`` (int64, a tensor or an array):
+    ``page * page_size + 0..page_size-1``, in order."""
+    ids = pages.numpy() if isinstance(pages, torch.Tensor) else pages
     if page_size == 1:
-        return pages
-    out = np.empty(pages.numel() * page_size, dtype=np.int64)
-    fastcheck.page_slots_into(pages.numpy(), page_size, out)
+        return pages if isinstance(pages, torch.Tensor) else torch.from_numpy(ids)
+    out = np.empty(ids.size * page_size, dtype=np.int64)
+    fastcheck.page_slots_into(ids, page_size, out)
     return torch.from_numpy(out)
 
 

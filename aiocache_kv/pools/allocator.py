@@ -28,6 +28,7 @@ import torch
 
 from aiocache_kv import fastcheck
 from aiocache_kv.errors import CapacityError, InvalidInputError
+from aiocache_kv.validate import page_slots
 
 
 class PageState(enum.IntEnum):
@@ -108,11 +109,7 @@ class PageAllocator:
         taken = self._free[cursor : cursor + n].copy()
         self._cursor = cursor + n
         self._state[taken] = int(state)
-        if slots_of > 1:
-            out = np.empty(n * slots_of, dtype=np.int64)
-            fastcheck.page_slots_into(taken, slots_of, out)
-            return torch.from_numpy(out)
-        return torch.from_numpy(taken)
+        return page_slots(taken, slots_of) if slots_of > 1 else torch.from_numpy(taken)
 
     def free(self, pages: list[torch.Tensor]) -> None:
         """Return pages (OWNED or HELD) to the free list; leased ones to quarantine."""
