@@ -241,11 +241,18 @@ def test_allocator_scratch_and_checks() -> None:
     assert a.repeat_at(held) == -1 and a.repeat_at(held) == -1  # epochs never collide
     twice = torch.cat([held, held[:1]])
     assert a.repeat_at(twice) in (0, 4)
-    assert a.held_check(held.numpy(), torch.empty(0, dtype=torch.int64)) == (-1, 0)
+    none = np.empty(0, dtype=np.int64)
+
+    def check(pages: np.ndarray, existing: np.ndarray) -> tuple[int, int, int]:
+        code, at, differing, _ = a.check_insert(pages, 1, existing)  # page size 1: ids
+        return code, at, differing
+
+    assert check(held.numpy(), none) == (0, -1, 0)
     owned = a.alloc(2)
     mixed = torch.cat([owned, held]).numpy()
-    assert a.held_check(mixed, owned) == (-1, 0)  # the tree's own pages in front are fine
-    assert a.held_check(mixed, owned.flip(0)) == (0, 2)  # not the tree's and not held
+    assert check(mixed, owned.numpy()) == (0, -1, 0)  # the tree's own pages in front are fine
+    # not the tree's and not held
+    assert check(mixed, owned.flip(0).numpy()) == (fastcheck.INSERT_NOT_HELD, 0, 2)
     assert a.scratch(3).size == 3 and a.scratch(100).size == 100
 
 

@@ -192,16 +192,6 @@ class PageAllocator:
             return np.empty(n, dtype=np.int64)
         return self._ids[:n]
 
-    def held_check(self, pages: np.ndarray, existing: torch.Tensor) -> tuple[int, int]:
-        """Whether the caller may hand ``pages`` to the tree, which holds ``existing`` for
-        their leading part: ``(first_bad, differing)``.  Page ``i < len(existing)`` must be
-        ``existing[i]`` or HELD, later pages HELD; ``first_bad`` is the first index that is
-        neither (-1: none) and ``differing`` counts leading pages that are not the tree's."""
-        bad, differing = fastcheck.held_check(
-            _int64(pages), _int64(existing.numpy()), self._state, _HELD
-        )
-        return int(bad), int(differing)
-
     def check_insert(
         self, slots: np.ndarray, page_size: int, existing: np.ndarray
     ) -> tuple[int, int, int, np.ndarray]:
