@@ -272,12 +272,17 @@ class HiCache:
         Raises:
             CapacityError: not enough device pages even after eviction (nothing changed).
             TransferError: the copy failed; the nodes stay host-only.
-            HandleError: ``m`` was released or belongs to another cache.
+            HandleError: ``m`` was released or belongs to another cache (or was released
+                while waiting: its nodes are no longer held, so nothing more is loaded).
             CacheClosedError: the cache is not running (or closed while waiting).
         """
-        self._check()
-        check_handle(m, MatchResult, self._core)
-        await self._transfers.load_path(m.parts, self._check)
+
+        def check() -> None:  # before every round: the pin is what keeps the nodes in the tree
+            self._check()
+            check_handle(m, MatchResult, self._core)
+
+        check()
+        await self._transfers.load_path(m.parts, check)
         return m
 
     # ------------------------------------------------------------------ alloc / insert

@@ -86,6 +86,36 @@ async def test_release_while_load_back_in_flight(engine: ManualCopyEngine) -> No
         assert_all_free(cache)
 
 
+async def test_release_while_load_back_waits_for_another_load(
+    engine: ManualCopyEngine,
+) -> None:
+    """A load-back waiting for a parent another request is loading, whose match is then
+    released: its child is no longer pinned and a host eviction deletes it.  When the
+    parent lands, the waiting load-back must stop (HandleError), not load the deleted child
+    (which broke the parent's device-child count and leaked its pages)."""
+    async with akv.HiCache(small_config(), copy_engine=engine) as cache:
+        m = await host_only_match(cache, engine)  # one host-only node of 3 pages
+        cache.release(m)
+        head = cache.match_prefix(TOKENS[:2])  # splits: [1, 2] -> [3, 4, 5, 6]
+        first = asyncio.create_task(cache.load_back(head))
+        await asyncio.sleep(0)
+        assert len(engine.pending) == 1  # [1, 2] is filling
+        m = cache.match_prefix(TOKENS)
+        second = asyncio.create_task(cache.load_back(m))
+        await asyncio.sleep(0)
+        assert len(engine.pending) == 1  # it waits for [1, 2] before loading [3, 4, 5, 6]
+        cache.release(m)
+        assert cache.evict(100, tier="host") == 2  # the unpinned host-only leaf goes
+        engine.complete_all()
+        await first
+        with pytest.raises(akv.HandleError, match="released"):
+            await asyncio.wait_for(second, 5)  # old code: loaded the deleted child, never done
+        assert not engine.pending  # nothing was loaded for the released match
+        cache.check_invariants()
+        cache.release(head)
+        assert_all_free(cache)
+
+
 async def test_concurrent_load_backs_share_one_copy(engine: ManualCopyEngine) -> None:
     async with akv.HiCache(small_config(), copy_engine=engine) as cache:
         m1 = await host_only_match(cache, engine)

@@ -131,7 +131,9 @@ class Transfers:
     ) -> None:
         """Bring the host run of a pinned match (``parts()``: its device run and the host run
         after it) to device: wait for nodes another load is filling, load the rest, and repeat
-        until nothing of the match is host-only.  ``check`` raises once the cache closed.
+        until nothing of the match is host-only.  ``check`` raises once the cache closed or
+        the match was released (its unpinned nodes may be evicted by this very load's
+        allocation); it runs before every round.
 
         Raises:
             CapacityError: too few device pages even after eviction (nothing changed).
@@ -142,12 +144,11 @@ class Transfers:
         rounds = 0
         with span("aiocache_kv.load_back") as sp:
             while True:
+                check()  # the cache may have closed, or the match been released, meanwhile
                 _, host_nodes = parts()
                 if not host_nodes:
                     sp.set_attribute("aiocache_kv.rounds", rounds)
                     return
-                if rounds:
-                    check()  # the cache may have closed while we waited
                 rounds += 1
                 # FILLING nodes come first on the path (device presence is prefix-closed)
                 pending = {id(op.future): op.future for n in host_nodes if (op := n.op)}
