@@ -38,13 +38,7 @@ from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
 from aiocache_kv.transfer import CopyEngine, default_engine
 from aiocache_kv.transfer.ops import OpKind, Transfers
 from aiocache_kv.tree import Node, Tier
-from aiocache_kv.validate import (
-    check_names,
-    check_tokens,
-    raise_for_insert,
-    slot_array,
-    slots_to_pages,
-)
+from aiocache_kv.validate import check_names, check_tokens, slot_array, slots_to_pages
 
 log = get_logger(__name__)
 _get_ident = threading.get_ident
@@ -391,6 +385,7 @@ class HiCache:
         tokens: Sequence[int] | torch.Tensor,
         kv_indices: torch.Tensor,
         *,
+        prefix: MatchResult | None = None,
         tenant: str | None = None,
         lora: str | None = None,
     ) -> InsertResult:
@@ -401,64 +396,62 @@ class HiCache:
         the caller's own duplicate pages are freed (passing the tree's slots back, e.g. from
         ``m.device_indices``, is fine).  Slots of the unaligned tail stay the caller's.
 
+        With ``prefix=m`` (a pinned match of these tokens, same tenant/lora), ``kv_indices``
+        holds only the slots of ``tokens[m.device_len:]``: the tree's own pages serve the
+        matched device part, and nothing has to be concatenated on the request path.
+
         Returns an :class:`InsertResult` pinning the path; ``.write_through`` is awaitable.
 
         Raises:
-            InvalidTypeError / InvalidInputError: bad tokens, names or slots (nothing changed).
+            InvalidTypeError / InvalidInputError: bad tokens, names or slots, or tokens that
+                do not extend ``prefix`` (nothing changed).
+            HandleError: ``prefix`` was released or belongs to another cache.
             CacheClosedError: the cache is not running.
         """
         self._check()
         toks = check_tokens(tokens)
+        core = self._core
+        p = self.config.page_size
+        n = len(toks) // p * p
+        ns = self._ns(tenant, lora)
+        skip = 0
+        if prefix is not None:
+            skip = self._prefix_tokens(prefix, ns, n)
         if (
             isinstance(kv_indices, torch.Tensor)
             and kv_indices.dim() == 1
-            and kv_indices.numel() != len(toks)
+            and kv_indices.numel() != len(toks) - skip
         ):
+            after = f" after the prefix's {skip}" if prefix is not None else ""
             raise InvalidInputError(
-                f"kv_indices has {kv_indices.numel()} slots for {len(toks)} tokens"
+                f"kv_indices has {kv_indices.numel()} slots for {len(toks) - skip} tokens{after}"
             )
-        p = self.config.page_size
-        n = len(toks) // p * p
-        alloc = self._dev_alloc
-        slots = slot_array(kv_indices, n)
-        ns = self._ns(tenant, lora)
-        core = self._core
-        tree = core.tree
-        # validate ownership before changing anything (not even a new namespace's root)
-        plan = tree.plan_insert(ns, toks, n)  # the walk, once; nothing changes until applied
-        existing = plan.device_pages().numpy()
-        d = existing.size
-        code, at, differing, ids = alloc.check_insert(slots, p, existing)
-        if code:
-            raise_for_insert(code, at, ids, slots, p, self.config.device_pages)
-        if differing:  # the caller's own copies of pages the tree has: freed below
-            lead = ids[:d]
-            dupes = torch.from_numpy(lead[lead != existing])
-        # the tree keeps only the pages after its own (ids is scratch, reused next insert)
-        own = torch.from_numpy(ids[d:].copy())
-        tree.root(ns, ns.tag)
-        out = tree.insert(ns, toks, n, own, plan=plan, first_page=d)
-        kept = out.inserted_tokens // p - d  # the walk stops below a node that is loading
-        if differing:
-            alloc.free([dupes])
-        if kept > 0:
-            alloc.set_state(ids[d : d + kept], PageState.OWNED)
-        if own.numel() > kept:
-            alloc.free([own[kept:]])
-        core.counters.inserted_tokens += out.inserted_tokens - out.prefix_tokens
-        if core.events.enabled:
-            for node in out.adopted + out.created:
-                core.emit_stored(node, Tier.DEVICE)
+        out = core.insert_device(ns, toks, n, slot_array(kv_indices, n - skip), skip // p)
         ack = None
-        host = core.host_pool is not None
-        if self.config.write_policy is WritePolicy.WRITE_THROUGH and n and host:
-            op = self._transfers.backup(tree.path(out.node), OpKind.WRITE_THROUGH)
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH and n and core.host_pool:
+            op = self._transfers.backup(core.tree.path(out.node), OpKind.WRITE_THROUGH)
             if op is not None:
                 ack = WriteAck(op.future)
         got = out.inserted_tokens
         r = InsertResult(core, out.node, out.prefix_tokens, got, ack, self.release, len(toks) - got)
         self._handles.add(r)
         return r
+
+    def _prefix_tokens(self, m: MatchResult, ns: Namespace, n: int) -> int:
+        """Tokens of ``m``'s device run, checked as the prefix of an insert of ``n`` tokens
+        in ``ns``."""
+        check_handle(m, MatchResult, self._core)
+        if m.node.ns != ns:
+            raise InvalidInputError(
+                f"insert prefix is a match in namespace {m.node.ns!r}, not {ns!r}"
+            )
+        skip = m.device_len
+        if skip > n:
+            raise InvalidInputError(
+                f"insert prefix has {skip} tokens on device, more than the {n} whole-page "
+                "tokens inserted"
+            )
+        return skip
 
     def release(self, handle: MatchResult | InsertResult) -> None:
         """Drop the pin of a handle from :meth:`match_prefix` or :meth:`insert`.

@@ -15,6 +15,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from aiocache_kv.components import usable_end
@@ -24,14 +25,18 @@ from aiocache_kv.distributed.group import TPGroup
 from aiocache_kv.errors import CapacityError, InvalidInputError, OwnershipError
 from aiocache_kv.events import BlockRemoved, BlockStored, EventLog, KVEvent
 from aiocache_kv.events.kv_events import namespace_fields
+from aiocache_kv.namespace import Namespace
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
 from aiocache_kv.pools.sidecar import SidecarPools
 from aiocache_kv.stats import CacheCounters
 from aiocache_kv.telemetry import Latencies
 from aiocache_kv.tree import Node, RadixTree, Tier
 from aiocache_kv.tree.node import RESIDENT
+from aiocache_kv.tree.results import InsertOutcome
+from aiocache_kv.validate import raise_for_insert
 
 SplitHook = Callable[[Node, Node], None]
+_NO_IDS = np.empty(0, dtype=np.int64)
 
 
 def _consume(fut: asyncio.Future[None]) -> None:
@@ -136,6 +141,55 @@ class CacheCore:
                     f"{alloc.quarantined} held by workers"
                 )
         return alloc.alloc(n, state, slots_of=slots_of)
+
+    def insert_device(
+        self, ns: Namespace, tokens: list[int], n: int, slots: np.ndarray, skip: int = 0
+    ) -> InsertOutcome:
+        """Insert ``tokens[:n]`` (page-aligned) whose token slots after the first ``skip``
+        pages are ``slots`` (C-contiguous int64, checked here): where the tree already has a
+        page on device the caller's copy is freed, the rest become the tree's.  Emits the
+        device ``BlockStored`` events; returns the tree's outcome (pinned at its node).
+
+        Raises:
+            InvalidInputError: the tree lacks the first ``skip`` pages of ``tokens`` on
+                device, or ``slots`` are not whole pages the caller holds (nothing changed).
+        """
+        p = self.page_size
+        alloc = self.dev_alloc
+        assert alloc is not None, "cache not started"
+        tree = self.tree
+        # validate ownership before changing anything (not even a new namespace's root)
+        plan = tree.plan_insert(ns, tokens, n, skip=skip)  # the walk, once
+        if plan.existing_pages < skip:
+            raise InvalidInputError(
+                f"insert: the tree holds {plan.existing_pages * p} leading tokens of these "
+                f"tokens on device, not the {skip * p} of the prefix match: the tokens do "
+                "not extend that match"
+            )
+        existing = plan.device_pages().numpy() if plan.existing else _NO_IDS
+        d = existing.size
+        code, at, differing, ids = alloc.check_insert(slots, p, existing)
+        if code:
+            raise_for_insert(code, at, ids, slots, p, alloc.num_pages)
+        if differing:  # the caller's own copies of pages the tree has: freed below
+            lead = ids[:d]
+            dupes = torch.from_numpy(lead[lead != existing])
+        # the tree keeps only the pages after its own (ids is scratch, reused next insert)
+        own = torch.from_numpy(ids[d:].copy())
+        tree.root(ns, ns.tag)
+        out = tree.insert(ns, tokens, n, own, plan=plan, first_page=skip + d)
+        kept = out.inserted_tokens // p - skip - d  # the walk stops below a loading node
+        if differing:
+            alloc.free([dupes])
+        if kept > 0:
+            alloc.take(ids[d : d + kept])
+        if own.numel() > kept:
+            alloc.free([own[max(kept, 0) :]])
+        self.counters.inserted_tokens += out.inserted_tokens - out.prefix_tokens
+        if self.events.enabled:
+            for node in out.adopted + out.created:
+                self.emit_stored(node, Tier.DEVICE)
+        return out
 
     def alloc_host(self, n: int) -> torch.Tensor | None:
         """``n`` host pages (evicting host-only leaves if that can succeed), else ``None``."""

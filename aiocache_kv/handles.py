@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 H = TypeVar("H", bound="Handle")
 
+# segments of a path seen from below (``MatchResult.lens``)
+_ON_DEVICE, _HOST_ONLY, _NEITHER = object(), object(), object()
+
 
 class HandleState(enum.IntEnum):
     """Lifecycle of a handle's pin."""
@@ -105,9 +108,35 @@ class MatchResult(Handle):
 
     def lens(self) -> tuple[int, int]:
         """``(device_len, host_len)``: the tokens of :meth:`parts`, without the lists."""
-        path, i, j = self._runs()
-        dev = sum(len(path[k].key) for k in range(i))
-        return dev, sum(len(path[k].key) for k in range(i, j))
+        if self.core.trailing:  # windows may cut the path: the general rule
+            path, i, j = self._runs()
+            dev = sum(len(path[k].key) for k in range(i))
+            return dev, sum(len(path[k].key) for k in range(i, j))
+        # one walk up, no lists (every request reads these): ``run`` is the segment that
+        # reaches the current node from below (device, host-only or neither) and ``dev`` /
+        # ``host`` the runs it would give if it reached the root
+        node = self._node
+        run = _NEITHER
+        dev = host = 0
+        while node.parent is not None:
+            k = len(node.key)
+            if node.device is RESIDENT:
+                if run is _ON_DEVICE:
+                    dev += k
+                else:
+                    host = host if run is _HOST_ONLY else 0
+                    dev, run = k, _ON_DEVICE
+            elif node.host is RESIDENT:
+                if run is _HOST_ONLY:
+                    host += k
+                else:
+                    host, run = k, _HOST_ONLY
+            else:
+                run = _NEITHER
+            node = node.parent
+        if run is _ON_DEVICE:
+            return dev, host
+        return 0, host if run is _HOST_ONLY else 0
 
     @property
     def matched_len(self) -> int:

@@ -169,6 +169,11 @@ class PageAllocator:
         """Change the ownership state of allocated pages (HELD -> OWNED on insert)."""
         self._state[pages.numpy() if isinstance(pages, torch.Tensor) else pages] = int(state)
 
+    def take(self, ids: np.ndarray) -> None:
+        """Held pages (int64 ids) become the tree's: ``set_state(ids, OWNED)`` for the
+        per-request path."""
+        self._state[ids] = _OWNED
+
     def check(self, pages: torch.Tensor, state: PageState) -> bool:
         """Whether every page in ``pages`` is in ``state``."""
         return bool((self._state[pages.numpy()] == int(state)).all())

@@ -150,13 +150,14 @@ class RadixTree(TierBook):
         self._stamp(node, self._clock)
         return node, pos
 
-    def plan_insert(self, ns: Hashable, tokens: list[int], n: int) -> InsertPlan:
+    def plan_insert(self, ns: Hashable, tokens: list[int], n: int, *, skip: int = 0) -> InsertPlan:
         """Walk ``tokens[:n]`` (page-aligned) as :meth:`insert` will, changing nothing.
 
         The plan says which nodes the insert passes and which device pages the tree holds for
-        the leading part (``plan.device_pages()``), so a caller can check the pages it is
-        about to hand over.  Apply it with ``insert(..., plan=plan)`` before anything else
-        changes the tree.
+        the leading part (``plan.device_pages()``, from page ``skip`` on: a caller that passes
+        no pages for the first ``skip`` has nothing to compare them with), so a caller can
+        check the pages it is about to hand over.  Apply it with ``insert(..., plan=plan)``
+        before anything else changes the tree.
         """
         p = self.page_size
         node = self._roots.get(ns)
@@ -177,8 +178,11 @@ class RadixTree(TierBook):
             if pos + klen <= n and tokens[pos : pos + klen] == key:
                 steps.append(child)
                 if on_device:
-                    existing.append(child.device_pages)  # type: ignore[arg-type]
-                    plan.existing_pages += klen // p
+                    have = plan.existing_pages
+                    if have + klen // p > skip:
+                        dp = child.device_pages
+                        existing.append(dp if have >= skip else dp[skip - have :])  # type: ignore[arg-type,index]
+                    plan.existing_pages = have + klen // p
                 node = child
                 pos += klen
                 if child.device is FILLING:
@@ -188,8 +192,10 @@ class RadixTree(TierBook):
             plan.split = child
             plan.common = common
             if on_device:
-                existing.append(child.device_pages[: common // p])  # type: ignore[index]
-                plan.existing_pages += common // p
+                have = plan.existing_pages
+                if have + common // p > skip:
+                    existing.append(child.device_pages[max(skip - have, 0) : common // p])  # type: ignore[index]
+                plan.existing_pages = have + common // p
             pos += common
             break
         plan.pos = pos

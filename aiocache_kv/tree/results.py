@@ -31,11 +31,12 @@ class InsertPlan:
     split: Node | None = None  #: the node the walk ends inside (split at ``common``)
     common: int = 0
     pos: int = 0  #: tokens the walk covered
-    existing: list[torch.Tensor] = field(default_factory=list)  #: the leading device pages
-    existing_pages: int = 0  #: how many pages ``existing`` holds
+    #: the device pages of the leading run, from the walk's ``skip`` page on
+    existing: list[torch.Tensor] = field(default_factory=list)
+    existing_pages: int = 0  #: pages in the leading device run (``skip`` included)
 
     def device_pages(self) -> torch.Tensor:
-        """Device pages the tree holds for the leading part of the walk."""
+        """Device pages the tree holds for the leading part of the walk (after ``skip``)."""
         parts = self.existing
         if not parts:
             return _NO_PAGES

@@ -80,11 +80,11 @@ class TierBook:
             assert node.alive, f"pin of a reclaimed root {node!r}"
             node.pins += 1  # keeps an empty namespace's root while a handle refers to it
             return
+        p = self.page_size
         while node.parent is not None:
             if node.pins == 0:
-                self._acct(node, -1)
                 node.pins = 1
-                self._acct(node, 1)
+                self._protect(node, len(node.key) // p)
             else:
                 node.pins += 1
             node = node.parent
@@ -97,16 +97,29 @@ class TierBook:
             node.pins -= 1
             self._reclaim(node)
             return
+        p = self.page_size
         while node.parent is not None:
             assert node.pins > 0, f"unpin of unpinned {node!r}"
             if node.pins == 1:
-                self._acct(node, -1)
                 node.pins = 0
-                self._acct(node, 1)
+                self._protect(node, -(len(node.key) // p))
                 self._offer(node)
             else:
                 node.pins -= 1
             node = node.parent
+
+    def _protect(self, node: Node, n: int) -> None:
+        """A node's first pin came (``n`` > 0 pages) or its last went (``n`` < 0): its pages
+        move between evictable and protected, unless a copy in flight keeps them protected
+        anyway (``_acct``'s rule, with the pin count as the only change)."""
+        if node.device is FILLING or node.host is FILLING:
+            return
+        if node.device is not ABSENT:
+            self.dev_evictable -= n
+            self.dev_protected += n
+        if node.host is not ABSENT and node.storage is not FILLING:
+            self.host_evictable -= n
+            self.host_protected += n
 
     # ---------------------------------------------------------------- tier transitions
 

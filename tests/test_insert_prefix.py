@@ -1,0 +1,239 @@
+"""``insert(tokens, slots, prefix=m)``: only the slots after the match's device run are passed.
+
+The prefix form must leave the cache exactly as the plain form does (same tree, same pages,
+same allocator states), refuse tokens that do not extend the match and any stale or foreign
+handle with nothing changed, and ``MatchResult.lens`` (read on every request, with its own
+one-walk rule when no window cuts the path) must agree with ``parts()`` in every tier state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import pytest
+import torch
+
+import aiocache_kv as akv
+from aiocache_kv.testing import ManualCopyEngine
+from tests.conftest import small_config
+from tests.test_split_ack import write_kv
+
+
+def tree_state(cache: akv.HiCache) -> tuple[object, ...]:
+    """What an insert may change: every node (tokens from its root, tier states, pages,
+    pins) and the page counts."""
+    tree = cache._core.tree
+    nodes = []
+    for node in tree.walk():
+        toks = tuple(t for n in tree.path(node) for t in n.key)
+        pages = [
+            None if pg is None else tuple(pg.tolist())
+            for pg in (node.device_pages, node.host_pages)
+        ]
+        nodes.append((str(node.ns), toks, node.device.name, node.host.name, *pages, node.pins))
+    s = cache.statistics()
+    return (tuple(sorted(nodes)), s.device, s.host)
+
+
+async def test_prefix_insert_leaves_the_same_state_as_the_plain_insert() -> None:
+    """Two caches, the same requests: one passes m.device_indices + new slots, the other
+    only the new slots with prefix=m.  Pages, results and KV must agree at every step."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(6) for _ in range(rng.randrange(1, 15))] for _ in range(60)]
+    async with (
+        akv.HiCache(small_config(device_pages=64, host_pages=0)) as a,
+        akv.HiCache(small_config(device_pages=64, host_pages=0)) as b,
+    ):
+        for i, toks in enumerate(prompts):
+            ma, mb = a.match_prefix(toks), b.match_prefix(toks)
+            assert ma.lens() == mb.lens()
+            new = len(toks) - mb.device_len
+            sa, sb = a.alloc(new), b.alloc(new)
+            assert torch.equal(sa, sb), f"request {i}: allocators diverged"
+            write_kv(a, sa, seed=i)
+            write_kv(b, sb, seed=i)
+            ra = a.insert(toks, torch.cat([ma.device_indices, sa[:new]]))
+            rb = b.insert(toks, sb[:new], prefix=mb)
+            assert (ra.prefix_len, ra.inserted_len, ra.uncached_len) == (
+                rb.prefix_len,
+                rb.inserted_len,
+                rb.uncached_len,
+            ), f"request {i}"
+            tail = slice(len(toks) // 2 * 2 - ma.device_len, None)
+            a.free(sa[tail])
+            b.free(sb[tail])
+            for c, h in ((a, ra), (a, ma), (b, rb), (b, mb)):
+                c.release(h)
+            if i % 7 == 6:
+                assert a.evict(3) == b.evict(3)
+            assert tree_state(a) == tree_state(b), f"request {i}"
+            a.check_invariants()
+            b.check_invariants()
+        ma, mb = a.match_prefix(prompts[-1]), b.match_prefix(prompts[-1])
+        for layer in range(2):
+            for x, y in zip(a.device_kv(layer), b.device_kv(layer), strict=True):
+                assert torch.equal(x[ma.device_indices], y[mb.device_indices])
+        a.release(ma)
+        b.release(mb)
+
+
+async def test_prefix_insert_passes_only_new_slots(engine: ManualCopyEngine) -> None:
+    async with akv.HiCache(small_config(), copy_engine=engine) as cache:
+        first = cache.alloc(4)
+        cache.release(cache.insert([1, 2, 3, 4], first))
+        free0 = cache.statistics().device.free_pages
+        m = cache.match_prefix([1, 2, 3, 4, 5, 6, 7])
+        assert m.device_len == 4
+        own = cache.alloc(3)  # 2 pages: [5, 6] cached, [7] the caller's tail
+        r = cache.insert([1, 2, 3, 4, 5, 6, 7], own[:3], prefix=m)
+        assert (r.prefix_len, r.inserted_len, r.uncached_len) == (4, 6, 1)
+        assert cache.statistics().device.free_pages == free0 - 2
+        assert cache.statistics().device.held_pages == 1
+        cache.free(own[2:])
+        mm = cache.match_prefix([1, 2, 3, 4, 5, 6])
+        assert mm.device_indices.tolist() == [*first.tolist(), *own[:2].tolist()]
+        for h in (r, m, mm):
+            cache.release(h)
+        engine.complete_all()
+        await cache.flush()
+        cache.check_invariants()
+
+
+async def test_prefix_covering_host_pages_adopts_the_callers_slots(
+    engine: ManualCopyEngine,
+) -> None:
+    """A match with a host-only part not loaded back: the caller recomputed it, and its
+    slots (the tokens after the device run) become that node's device pages."""
+    async with akv.HiCache(small_config(), copy_engine=engine) as cache:
+        s = cache.alloc(6)
+        cache.release(cache.insert([1, 2, 3, 4, 5, 6], s))
+        engine.complete_all()
+        await cache.flush()
+        m = cache.match_prefix([1, 2, 3, 4])
+        cache.release(m)  # split after [1, 2, 3, 4]
+        assert cache.evict(1) == 1  # [5, 6] leaves the device, keeps its host copy
+        m = cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
+        assert m.lens() == (4, 2)
+        own = cache.alloc(4)
+        r = cache.insert([1, 2, 3, 4, 5, 6, 7, 8], own, prefix=m)
+        assert (r.prefix_len, r.inserted_len) == (6, 8)
+        assert m.lens() == (6, 0)  # the host-only node is on device again, in own's pages
+        assert m.device_indices.tolist()[4:] == own[:2].tolist()
+        cache.release(r)
+        cache.release(m)
+        engine.complete_all()
+        await cache.flush()
+        cache.check_invariants()
+
+
+async def test_prefix_insert_refusals_change_nothing(engine: ManualCopyEngine) -> None:
+    async with (
+        akv.HiCache(small_config(), copy_engine=engine) as cache,
+        akv.HiCache(small_config(), copy_engine=ManualCopyEngine()) as other,
+    ):
+        cache.release(cache.insert([1, 2, 3, 4], cache.alloc(4)))
+        m = cache.match_prefix([1, 2, 3, 4, 5, 6])
+        own = cache.alloc(2)
+        events = cache.take_events()
+        before = tree_state(cache)
+        cases: list[tuple[dict[str, object], list[int], torch.Tensor, str]] = [
+            # tokens that do not start with the match: the tree has no device run for them
+            ({"prefix": m}, [9, 9, 3, 4, 5, 6], own, "do not extend"),
+            # the match's device run is longer than the whole pages inserted
+            ({"prefix": m}, [1, 2, 3], own[:0], "more than the 2"),
+            # slots for the whole prompt, not only after the match
+            ({"prefix": m}, [1, 2, 3, 4, 5, 6], torch.cat([own, own]), "4 slots for 2"),
+            # another tenant's namespace
+            ({"prefix": m, "tenant": "t"}, [1, 2, 3, 4, 5, 6], own, "namespace"),
+        ]
+        for kwargs, toks, slots, words in cases:
+            with pytest.raises(akv.InvalidInputError) as info:
+                cache.insert(toks, slots, **kwargs)  # type: ignore[arg-type]
+            assert words in str(info.value), info.value
+            assert tree_state(cache) == before
+        om = other.match_prefix([1, 2])
+        with pytest.raises(akv.HandleError):
+            cache.insert([1, 2, 3, 4, 5, 6], own, prefix=om)
+        with pytest.raises(akv.InvalidTypeError):
+            cache.insert([1, 2, 3, 4, 5, 6], own, prefix=object())  # type: ignore[arg-type]
+        other.release(om)
+        assert tree_state(cache) == before
+        cache.release(m)
+        before = tree_state(cache)
+        with pytest.raises(akv.HandleError):  # released: its pin no longer holds the run
+            cache.insert([1, 2, 3, 4, 5, 6], own, prefix=m)
+        assert tree_state(cache) == before and cache.take_events() == [] and events
+        m = cache.match_prefix([1, 2, 3, 4, 5, 6])
+        cache.release(cache.insert([1, 2, 3, 4, 5, 6], own, prefix=m))  # still the caller's
+        cache.release(m)
+        engine.complete_all()
+        await cache.flush()
+        cache.check_invariants()
+
+
+@pytest.mark.parametrize("seed", [int(os.environ.get("AKV_PREFIX_SEED", "0")), 1, 2, 3, 678266897])
+async def test_lens_agrees_with_parts_in_every_tier_state(seed: int) -> None:
+    """Seeded walk through inserts (both forms), evictions (device and host), write-through
+    copies and load-backs left in flight, failed or released under: ``lens()`` must equal the
+    tokens of ``parts()`` (the general rule) for every match, in every mix of
+    RESIDENT/FILLING/ABSENT nodes, and every invariant hold after every step.  More seeds:
+    ``AKV_PREFIX_SEED=<n>`` replaces seed 0."""
+    rng = random.Random(seed)
+    print(f"seed {seed}")  # shown with a failure
+    engine = ManualCopyEngine()
+    cfg = small_config(device_pages=24, host_pages=24)
+    async with akv.HiCache(cfg, copy_engine=engine) as cache:
+        held: list[akv.MatchResult | akv.InsertResult] = []
+        loads: list[asyncio.Task[akv.MatchResult]] = []
+        for step in range(1500):
+            toks = [rng.randrange(3) for _ in range(rng.randrange(2, 13))]
+            op = rng.random()
+            try:
+                if op < 0.3:
+                    m = cache.match_prefix(toks)
+                    dev, host = m.parts()
+                    want = (sum(len(n.key) for n in dev), sum(len(n.key) for n in host))
+                    assert m.lens() == want, f"seed {seed} step {step}: {m.lens()} != {want}"
+                    assert (m.device_len, m.host_len) == want, f"seed {seed} step {step}"
+                    if m.host_len and rng.random() < 0.7:
+                        loads.append(asyncio.ensure_future(cache.load_back(m)))
+                    held.append(m)
+                elif op < 0.5:
+                    m = cache.match_prefix(toks)
+                    try:
+                        own = cache.alloc(len(toks) - m.device_len)
+                    except akv.CapacityError:
+                        cache.release(m)
+                        continue
+                    dev = m.device_len
+                    if rng.random() < 0.5:
+                        r = cache.insert(toks, own[: len(toks) - dev], prefix=m)
+                    else:
+                        r = cache.insert(toks, torch.cat([m.device_indices, own])[: len(toks)])
+                    tail = own[len(toks) // 2 * 2 - dev :]  # the unaligned tail's page
+                    if tail.numel():
+                        cache.free(tail)
+                    held += [r, m]
+                elif op < 0.65 and held:
+                    cache.release(held.pop(rng.randrange(len(held))))
+                elif op < 0.8:
+                    cache.evict(rng.randrange(1, 6), rng.choice(["device", "device", "host"]))
+                elif engine.pending:
+                    if rng.random() < 0.8:
+                        engine.complete(rng.randrange(len(engine.pending)))
+                    else:
+                        engine.fail(rng.randrange(len(engine.pending)))
+            except akv.CapacityError:
+                pass
+            while len(held) > 6:  # few pins, so that evictions find victims
+                cache.release(held.pop(rng.randrange(len(held))))
+            await asyncio.sleep(0)
+            cache.check_invariants()  # after every step (the loads ran meanwhile)
+        for h in held:
+            cache.release(h)
+        engine.complete_all()
+        await asyncio.gather(*loads, return_exceptions=True)
+        await cache.flush()
+        cache.check_invariants()
