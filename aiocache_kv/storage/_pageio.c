@@ -1,4 +1,4 @@
-/* Batched page-file reads for FileStorage, in C: the optional fast path of
+/* Batched page-file reads and writes for FileStorage, in C: the optional fast path of
  * aiocache_kv/storage/page_file.py (whose read_into() is the reference and says what a read
  * is).  A read of one page is four system calls (open, fstat, preadv, close); from Python each
  * releases and re-takes the GIL, and with the event loop and a second worker wanting it too,
@@ -14,6 +14,15 @@
  *   status 2: not a regular file (a link, FIFO, socket, device or directory) or no permission;
  *   status 3: any other failure, value = errno.
  * Nothing else is touched: the caller checks the header and verifies the slot.
+ *
+ * write_pages(writes) -> list of int, one per write.
+ *   writes: a list of (dir_fd, name: bytes, header: buffer, slot: buffer).  Each name is
+ *   created relative to dir_fd with O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK |
+ *   O_CLOEXEC, mode 0644 (so an existing name of any kind, a link included, is never opened),
+ *   and header + slot are written with writev, continued after a short write.
+ *   value >= 0: written, value = the file size; value < 0: -errno.  A file this call created
+ *   and failed to fill is unlinked; on EEXIST nothing was created and nothing is touched.
+ *   page_file.write_new() is the reference (one page, from Python).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,6 +31,7 @@
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
+#include <string.h>
 
 #ifndef O_CLOEXEC
 #define O_CLOEXEC 0
@@ -180,13 +190,147 @@ done:
     return out;
 }
 
+typedef struct {
+    int dir_fd;
+    const char *name;
+    Py_buffer header;
+    Py_buffer slot;
+    long long value;
+} page_write;
+
+static void write_one(page_write *w)
+{
+    int fd;
+    do {
+        fd = openat(w->dir_fd, w->name,
+                    O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) {
+        w->value = -(long long)errno;
+        return;
+    }
+    const char *parts[2] = {(const char *)w->header.buf, (const char *)w->slot.buf};
+    size_t sizes[2] = {(size_t)w->header.len, (size_t)w->slot.len};
+    size_t want = sizes[0] + sizes[1];
+    size_t done = 0;
+    int err = 0;
+    while (done < want) {
+        struct iovec iov[2];
+        int cnt = 0;
+        size_t skip = done;
+        for (int i = 0; i < 2; i++) {
+            if (skip >= sizes[i]) {
+                skip -= sizes[i];
+                continue;
+            }
+            iov[cnt].iov_base = (void *)(parts[i] + skip);
+            iov[cnt].iov_len = sizes[i] - skip;
+            skip = 0;
+            cnt++;
+        }
+        ssize_t n = writev(fd, iov, cnt);
+        if (n < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            err = errno;
+            break;
+        }
+        if (n == 0) {
+            err = EIO; /* no progress: give up rather than spin */
+            break;
+        }
+        done += (size_t)n;
+    }
+    if (close(fd) != 0 && err == 0 && errno != EINTR) {
+        err = errno;
+    }
+    if (err != 0) {
+        unlinkat(w->dir_fd, w->name, 0); /* ours (O_EXCL): the name itself, quietly */
+        w->value = -(long long)err;
+        return;
+    }
+    w->value = (long long)want;
+}
+
+static PyObject *write_pages(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    if (!PyList_CheckExact(arg)) {
+        PyErr_SetString(PyExc_TypeError, "write_pages needs a list of writes");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    page_write *writes = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(page_write));
+    if (writes == NULL) {
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t ready = 0; /* writes whose two buffers are held */
+    PyObject *out = NULL;
+    for (; ready < n; ready++) {
+        PyObject *item = PyList_GET_ITEM(arg, ready);
+        page_write *w = &writes[ready];
+        PyObject *name;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
+            PyErr_SetString(PyExc_TypeError, "a write is (dir_fd, name, header, slot)");
+            goto done;
+        }
+        w->dir_fd = (int)PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
+        if (w->dir_fd == -1 && PyErr_Occurred()) {
+            goto done;
+        }
+        name = PyTuple_GET_ITEM(item, 1);
+        if (!PyBytes_Check(name)) {
+            PyErr_SetString(PyExc_TypeError, "a write's name must be bytes");
+            goto done;
+        }
+        w->name = PyBytes_AS_STRING(name); /* the list keeps the bytes alive */
+        if ((Py_ssize_t)strlen(w->name) != PyBytes_GET_SIZE(name)) {
+            PyErr_SetString(PyExc_ValueError, "a write's name contains a NUL byte");
+            goto done;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 2), &w->header, PyBUF_SIMPLE) < 0) {
+            goto done;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 3), &w->slot, PyBUF_SIMPLE) < 0) {
+            PyBuffer_Release(&w->header);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        write_one(&writes[i]);
+    }
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    if (out == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLongLong(writes[i].value);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+done:
+    for (Py_ssize_t i = 0; i < ready; i++) {
+        PyBuffer_Release(&writes[i].header);
+        PyBuffer_Release(&writes[i].slot);
+    }
+    PyMem_Free(writes);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"read_pages", read_pages, METH_O, "Read page files in one batch, the GIL released."},
+    {"write_pages", write_pages, METH_O, "Create page files in one batch, the GIL released."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_pageio", "Batched page-file reads in C.", -1, methods, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "_pageio", "Batched page-file reads and writes in C.", -1, methods, NULL, NULL,
     NULL, NULL,
 };
 

@@ -62,10 +62,11 @@ from typing import Literal
 
 import torch
 
-from aiocache_kv.errors import ConfigError, InvalidInputError, StorageUnavailableError
+from aiocache_kv.errors import ConfigError, StorageUnavailableError
 from aiocache_kv.logs import get_logger
 from aiocache_kv.storage import integrity, page_file, safe_fs
 from aiocache_kv.storage.base import PageBuffer, StatsCounter, StorageStats, leading_run
+from aiocache_kv.storage.file_writes import FileWrites
 from aiocache_kv.storage.keys import MAX_KEY_LEN, check_keys
 from aiocache_kv.storage.page_file import (
     SUFFIX,
@@ -91,7 +92,7 @@ AUTO_RESERVE = 0.1
 _EVICTED_KEPT = 1 << 16
 
 
-class FileStorage:
+class FileStorage(FileWrites):
     """Pages as files under ``path``; see the module docstring for layout and policies.
 
     Construction only validates arguments (no I/O, safe on the event loop); :meth:`open`
@@ -328,153 +329,6 @@ class FileStorage:
     def leading_hits(self, keys: Sequence[str]) -> int:
         """Count of the leading run of present keys (raises as :meth:`exists`)."""
         return leading_run(self.exists(keys))
-
-    # -- writes ------------------------------------------------------------------------------
-
-    def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
-        """Seal and store each slot; present keys are not rewritten (``True``, counted skipped).
-        Pages stored this way record no parent: see :meth:`put_chain`.
-
-        Raises:
-            StorageKeyError: a malformed key.
-            InvalidInputError: ``len(keys) != len(buffers)`` or a slot <= ``FRAME_OVERHEAD``.
-            StorageUnavailableError: closed or unusable directory.
-        """
-        integrity.check_batch(keys, buffers)
-        with self._in_use():
-            return self._put(keys, buffers, [None] * len(keys))
-
-    def put_chain(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[PageBuffer],
-        parents: Sequence[str | None],
-    ) -> list[bool]:
-        """:meth:`put`, with ``parents[i]`` the key page ``i`` depends on (``None``: a chain
-        start), recorded in the file and used by eviction (chain ends first).  A page the same
-        call had to evict again reports ``False``, and so do the pages after it in its chain.
-
-        Raises:
-            StorageKeyError: a malformed key or parent.
-            InvalidInputError: lengths differ or a slot <= ``FRAME_OVERHEAD``.
-            StorageUnavailableError: closed or unusable directory.
-        """
-        integrity.check_batch(keys, buffers)
-        if len(parents) != len(keys):
-            raise InvalidInputError(f"{len(parents)} parents for {len(keys)} keys")
-        check_keys([p for p in parents if p is not None])
-        with self._in_use():
-            return self._put(keys, buffers, [None if p is None else file_name(p) for p in parents])
-
-    def _put(
-        self, keys: Sequence[str], buffers: Sequence[PageBuffer], parents: list[str | None]
-    ) -> list[bool]:
-        n = len(keys)
-        results = [False] * n
-        names = [file_name(k) for k in keys]
-        key_bytes = [k.encode("utf-8", "surrogatepass") for k in keys]
-        first: dict[str, int] = {}  # absent name -> the index it is written from
-        skipped = too_big = 0
-        with self._lock:
-            for i, name in enumerate(names):
-                if name in self._index:
-                    self._index.touch(name)
-                    results[i] = True
-                    skipped += 1
-                elif name not in first:
-                    first[name] = i
-        todo: list[int] = []
-        for i in first.values():
-            size = page_file.HEADER.size + len(key_bytes[i]) + buffers[i].nbytes
-            if self.capacity_bytes is not None and size > self.capacity_bytes:
-                too_big += 1
-            else:
-                todo.append(i)
-        errors: list[tuple[str, str]] = []
-        written: dict[str, int] = {}  # name -> index, written by this call
-        dropped: set[str] = set()  # written by this call and evicted again
-        nbytes = no_space = 0
-        writable: bool | None = None  # what the last write said about free space
-        for chunk in chunks(todo, buffers):
-            integrity.seal_many([buffers[i] for i in chunk], [keys[i] for i in chunk])
-            for i in chunk:
-                name = names[i]
-                if parents[i] in dropped:  # unreachable: its parent went for room already
-                    dropped.add(name)
-                    continue
-                with self._lock:
-                    if name in self._index:  # stored by another worker meanwhile
-                        self._index.touch(name)
-                        results[i] = True
-                        skipped += 1
-                        continue
-                    in_place = self.fsync == "never" and name not in self._writing
-                    if in_place:
-                        self._writing.add(name)
-                try:
-                    size = self._write_file(key_bytes[i], name, buffers[i], in_place, parents[i])
-                except OSError as exc:
-                    if in_place:
-                        with self._lock:
-                            self._writing.discard(name)
-                    errors.append((keys[i], f"{type(exc).__name__}: {exc}"))
-                    if exc.errno in safe_fs.NO_SPACE:
-                        no_space += 1
-                        writable = False
-                    continue
-                writable = True
-                with self._lock:
-                    if in_place:
-                        self._writing.discard(name)
-                    self._index.add(name, size, parents[i])
-                    victims = self._pick_victims_locked()
-                written[name] = i
-                nbytes += buffers[i].nbytes
-                results[i] = True
-                for v in victims:
-                    if v in written:
-                        results[written[v]] = False
-                        dropped.add(v)
-                self._unlink_victims(victims, report=[v for v in victims if v not in written])
-        ok = sum(results[i] for i in written.values())
-        for i, name in enumerate(names):  # duplicates ride along with their first occurrence
-            j = first.get(name, i)
-            if j != i and results[j]:
-                results[i] = True
-                skipped += 1
-        self._stats.add(
-            puts=n,
-            put_ok=ok,
-            put_skipped=skipped,
-            put_failed=n - ok - skipped,
-            bytes_written=nbytes,
-        )
-        if writable is not None:
-            self._set_writable(writable, errors[-1][1] if errors else None)
-        if too_big or dropped or len(errors) > no_space:  # a full disk: logged by read_only
-            log.warning(
-                "storage.file.put_failed",
-                path=str(self.root),
-                failed=len(errors),
-                larger_than_capacity=too_big,
-                evicted_at_once=len(dropped),
-                first_error=errors[0][1] if errors else None,
-                sample_keys=[k for k, _ in errors[:3]],
-            )
-        return results
-
-    def _write_file(
-        self, key_bytes: bytes, name: str, buf: PageBuffer, in_place: bool, parent: str | None
-    ) -> int:
-        tmp = f".{name}-{self._pid}-{threading.get_ident():x}-{next(self._seq)}{TMP_SUFFIX}"
-        header = page_file.header_for(key_bytes, parent)
-        dfd = self._dirs.get(name[:2])
-        return page_file.write_page(dfd, name, header, buf, in_place, self.fsync, tmp)
-
-    def _pick_victims_locked(self) -> list[str]:
-        if self.capacity_bytes is None:
-            return []
-        return self._index.pick_victims(self.capacity_bytes)
 
     def _unlink_page(self, name: str) -> None:
         """Delete the page file ``name`` (the name itself, never a link's target); quiet."""

@@ -65,6 +65,7 @@ __all__ = [
     "read_chunk",
     "read_header",
     "read_into",
+    "write_group",
     "write_new",
     "write_page",
 ]
@@ -168,6 +169,24 @@ def write_new(dfd: int, fname: str, header: bytes, buf: PageBuffer, fsync: bool)
         safe_fs.unlink_quietly(fname, dfd)
         raise
     return total
+
+
+def write_group(writes: list[tuple[int, str, bytes, PageBuffer]]) -> list[int]:
+    """Create each ``(dir_fd, fname, header, slot)`` as :func:`write_new` does, without
+    fsync; one result per write: the file size, or ``-errno`` (``-EEXIST``: the name exists
+    and was left untouched; any other: nothing was left behind).  Where ``_pageio`` is built
+    the whole group is one C call with the GIL released once, else page by page."""
+    if PAGEIO is not None:
+        return list(
+            PAGEIO.write_pages([(d, f.encode(), h, b.view) for d, f, h, b in writes])
+        )
+    out: list[int] = []
+    for dfd, fname, header, buf in writes:
+        try:
+            out.append(write_new(dfd, fname, header, buf, False))
+        except OSError as exc:
+            out.append(-(exc.errno or errno.EIO))
+    return out
 
 
 def write_page(

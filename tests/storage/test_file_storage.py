@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from aiocache_kv.errors import ConfigError, StorageKeyError, StorageUnavailableError
-from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, PageBuffer
+from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, PageBuffer, page_file
 from aiocache_kv.storage.keys import parse_storage_key, storage_key
 from aiocache_kv.testing import capture_logs
 
@@ -501,14 +501,28 @@ def _no_space(*args: object, **kwargs: object) -> int:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+def _fill_disk(monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
+    """Every write from now on fails with ENOSPC: the page-by-page writes (``os``), and
+    the group writer either through its Python reference (``"python"``) or as the C writer
+    reports it, ``-ENOSPC`` per page (``"group"``)."""
+    monkeypatch.setattr(os, "writev", _no_space)
+    monkeypatch.setattr(os, "write", _no_space)
+    if writer == "python":
+        monkeypatch.setattr(page_file, "PAGEIO", None)
+    else:
+        monkeypatch.setattr(
+            page_file, "write_group", lambda writes: [-errno.ENOSPC for _ in writes]
+        )
+
+
+@pytest.mark.parametrize("writer", ["python", "group"])
 def test_put_on_a_full_disk_fails_per_page_without_raising(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
 ) -> None:
     fs = FileStorage(tmp_path)
     fs.put(["old"], pages(1))
     assert fs.writable
-    monkeypatch.setattr(os, "writev", _no_space)
-    monkeypatch.setattr(os, "write", _no_space)
+    _fill_disk(monkeypatch, writer)
     with capture_logs() as logs:
         assert fs.put(["a", "b", "old"], pages(3)) == [False, False, True]
         assert fs.put(["c"], pages(1)) == [False]
@@ -526,13 +540,15 @@ def test_put_on_a_full_disk_fails_per_page_without_raising(
     assert [e["event"] for e in logs] == ["storage.file.writable"]
 
 
-def test_open_on_a_full_disk_serves_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("writer", ["python", "group"])
+def test_open_on_a_full_disk_serves_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
     fs = FileStorage(tmp_path)
     src = pages(2)
     fs.put(["a", "b"], src)
     fs.close()
-    monkeypatch.setattr(os, "writev", _no_space)
-    monkeypatch.setattr(os, "write", _no_space)
+    _fill_disk(monkeypatch, writer)
     again = FileStorage(tmp_path)
     with capture_logs() as logs:
         again.open()

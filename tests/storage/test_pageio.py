@@ -122,3 +122,76 @@ def test_a_shard_that_cannot_be_opened_reads_alike(
     assert got_c == got_py
     assert (got_c.good, got_c.gone, got_c.junk) == ([0, 4, 5], [1], [2])
     assert len(got_c.io_errors) == 1 and "broken" in got_c.io_errors[0]
+
+
+def _write_scene(root: Path) -> tuple[list[tuple[int, str, bytes, PageBuffer]], list[int]]:
+    """Eight writes into one directory (its descriptor kept open): two new names, and a
+    regular file, a link to another file, a dangling link, a FIFO and a directory named
+    like the page, plus one into a directory removed under its descriptor."""
+    root.mkdir()
+    (root / "gone").mkdir()
+    dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    gone = os.open(root / "gone", os.O_RDONLY | os.O_DIRECTORY)
+    os.rmdir(root / "gone")
+    (root / "taken.kv").write_bytes(b"old page")
+    (root / "target").write_bytes(b"not a page")
+    (root / "link.kv").symlink_to(root / "target")
+    (root / "dangling.kv").symlink_to(root / "nowhere")
+    os.mkfifo(root / "fifo.kv")  # must neither block nor be written
+    (root / "dir.kv").mkdir()
+    names = ["a.kv", "b.kv", "taken.kv", "link.kv", "dangling.kv", "fifo.kv", "dir.kv", "x.kv"]
+    bufs = pages(len(names), seed=9)
+    writes = [
+        (gone if n == "x.kv" else dfd, n, f"header-{n}".encode(), b)
+        for n, b in zip(names, bufs, strict=True)
+    ]
+    return writes, [dfd, gone]
+
+
+@pytest.mark.parametrize("writer", ["c", "python"])
+def test_group_writes_create_only_new_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    """Both group writers (C, and the Python reference) give the same per-page results, the
+    same bytes on disk, never write through a link or into an existing name of any kind,
+    and leave nothing behind for a write that failed."""
+    if writer == "c":
+        _pageio()
+    else:
+        monkeypatch.setattr(page_file, "PAGEIO", None)
+    root = tmp_path / "dir"
+    writes, fds = _write_scene(root)
+    try:
+        got = page_file.write_group(writes)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    size = len(b"header-a.kv") + SLOT
+    assert got == [size, size] + [-errno.EEXIST] * 5 + [-errno.ENOENT]
+    for name, header, buf in [(w[1], w[2], w[3]) for w in writes[:2]]:
+        assert (root / name).read_bytes() == header + bytes(buf.view)
+    assert (root / "taken.kv").read_bytes() == b"old page"
+    assert (root / "target").read_bytes() == b"not a page"
+    assert not (root / "nowhere").exists()
+    assert (root / "link.kv").is_symlink() and (root / "dangling.kv").is_symlink()
+    assert (root / "dir.kv").is_dir() and not list((root / "dir.kv").iterdir())
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        ["a.kv", "b.kv", "taken.kv", "target", "link.kv", "dangling.kv", "fifo.kv", "dir.kv"]
+    )
+
+
+def test_write_pages_refuses_malformed_batches(tmp_path: Path) -> None:
+    pageio = _pageio()
+    slot = bytearray(8)
+    with pytest.raises(TypeError):
+        pageio.write_pages((1, b"x", b"h", slot))  # type: ignore[attr-defined]
+    with pytest.raises(TypeError):
+        pageio.write_pages([(1, "x", b"h", slot)])  # type: ignore[attr-defined]
+    with pytest.raises(ValueError):  # a NUL would cut the name short
+        pageio.write_pages([(1, b"a\0b", b"h", slot)])  # type: ignore[attr-defined]
+    with pytest.raises(TypeError):
+        pageio.write_pages([(1, b"x", "h", slot)])  # type: ignore[attr-defined]
+    assert pageio.write_pages([]) == []  # type: ignore[attr-defined]
+    # a bad descriptor fails that write, not the batch
+    assert pageio.write_pages([(-1, b"x", b"h", slot)]) == [-errno.EBADF]  # type: ignore[attr-defined]
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,246 @@
+"""The write path of :class:`~aiocache_kv.storage.file.FileStorage`: ``put``/``put_chain``.
+
+:class:`FileWrites` is the base of ``FileStorage`` holding what a put does: seal each group of
+pages (~4 MiB) right before its writes, create the files (in place, one group in one
+``page_file.write_group`` call, the GIL released once where ``_pageio`` is built; through a
+temporary file and a rename where a name is taken or ``fsync`` asks), then, under the index
+lock once per group, index the pages and evict for room (chain ends first: a page this same
+put wrote and had to evict again reports ``False``, and so do the pages after it in its
+chain).  The capacity can be exceeded by one group while it is written.  Layout, policies and
+the rest of the class: :mod:`aiocache_kv.storage.file`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from aiocache_kv.errors import InvalidInputError
+from aiocache_kv.logs import get_logger
+from aiocache_kv.storage import integrity, page_file, safe_fs
+from aiocache_kv.storage.base import PageBuffer, StatsCounter
+from aiocache_kv.storage.keys import check_keys
+from aiocache_kv.storage.page_file import SUFFIX, TMP_SUFFIX, chunks, file_name
+from aiocache_kv.storage.page_index import PageIndex
+
+__all__ = ["FileWrites"]
+
+log = get_logger("aiocache_kv.storage.file")
+
+
+class FileWrites:
+    """Puts of a :class:`~aiocache_kv.storage.file.FileStorage` (its base; state set there)."""
+
+    fsync: str
+    capacity_bytes: int | None
+    _lock: threading.Lock
+    _index: PageIndex
+    _writing: set[str]  # names being written in place (not yet indexed)
+    _dirs: safe_fs.ShardDirs
+    _stats: StatsCounter
+    _pid: int
+    _seq: itertools.count[int]
+    root: Path
+
+    def _in_use(self) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def _unlink_victims(self, victims: list[str], report: list[str] | None = None) -> None:
+        raise NotImplementedError
+
+    def _set_writable(self, writable: bool, reason: str | None = None) -> None:
+        raise NotImplementedError
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+        """Seal and store each slot; present keys are not rewritten (``True``, counted skipped).
+        Pages stored this way record no parent: see :meth:`put_chain`.
+
+        Raises:
+            StorageKeyError: a malformed key.
+            InvalidInputError: ``len(keys) != len(buffers)`` or a slot <= ``FRAME_OVERHEAD``.
+            StorageUnavailableError: closed or unusable directory.
+        """
+        integrity.check_batch(keys, buffers)
+        with self._in_use():
+            return self._put(keys, buffers, [None] * len(keys))
+
+    def put_chain(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        parents: Sequence[str | None],
+    ) -> list[bool]:
+        """:meth:`put`, with ``parents[i]`` the key page ``i`` depends on (``None``: a chain
+        start), recorded in the file and used by eviction (chain ends first).  A page the same
+        call had to evict again reports ``False``, and so do the pages after it in its chain.
+
+        Raises:
+            StorageKeyError: a malformed key or parent.
+            InvalidInputError: lengths differ or a slot <= ``FRAME_OVERHEAD``.
+            StorageUnavailableError: closed or unusable directory.
+        """
+        integrity.check_batch(keys, buffers)
+        if len(parents) != len(keys):
+            raise InvalidInputError(f"{len(parents)} parents for {len(keys)} keys")
+        check_keys([p for p in parents if p is not None])
+        with self._in_use():
+            return self._put(keys, buffers, [None if p is None else file_name(p) for p in parents])
+
+    def _put(
+        self, keys: Sequence[str], buffers: Sequence[PageBuffer], parents: list[str | None]
+    ) -> list[bool]:
+        n = len(keys)
+        results = [False] * n
+        names = [file_name(k) for k in keys]
+        key_bytes = [k.encode("utf-8", "surrogatepass") for k in keys]
+        first: dict[str, int] = {}  # absent name -> the index it is written from
+        skipped = too_big = 0
+        with self._lock:
+            for i, name in enumerate(names):
+                if name in self._index:
+                    self._index.touch(name)
+                    results[i] = True
+                    skipped += 1
+                elif name not in first:
+                    first[name] = i
+        todo: list[int] = []
+        for i in first.values():
+            size = page_file.HEADER.size + len(key_bytes[i]) + buffers[i].nbytes
+            if self.capacity_bytes is not None and size > self.capacity_bytes:
+                too_big += 1
+            else:
+                todo.append(i)
+        errors: list[tuple[str, str]] = []
+        written: dict[str, int] = {}  # name -> index, written by this call
+        dropped: set[str] = set()  # written by this call and evicted again
+        nbytes = no_space = 0
+        writable: bool | None = None  # what the last write said about free space
+        for chunk in chunks(todo, buffers):
+            integrity.seal_many([buffers[i] for i in chunk], [keys[i] for i in chunk])
+            group: list[int] = []  # created in place, in one batch
+            single: list[int] = []  # through a temporary file, page by page
+            with self._lock:
+                for i in chunk:
+                    name = names[i]
+                    if parents[i] in dropped:  # unreachable: its parent went for room already
+                        dropped.add(name)
+                    elif name in self._index:  # stored by another worker meanwhile
+                        self._index.touch(name)
+                        results[i] = True
+                        skipped += 1
+                    elif self.fsync == "never" and name not in self._writing:
+                        self._writing.add(name)
+                        group.append(i)
+                    else:
+                        single.append(i)
+            # page -> file size or failure
+            done: dict[int, int | OSError] = self._write_group(
+                group, names, key_bytes, buffers, parents
+            )
+            for i, res in list(done.items()):
+                if isinstance(res, OSError) and res.errno == errno.EEXIST:
+                    del done[i]  # a leftover of some kind: replaced by a rename below
+                    single.append(i)
+            for i in single:
+                try:
+                    done[i] = self._write_file(
+                        key_bytes[i], names[i], buffers[i], False, parents[i]
+                    )
+                except OSError as exc:
+                    done[i] = exc
+            with self._lock:
+                self._writing.difference_update(names[i] for i in group)
+                for i in chunk:
+                    got = done.get(i)
+                    if got is None:
+                        continue
+                    if isinstance(got, OSError):
+                        errors.append((keys[i], f"{type(got).__name__}: {got}"))
+                        if got.errno in safe_fs.NO_SPACE:
+                            no_space += 1
+                            writable = False
+                        continue
+                    writable = True
+                    self._index.add(names[i], got, parents[i])
+                    written[names[i]] = i
+                    nbytes += buffers[i].nbytes
+                    results[i] = True
+                victims = self._pick_victims_locked()  # chain ends first: this chunk's last
+            for v in victims:
+                if v in written:
+                    results[written[v]] = False
+                    dropped.add(v)
+            self._unlink_victims(victims, report=[v for v in victims if v not in written])
+        ok = sum(results[i] for i in written.values())
+        for i, name in enumerate(names):  # duplicates ride along with their first occurrence
+            j = first.get(name, i)
+            if j != i and results[j]:
+                results[i] = True
+                skipped += 1
+        self._stats.add(
+            puts=n,
+            put_ok=ok,
+            put_skipped=skipped,
+            put_failed=n - ok - skipped,
+            bytes_written=nbytes,
+        )
+        if writable is not None:
+            self._set_writable(writable, errors[-1][1] if errors else None)
+        if too_big or dropped or len(errors) > no_space:  # a full disk: logged by read_only
+            log.warning(
+                "storage.file.put_failed",
+                path=str(self.root),
+                failed=len(errors),
+                larger_than_capacity=too_big,
+                evicted_at_once=len(dropped),
+                first_error=errors[0][1] if errors else None,
+                sample_keys=[k for k, _ in errors[:3]],
+            )
+        return results
+
+    def _write_group(
+        self,
+        group: list[int],
+        names: list[str],
+        key_bytes: list[bytes],
+        buffers: Sequence[PageBuffer],
+        parents: list[str | None],
+    ) -> dict[int, int | OSError]:
+        """Create pages ``group`` in place; each page's file size, or why it failed
+        (``FileExistsError``: the name is taken, nothing was touched)."""
+        out: dict[int, int | OSError] = {}
+        writes: list[tuple[int, str, bytes, PageBuffer]] = []
+        order: list[int] = []
+        for i in group:
+            try:
+                dfd = self._dirs.get(names[i][:2])
+            except OSError as exc:  # an unusable shard fails its pages only
+                out[i] = exc
+                continue
+            header = page_file.header_for(key_bytes[i], parents[i])
+            writes.append((dfd, names[i] + SUFFIX, header, buffers[i]))
+            order.append(i)
+        for i, size in zip(order, page_file.write_group(writes), strict=True):
+            out[i] = size if size >= 0 else OSError(-size, os.strerror(-size), names[i])
+        return out
+
+    def _write_file(
+        self, key_bytes: bytes, name: str, buf: PageBuffer, in_place: bool, parent: str | None
+    ) -> int:
+        tmp = f".{name}-{self._pid}-{threading.get_ident():x}-{next(self._seq)}{TMP_SUFFIX}"
+        header = page_file.header_for(key_bytes, parent)
+        dfd = self._dirs.get(name[:2])
+        return page_file.write_page(dfd, name, header, buf, in_place, self.fsync, tmp)
+
+    def _pick_victims_locked(self) -> list[str]:
+        if self.capacity_bytes is None:
+            return []
+        return self._index.pick_victims(self.capacity_bytes)
+
