@@ -23,6 +23,7 @@ __all__ = [
     "check_keys",
     "parse_storage_key",
     "storage_key",
+    "storage_keys",
 ]
 
 MAX_TAG_LEN = 64
@@ -72,6 +73,24 @@ def storage_key(tag: str, page_hash: int, component: str = "kv") -> str:
     if page_hash < 0 or page_hash >= 1 << MAX_HASH_BITS:
         raise StorageKeyError(f"page_hash must be in [0, 2**{MAX_HASH_BITS}), got {page_hash}")
     return f"{tag}/{page_hash:016x}/{component}"
+
+
+def storage_keys(tag: str, page_hashes: list[int], component: str = "kv") -> list[str]:
+    """:func:`storage_key` of every hash (one call per prompt: the names are checked once).
+
+    Raises:
+        StorageKeyError: as :func:`storage_key`, for the first hash at fault.
+    """
+    _check_name("tag", tag, MAX_TAG_LEN)
+    _check_name("component", component, MAX_COMPONENT_LEN)
+    if page_hashes and not (
+        all(type(h) is int for h in page_hashes)
+        and min(page_hashes) >= 0
+        and max(page_hashes) < 1 << MAX_HASH_BITS
+    ):
+        for h in page_hashes:
+            storage_key(tag, h, component)  # raises for the first bad one
+    return [f"{tag}/{h:016x}/{component}" for h in page_hashes]
 
 
 def parse_storage_key(key: str) -> ParsedKey:

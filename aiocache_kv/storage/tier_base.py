@@ -21,7 +21,8 @@ from aiocache_kv.stats import StorageCounters
 from aiocache_kv.storage.base import ChainAwareStorage, PageBuffer, StorageBackend
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
-from aiocache_kv.storage.keys import parse_storage_key, storage_key
+from aiocache_kv.storage.keys import parse_storage_key, storage_keys
+from aiocache_kv.storage.stored_pages import StoredPages
 from aiocache_kv.tree.node import FILLING, Node, Tier
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class StorageTierBase:
         #: from the tree leaves), to find what an eviction took.  Hashes are seeded by the
         #: namespace, so the hash alone names the page; a collision would only mark a node
         #: absent (backed up again), never present.
-        self._stored: weakref.WeakValueDictionary[int, Node] = weakref.WeakValueDictionary()
+        self._stored = StoredPages()
         #: nodes under backup whose page another call evicted meanwhile: their backup fails
         self._doubted: weakref.WeakSet[Node] = weakref.WeakSet()
 
@@ -93,9 +94,7 @@ class StorageTierBase:
 
     def remember_stored(self, node: Node) -> None:
         """``node``'s pages are in storage now (a backup landed, or they came from there)."""
-        stored = self._stored
-        for h in self.core.tree.block_hashes(node):
-            stored[h] = node
+        self._stored.remember(node, self.core.tree.block_hashes(node))
 
     def _holder(self, node: Node, page_hash: int) -> Node | None:
         """The live node holding ``page_hash`` now: ``node`` or, after splits, an ancestor."""
@@ -132,7 +131,7 @@ class StorageTierBase:
             except StorageKeyError:
                 continue  # not one of this cache's keys
             gone[parsed.page_hash] = None
-            node = self._stored.pop(parsed.page_hash, None)
+            node = self._stored.pop(parsed.page_hash)
             holder = None if node is None else self._holder(node, parsed.page_hash)
             if holder is None:
                 continue
@@ -153,9 +152,7 @@ class StorageTierBase:
         return False
 
     def _keys(self, ns: Namespace, hashes: list[int], pool: int = 0) -> list[str]:
-        tag = ns.tag
-        suffix = self._suffixes[pool]
-        return [storage_key(tag, h, suffix) for h in hashes]
+        return storage_keys(ns.tag, hashes, self._suffixes[pool])
 
     def _bufs(self, pages: torch.Tensor, pool: int = 0) -> list[PageBuffer]:
         b = self._buffers[pool]
