@@ -16,9 +16,11 @@ import torch
 
 import aiocache_kv as akv
 from aiocache_kv.storage import FileStorage, PageBuffer, parse_storage_key
+from aiocache_kv.storage.keys import storage_key
 from aiocache_kv.storage.tier import PrefetchStatus
 from aiocache_kv.testing import ManualCopyEngine
 from aiocache_kv.tree import TierState
+from aiocache_kv.tree.hashing import chain_hashes
 from tests.conftest import small_config
 from tests.test_cache import read_kv
 from tests.test_split_ack import insert, write_kv
@@ -220,6 +222,49 @@ async def test_partial_backup_failure_is_recorded_per_page(tmp_path: Path) -> No
         assert cache.statistics().backup_pages_ok == 3
         assert len(await raw_keys(tmp_path)) == 3
         cache.release(r)
+        cache.check_invariants()
+
+
+class StallSecondBatch(FlakyStorage):
+    """Reads of the batch that holds ``stalled_key`` hang until ``stall`` is set."""
+
+    stalled_key = ""
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+        if self.stalled_key in keys:
+            return super().get_into(keys, buffers)
+        return FileStorage.get_into(self, keys, buffers)
+
+
+async def test_prefetch_timeout_commits_the_batches_that_landed(tmp_path: Path) -> None:
+    """8 pages read 2 a batch over 2 workers (A: pages 0-1 and 4-5, B: 2-3 and 6-7); B's
+    first batch hangs.  By the deadline A reported both its batches, one by one: the leading
+    run (pages 0-1) commits, pages 4-5 landed but are not reachable and are freed, and the
+    hung batch's pages stay the worker's until it returns."""
+    await stored_prompt(tmp_path)
+    store = StallSecondBatch(tmp_path)
+    opts = dict(
+        storage=store,
+        prefetch_policy="timeout",
+        prefetch_timeout_base=0.3,
+        prefetch_timeout_per_1k=0.0,
+        prefetch_batch_pages=2,
+    )
+    async with akv.HiCache(cfg(tmp_path, **opts)) as cache:
+        ns = cache._ns(None, None)
+        hashes = chain_hashes(_seed(ns.tag), PROMPT, 2)
+        store.stalled_key = storage_key(ns.tag, hashes[2])
+        store.stall.clear()
+        res = await cache.prefetch(PROMPT)
+        assert res.status is PrefetchStatus.PARTIAL and res.hit_tokens == 4
+        m = cache.match_prefix(PROMPT)
+        assert (m.device_len, m.host_len) == (0, 4)
+        cache.release(m)
+        stats = cache.statistics()
+        assert stats.prefetch_reserved_pages == 0 and stats.host.quarantined_pages == 4
+        store.stall.set()
+        await cache.flush()
+        assert cache.statistics().host.quarantined_pages == 0
         cache.check_invariants()
 
 

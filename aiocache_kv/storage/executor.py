@@ -49,6 +49,7 @@ import contextlib
 import dataclasses
 import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -239,6 +240,52 @@ class StorageIO:
             bufs,
             timeout=timeout,
             buffers=bufs,
+            on_release=on_release,
+        )
+
+    async def get_into_batches(
+        self,
+        batches: Sequence[tuple[Sequence[str], Sequence[PageBuffer]]],
+        on_batch: Callable[[int, list[bool] | BaseException], None],
+        *,
+        timeout: float | None = None,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
+        """``backend.get_into`` of each ``(keys, buffers)`` batch in turn, on one worker: one
+        hand-off for all of them, each batch still one backend call of its own size.
+        ``on_batch(i, flags or the exception)`` runs on the loop as each batch ends, in
+        order, before this returns; a batch's exception does not stop the next.  Batches not
+        started by the deadline are skipped.  Buffers stay in use until every batch ended,
+        late ones included (``on_release`` runs on the loop then, exactly once).
+
+        Raises:
+            StorageTimeoutError: the batches did not all end in ``timeout`` seconds (those
+                that ended were reported).
+            StorageUnavailableError: the executor is closed.
+        """
+        loop = self._bind_loop()
+        limit = self.default_timeout if timeout is None else timeout
+        stop = time.monotonic() + limit  # the worker starts no batch after this
+        get_into = self.backend.get_into
+        jobs = [(list(keys), list(bufs)) for keys, bufs in batches]
+
+        def run() -> None:  # worker thread: results go back through the loop only
+            for i, (keys, bufs) in enumerate(jobs):
+                if time.monotonic() >= stop:
+                    return
+                res: list[bool] | BaseException
+                try:
+                    res = get_into(keys, bufs)
+                except Exception as exc:  # reported per batch; the next one still runs
+                    res = exc
+                with contextlib.suppress(RuntimeError):  # a closed loop: nobody to tell
+                    loop.call_soon_threadsafe(on_batch, i, res)
+
+        await self.call(
+            "get_into",
+            run,
+            timeout=timeout,
+            buffers=[b for _, bufs in jobs for b in bufs],
             on_release=on_release,
         )
 

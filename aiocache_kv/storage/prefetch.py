@@ -15,6 +15,7 @@ import asyncio
 import enum
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -97,6 +98,16 @@ class _Prefetch:
 def prefetch_timeout(tokens: int, base: float, per_1k: float, cap: float) -> float:
     """Deadline of a ``timeout``-policy prefetch: base + per-1k-tokens, capped."""
     return min(cap, base + per_1k * tokens / 1000.0)
+
+def _report(
+    landed: Callable[[list[tuple[int, int]], list[bool] | BaseException], None],
+    parts: list[list[tuple[int, int]]],
+    i: int,
+    res: list[bool] | BaseException,
+) -> None:
+    """``on_batch`` of a worker's batches: batch ``i`` is ``parts[i]``."""
+    landed(parts[i], res)
+
 
 class PrefetchingTier(StorageTierBase):
     """The prefetch half of the storage tier (reservations, reads, commits)."""
@@ -304,50 +315,61 @@ class PrefetchingTier(StorageTierBase):
             for j in range(min(job.hits, fits))
             if by_pool[pool][j]
         ]
-        # at most prefetch_batch_pages a call, and spread over every worker: a read of one
-        # batch would otherwise run on one worker while the others idle
+        # at most prefetch_batch_pages a backend call, spread over every worker (a read of
+        # one batch would otherwise run on one worker while the others idle); each worker's
+        # batches go in one hand-off and report one by one (a hand-off per batch cost ~60 us
+        # of loop time), interleaved so that the leading pages land first
         chunk = max(1, min(self.core.config.prefetch_batch_pages, -(-len(plan) // self.io.workers)))
+        parts = [plan[a : a + chunk] for a in range(0, len(plan), chunk)]
         alloc = self.core.host_alloc
         assert alloc is not None
-        tasks: list[tuple[list[tuple[int, int]], asyncio.Future[list[bool]]]] = []
         reserved = job.pages.numpy()  # one conversion; a torch index per page costs ~1 us
+        done = [False]  # set once the wait is over: a batch reported later is not counted
+
+        def landed(part: list[tuple[int, int]], res: list[bool] | BaseException) -> None:
+            if done[0]:
+                return
+            if isinstance(res, BaseException):
+                self.counters.storage_errors += 1
+                job.failed, job.error = True, repr(res)
+                return
+            for (pool, j), good in zip(part, res, strict=True):
+                job.loaded[pool][j] = good
+                if not good and pool == 0:
+                    job.vanished.append(j)
+
+        tasks: list[asyncio.Future[None]] = []
         try:
-            for a in range(0, len(plan), chunk):
-                part = plan[a : a + chunk]
-                keys = [job.keys[pool][j] for pool, j in part]
-                picked = reserved[[j for _, j in part]]
-                rows = picked.tolist()
-                bufs = [self._buffers[pool][row] for (pool, _), row in zip(part, rows, strict=True)]
-                remaining = max(job.deadline - time.monotonic(), 0.001)
-                leased = torch.from_numpy(picked)
+            for w in range(min(self.io.workers, len(parts))):
+                mine = parts[w :: self.io.workers]
+                batches = []
+                for part in mine:
+                    rows = reserved[[j for _, j in part]].tolist()
+                    keys = [job.keys[pool][j] for pool, j in part]
+                    bufs = [self._buffers[pool][r] for (pool, _), r in zip(part, rows, strict=True)]
+                    batches.append((keys, bufs))
+                leased = torch.from_numpy(reserved[[j for part in mine for _, j in part]])
                 alloc.lease(leased)  # a late read must never land in a reused page
+                remaining = max(job.deadline - time.monotonic(), 0.001)
                 task = asyncio.ensure_future(
-                    self.io.get_into(
-                        keys,
-                        bufs,
+                    self.io.get_into_batches(
+                        batches,
+                        functools.partial(_report, landed, mine),
                         timeout=remaining,
                         on_release=functools.partial(alloc.unlease, leased),
                     )
                 )
-                tasks.append((part, task))
+                tasks.append(task)
             if tasks:
-                await asyncio.wait(
-                    [t for _, t in tasks], timeout=max(job.deadline - time.monotonic(), 0.0)
-                )
-            for part, t in tasks:
-                if not t.done() or t.cancelled():
-                    continue
-                failure = t.exception()
-                if failure is not None:
+                await asyncio.wait(tasks, timeout=max(job.deadline - time.monotonic(), 0.0))
+            for t in tasks:
+                failure = t.exception() if t.done() and not t.cancelled() else None
+                if failure is not None:  # a timeout too: what had landed was reported
                     self.counters.storage_errors += 1
                     job.failed, job.error = True, repr(failure)
-                    continue
-                for (pool, j), good in zip(part, t.result(), strict=True):
-                    job.loaded[pool][j] = good
-                    if not good and pool == 0:
-                        job.vanished.append(j)
         finally:
-            for _, t in tasks:
+            done[0] = True
+            for t in tasks:
                 if not t.done():
                     t.cancel()
                 elif not t.cancelled():

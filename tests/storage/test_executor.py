@@ -251,6 +251,83 @@ async def test_concurrent_calls_through_a_real_file_backend(tmp_path: Path) -> N
     await io.aclose()
 
 
+class ScriptedBackend(GatedBackend):
+    """``get_into`` of batch ``i`` (numbered by call): fails for ``fail_at``, blocks on the
+    gate for ``block_at``, else marks its slots and reports every key present."""
+
+    def __init__(self, fail_at: int = -1, block_at: int = -1) -> None:
+        super().__init__()
+        self.calls = 0
+        self.fail_at, self.block_at = fail_at, block_at
+        self.threads: set[int] = set()
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+        i = self.calls
+        self.calls += 1
+        self.threads.add(threading.get_ident())
+        if i == self.block_at:
+            self._block()
+        if i == self.fail_at:
+            raise OSError(f"batch {i} failed")
+        for b in buffers:
+            b.view[0] = i
+        return [True for _ in keys]
+
+
+def _batches(n: int, size: int) -> list[tuple[list[str], list[PageBuffer]]]:
+    return [
+        ([f"k{i}-{j}" for j in range(size)], [PageBuffer.allocate(SLOT) for _ in range(size)])
+        for i in range(n)
+    ]
+
+
+async def test_batches_report_in_order_on_the_loop_and_survive_a_failure() -> None:
+    backend = ScriptedBackend(fail_at=2)
+    io = StorageIO(backend, workers=2)
+    loop_thread = threading.get_ident()
+    seen: list[tuple[int, object, int]] = []
+    released: list[bool] = []
+    batches = _batches(5, 3)
+    await io.get_into_batches(
+        batches,
+        lambda i, res: seen.append((i, res, threading.get_ident())),
+        on_release=lambda: released.append(True),
+    )
+    assert [i for i, _, _ in seen] == [0, 1, 2, 3, 4]  # all reported before the await ends
+    assert all(t == loop_thread for _, _, t in seen)  # never from the worker thread
+    assert isinstance(seen[2][1], OSError) and "batch 2" in str(seen[2][1])
+    assert [res for i, res, _ in seen if i != 2] == [[True] * 3] * 4
+    assert len(backend.threads) == 1  # one hand-off: every batch on one worker
+    assert released == [True] and not io.holds([b for _, bufs in batches for b in bufs])
+    assert [bufs[0].view[0] for _, bufs in batches] == [0, 1, 0, 3, 4]  # 2 wrote nothing
+    await io.aclose()
+
+
+async def test_batches_past_the_deadline_are_skipped_and_buffers_held() -> None:
+    """A store that stalls in batch 1: the call times out at its deadline with batch 0
+    reported, the buffers stay the worker's until the stalled batch returns, and the batches
+    after it never start (the deadline passed) nor get reported."""
+    backend = ScriptedBackend(block_at=1)
+    io = StorageIO(backend, workers=1)
+    seen: list[int] = []
+    released: list[bool] = []
+    batches = _batches(4, 2)
+    bufs = [b for _, bs in batches for b in bs]
+    with pytest.raises(StorageTimeoutError):
+        await io.get_into_batches(
+            batches,
+            lambda i, res: seen.append(i),
+            timeout=0.2,
+            on_release=lambda: released.append(True),
+        )
+    assert seen == [0] and not released and io.holds(bufs)
+    backend.gate.set()
+    await asyncio.wait_for(io.wait_released(bufs), 5)
+    assert released == [True] and backend.calls == 2  # batches 2 and 3 never started
+    assert seen == [0, 1]  # the stalled batch still reports (the caller ignores it)
+    await io.aclose()
+
+
 def test_bad_config() -> None:
     with pytest.raises(ConfigError):
         StorageIO(GatedBackend(), workers=0)
