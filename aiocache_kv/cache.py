@@ -397,8 +397,11 @@ class HiCache:
         ``m.device_indices``, is fine).  Slots of the unaligned tail stay the caller's.
 
         With ``prefix=m`` (a pinned match of these tokens, same tenant/lora), ``kv_indices``
-        holds only the slots of ``tokens[m.device_len:]``: the tree's own pages serve the
-        matched device part, and nothing has to be concatenated on the request path.
+        may hold only the slots of the tokens after ``m``'s device run: of
+        ``tokens[len(tokens) - len(kv_indices):]``, which must start on a page boundary at or
+        before ``m.device_len`` (read when the slots were allocated: if a load-back grew
+        ``m`` since, the caller's copies of those pages are freed).  The tree's own pages serve
+        the rest, and nothing has to be concatenated on the request path.
 
         Returns an :class:`InsertResult` pinning the path; ``.write_through`` is awaitable.
 
@@ -415,17 +418,14 @@ class HiCache:
         n = len(toks) // p * p
         ns = self._ns(tenant, lora)
         skip = 0
-        if prefix is not None:
-            skip = self._prefix_tokens(prefix, ns, n)
-        if (
-            isinstance(kv_indices, torch.Tensor)
-            and kv_indices.dim() == 1
-            and kv_indices.numel() != len(toks) - skip
-        ):
-            after = f" after the prefix's {skip}" if prefix is not None else ""
-            raise InvalidInputError(
-                f"kv_indices has {kv_indices.numel()} slots for {len(toks) - skip} tokens{after}"
-            )
+        if isinstance(kv_indices, torch.Tensor) and kv_indices.dim() == 1:
+            skip = len(toks) - kv_indices.numel()
+            if prefix is not None:
+                self._check_prefix(prefix, ns, skip)
+            elif skip:
+                raise InvalidInputError(
+                    f"kv_indices has {kv_indices.numel()} slots for {len(toks)} tokens"
+                )
         out = core.insert_device(ns, toks, n, slot_array(kv_indices, n - skip), skip // p)
         ack = None
         if self.config.write_policy is WritePolicy.WRITE_THROUGH and n and core.host_pool:
@@ -437,21 +437,20 @@ class HiCache:
         self._handles.add(r)
         return r
 
-    def _prefix_tokens(self, m: MatchResult, ns: Namespace, n: int) -> int:
-        """Tokens of ``m``'s device run, checked as the prefix of an insert of ``n`` tokens
-        in ``ns``."""
+    def _check_prefix(self, m: MatchResult, ns: Namespace, skip: int) -> None:
+        """Raise unless an insert in ``ns`` whose slots start at token ``skip`` may lean on
+        the match ``m``: a page boundary within ``m``'s device run, in ``m``'s namespace."""
         check_handle(m, MatchResult, self._core)
-        if m.node.ns != ns:
+        if m.node.ns is not ns and m.node.ns != ns:
             raise InvalidInputError(
                 f"insert prefix is a match in namespace {m.node.ns!r}, not {ns!r}"
             )
-        skip = m.device_len
-        if skip > n:
+        dev = m.device_len
+        if skip < 0 or skip % self.config.page_size or skip > dev:
             raise InvalidInputError(
-                f"insert prefix has {skip} tokens on device, more than the {n} whole-page "
-                "tokens inserted"
+                f"kv_indices must hold the slots of the tokens from a page boundary at or "
+                f"before the prefix match's {dev} device tokens; they start at token {skip}"
             )
-        return skip
 
     def release(self, handle: MatchResult | InsertResult) -> None:
         """Drop the pin of a handle from :meth:`match_prefix` or :meth:`insert`.

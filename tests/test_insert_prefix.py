@@ -101,6 +101,42 @@ async def test_prefix_insert_passes_only_new_slots(engine: ManualCopyEngine) -> 
         cache.check_invariants()
 
 
+async def test_prefix_that_grew_since_the_alloc_frees_the_callers_copies(
+    engine: ManualCopyEngine,
+) -> None:
+    """The caller read m.device_len, allocated the rest, then (while it computed) another
+    request loaded m's host part back: its slots still start at the old device_len, which is
+    fine; its copies of the pages the tree now holds are freed, not kept twice."""
+    async with akv.HiCache(small_config(), copy_engine=engine) as cache:
+        s = cache.alloc(6)
+        cache.release(cache.insert([1, 2, 3, 4, 5, 6], s))
+        engine.complete_all()
+        await cache.flush()
+        cache.release(cache.match_prefix([1, 2, 3, 4]))  # split after [1, 2, 3, 4]
+        assert cache.evict(1) == 1  # [5, 6] is host-only now
+        m = cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
+        assert m.lens() == (4, 2)
+        own = cache.alloc(8 - m.device_len)  # for [5, 6, 7, 8]
+        free0 = cache.statistics().device.free_pages
+        other = cache.match_prefix([1, 2, 3, 4, 5, 6])
+        task = asyncio.ensure_future(cache.load_back(other))
+        await asyncio.sleep(0)
+        engine.complete_all()
+        await task
+        assert m.lens() == (6, 0)  # m grew meanwhile
+        r = cache.insert([1, 2, 3, 4, 5, 6, 7, 8], own, prefix=m)
+        assert (r.prefix_len, r.inserted_len) == (6, 8)
+        st = cache.statistics().device
+        # the load took a page, the insert freed the caller's copy of [5, 6]
+        assert st.free_pages == free0 and st.held_pages == 0
+        assert m.device_indices.tolist()[4:] != own[:2].tolist()  # the tree kept its own
+        for h in (r, m, other):
+            cache.release(h)
+        engine.complete_all()
+        await cache.flush()
+        cache.check_invariants()
+
+
 async def test_prefix_covering_host_pages_adopts_the_callers_slots(
     engine: ManualCopyEngine,
 ) -> None:
@@ -141,12 +177,15 @@ async def test_prefix_insert_refusals_change_nothing(engine: ManualCopyEngine) -
         cases: list[tuple[dict[str, object], list[int], torch.Tensor, str]] = [
             # tokens that do not start with the match: the tree has no device run for them
             ({"prefix": m}, [9, 9, 3, 4, 5, 6], own, "do not extend"),
-            # the match's device run is longer than the whole pages inserted
-            ({"prefix": m}, [1, 2, 3], own[:0], "more than the 2"),
-            # slots for the whole prompt, not only after the match
-            ({"prefix": m}, [1, 2, 3, 4, 5, 6], torch.cat([own, own]), "4 slots for 2"),
+            # slots that start inside a page, or past the match's device run (token 4)
+            ({"prefix": m}, [1, 2, 3], own[:0], "start at token 3"),
+            ({"prefix": m}, [1, 2, 3, 4, 5, 6, 7, 8], own, "start at token 6"),
+            # more slots than tokens
+            ({"prefix": m}, [1, 2, 3, 4, 5, 6], torch.cat([own, own, own, own]), "token -2"),
             # another tenant's namespace
             ({"prefix": m, "tenant": "t"}, [1, 2, 3, 4, 5, 6], own, "namespace"),
+            # without prefix=, every token needs a slot
+            ({}, [1, 2, 3, 4, 5, 6], own, "2 slots for 6 tokens"),
         ]
         for kwargs, toks, slots, words in cases:
             with pytest.raises(akv.InvalidInputError) as info:

@@ -390,8 +390,10 @@ class Run:
                 return
             held = slots
             write_rows(cache, slots[:n_new], expected_kv(tenant, tokens)[:, :, d:])
-            kv_idx = torch.cat([dev_idx, slots[:n_new]])
-            r = cache.insert(tokens, kv_idx, tenant=tenant)
+            if rng.random() < 0.5:  # only the new slots: the match's own pages serve the rest
+                r = cache.insert(tokens, slots[:n_new], prefix=m, tenant=tenant)
+            else:
+                r = cache.insert(tokens, torch.cat([dev_idx, slots[:n_new]]), tenant=tenant)
             handles.append(r)
             held = slots[-p:] if len(tokens) % p else None  # the unaligned tail stays ours
             if held is not None:

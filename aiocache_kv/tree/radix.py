@@ -253,7 +253,9 @@ class RadixTree(TierBook):
             # fresh device-only leaf: the device transition ABSENT->RESIDENT, inlined
             new = Node(tokens[pos:n], node, ns)
             new.last_access = clock
-            new.device_pages = pages[(pos - base) // p : (n - base) // p]
+            a, b = (pos - base) // p, (n - base) // p
+            # the common case, a caller that passed just the new pages, takes no slice
+            new.device_pages = pages if a == 0 and b == pages.shape[0] else pages[a:b]
             new.device = RESIDENT
             node.children[tokens[pos] if p == 1 else tuple(tokens[pos : pos + p])] = new
             node.n_dev_children += 1
