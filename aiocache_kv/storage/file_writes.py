@@ -140,21 +140,12 @@ class FileWrites:
                         group.append(i)
                     else:
                         single.append(i)
-            # page -> file size or failure
-            done: dict[int, int | OSError] = self._write_group(
-                group, names, key_bytes, buffers, parents
-            )
-            for i, res in list(done.items()):
-                if isinstance(res, OSError) and res.errno == errno.EEXIST:
-                    del done[i]  # a leftover of some kind: replaced by a rename below
-                    single.append(i)
-            for i in single:
-                try:
-                    done[i] = self._write_file(
-                        key_bytes[i], names[i], buffers[i], False, parents[i]
-                    )
-                except OSError as exc:
-                    done[i] = exc
+            try:
+                done = self._write_chunk(group, single, names, key_bytes, buffers, parents)
+            except BaseException:  # not an I/O failure (those are per page): no name stays
+                with self._lock:  # marked as being written by a put that is gone
+                    self._writing.difference_update(names[i] for i in group)
+                raise
             with self._lock:
                 self._writing.difference_update(names[i] for i in group)
                 for i in chunk:
@@ -204,6 +195,29 @@ class FileWrites:
                 sample_keys=[k for k, _ in errors[:3]],
             )
         return results
+
+    def _write_chunk(
+        self,
+        group: list[int],
+        single: list[int],
+        names: list[str],
+        key_bytes: list[bytes],
+        buffers: Sequence[PageBuffer],
+        parents: list[str | None],
+    ) -> dict[int, int | OSError]:
+        """Write pages ``group`` in place in one batch and ``single`` (plus the group's names
+        that turned out taken) through temporary files; each page's size or failure."""
+        done = self._write_group(group, names, key_bytes, buffers, parents)
+        for i, res in list(done.items()):
+            if isinstance(res, OSError) and res.errno == errno.EEXIST:
+                del done[i]  # a leftover of some kind: replaced by a rename below
+                single.append(i)
+        for i in single:
+            try:
+                done[i] = self._write_file(key_bytes[i], names[i], buffers[i], False, parents[i])
+            except OSError as exc:
+                done[i] = exc
+        return done
 
     def _write_group(
         self,

@@ -589,3 +589,34 @@ def test_close_releases_the_directory_descriptors(tmp_path: Path) -> None:
     gc_fs.put(keys_for("b", 20), pages(20))
     del gc_fs  # released when collected, without close()
     assert open_fds() == before
+
+
+def test_a_put_that_blows_up_leaves_no_name_marked_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not an I/O failure (those fail pages, not the put): the exception propagates, and
+    the names it was writing are not left marked as being written in place, so the next
+    put of the same keys writes them in place again and nothing is stored twice."""
+    fs = FileStorage(tmp_path)
+    keys = keys_for("blow", 3)
+
+    def broken(writes: object) -> list[int]:
+        raise RuntimeError("bug in the writer")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(page_file, "write_group", broken)
+        with pytest.raises(RuntimeError, match="bug in the writer"):
+            fs.put(keys, pages(3))
+    assert not fs._writing and fs.exists(keys) == [False] * 3
+    calls: list[int] = []
+    real = page_file.write_group
+
+    def counting(writes: list[tuple[int, str, bytes, PageBuffer]]) -> list[int]:
+        calls.append(len(writes))
+        return real(writes)
+
+    monkeypatch.setattr(page_file, "write_group", counting)
+    assert fs.put(keys, pages(3)) == [True] * 3
+    assert calls == [3]  # all three in place, in one group
+    assert sorted(stored_keys(tmp_path)) == sorted(keys)
+    assert not list(tmp_path.rglob("*.tmp"))
