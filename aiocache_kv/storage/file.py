@@ -131,7 +131,12 @@ class FileStorage(FileWrites):
         self._lock = threading.Lock()
         self._open_lock = threading.Lock()
         self._index = PageIndex()  # name -> size, parent, recency: see page_index
-        self._writing: set[str] = set()  # names being written in place (not yet indexed)
+        #: names a put is writing (not indexed yet) and names dropped from the index whose
+        #: files are not unlinked yet: a put of any of them waits (``_settled``) until that
+        #: write or unlink ended, so one name has one writer and no unlink hits a new page
+        self._writing: set[str] = set()
+        self._deleting: set[str] = set()
+        self._settled = threading.Condition(self._lock)
         self._evicted: collections.deque[str] = collections.deque(maxlen=_EVICTED_KEPT)
         self._opened = False
         self._closed = False
@@ -331,12 +336,22 @@ class FileStorage(FileWrites):
         return leading_run(self.exists(keys))
 
     def _unlink_page(self, name: str) -> None:
-        """Delete the page file ``name`` (the name itself, never a link's target); quiet."""
+        """Delete the page file ``name`` (the name itself, never a link's target), dropped
+        from the index by ``_forget`` or ``_pick_victims_locked``; quiet."""
+        self._unlink_pages([name])
+
+    def _unlink_pages(self, names: list[str]) -> None:
         try:
-            dfd = self._dirs.get(name[:2])
-        except OSError:
-            return
-        safe_fs.unlink_quietly(name + SUFFIX, dfd)
+            for name in names:
+                try:
+                    dfd = self._dirs.get(name[:2])
+                except OSError:
+                    continue
+                safe_fs.unlink_quietly(name + SUFFIX, dfd)
+        finally:
+            with self._lock:
+                self._deleting.difference_update(names)
+                self._settled.notify_all()
 
     def _unlink_victims(self, victims: list[str], report: list[str] | None = None) -> None:
         """Delete evicted pages; the keys of ``report`` (default: all) are read from their
@@ -351,8 +366,7 @@ class FileStorage(FileWrites):
                 key = None  # gone or junk meanwhile: nothing this cache can name
             if key is not None:
                 gone.append(key)
-        for name in victims:
-            self._unlink_page(name)
+        self._unlink_pages(victims)
         if gone:
             with self._lock:
                 self._evicted.extend(gone)
@@ -451,4 +465,7 @@ class FileStorage(FileWrites):
     def _forget(self, name: str) -> bool:
         """Drop ``name`` from the index; whether it was there."""
         with self._lock:
-            return self._index.remove(name) is not None
+            if self._index.remove(name) is None:
+                return False
+            self._deleting.add(name)  # until ``_unlink_page``
+            return True

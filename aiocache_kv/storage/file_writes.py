@@ -40,7 +40,9 @@ class FileWrites:
     capacity_bytes: int | None
     _lock: threading.Lock
     _index: PageIndex
-    _writing: set[str]  # names being written in place (not yet indexed)
+    _writing: set[str]  # names a put is writing (not indexed yet)
+    _deleting: set[str]  # names out of the index whose files are still being unlinked
+    _settled: threading.Condition  # on ``_lock``: notified when writes or unlinks end
     _dirs: safe_fs.ShardDirs
     _stats: StatsCounter
     _pid: int
@@ -126,7 +128,11 @@ class FileWrites:
             integrity.seal_many([buffers[i] for i in chunk], [keys[i] for i in chunk])
             group: list[int] = []  # created in place, in one batch
             single: list[int] = []  # through a temporary file, page by page
+            mine = {names[i] for i in chunk}
             with self._lock:
+                # rare: another put writes one of these names, or an eviction unlinks one
+                while not (mine.isdisjoint(self._writing) and mine.isdisjoint(self._deleting)):
+                    self._settled.wait()
                 for i in chunk:
                     name = names[i]
                     if parents[i] in dropped:  # unreachable: its parent went for room already
@@ -135,19 +141,20 @@ class FileWrites:
                         self._index.touch(name)
                         results[i] = True
                         skipped += 1
-                    elif self.fsync == "never" and name not in self._writing:
-                        self._writing.add(name)
-                        group.append(i)
                     else:
-                        single.append(i)
+                        self._writing.add(name)
+                        (group if self.fsync == "never" else single).append(i)
+            marked = [names[i] for i in group + single]  # ours to write: unmarked below
             try:
                 done = self._write_chunk(group, single, names, key_bytes, buffers, parents)
             except BaseException:  # not an I/O failure (those are per page): no name stays
                 with self._lock:  # marked as being written by a put that is gone
-                    self._writing.difference_update(names[i] for i in group)
+                    self._writing.difference_update(marked)
+                    self._settled.notify_all()
                 raise
             with self._lock:
-                self._writing.difference_update(names[i] for i in group)
+                self._writing.difference_update(marked)
+                self._settled.notify_all()
                 for i in chunk:
                     got = done.get(i)
                     if got is None:
@@ -254,7 +261,11 @@ class FileWrites:
         return page_file.write_page(dfd, name, header, buf, in_place, self.fsync, tmp)
 
     def _pick_victims_locked(self) -> list[str]:
+        """Pages to evict for room, dropped from the index and marked being deleted (the
+        caller unlinks them)."""
         if self.capacity_bytes is None:
             return []
-        return self._index.pick_victims(self.capacity_bytes)
+        victims = self._index.pick_victims(self.capacity_bytes)
+        self._deleting.update(victims)
+        return victims
 

@@ -77,15 +77,25 @@ def test_writes_leave_no_temporary_files(tmp_path: Path) -> None:
     assert len(list(tmp_path.rglob("*.kv"))) == 20
 
 
-def test_second_writer_of_a_name_uses_a_temporary_file(tmp_path: Path) -> None:
+def test_second_writer_of_a_name_waits_for_the_first(tmp_path: Path) -> None:
+    """One name, one writer at a time: a put of a name another put is writing waits until
+    that write ended (and then finds the page stored, or writes it); it never races it
+    through a temporary file that an eviction of the first copy could then unlink."""
     fs = FileStorage(tmp_path)
     fs.open()
     [key] = keys_for(1)
     name = fs.path_of(key).stem
-    fs._writing.add(name)  # another worker is writing this name in place
+    with fs._lock:
+        fs._writing.add(name)  # another worker is writing this name
     [src] = pool(1, seed=4)
-    assert fs.put([key], [src]) == [True]
-    fs._writing.discard(name)
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        put = ex.submit(fs.put, [key], [src])
+        with pytest.raises(concurrent.futures.TimeoutError):
+            put.result(timeout=0.2)  # waiting for the other writer
+        with fs._settled:  # the other writer gave up without storing it
+            fs._writing.discard(name)
+            fs._settled.notify_all()
+        assert put.result(timeout=5) == [True]
     assert not list(tmp_path.rglob("*.tmp"))
     dst = empty(1)
     assert fs.get_into([key], dst) == [True] and payload(dst[0]) == payload(src)
