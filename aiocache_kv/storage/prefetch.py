@@ -99,6 +99,7 @@ def prefetch_timeout(tokens: int, base: float, per_1k: float, cap: float) -> flo
     """Deadline of a ``timeout``-policy prefetch: base + per-1k-tokens, capped."""
     return min(cap, base + per_1k * tokens / 1000.0)
 
+
 def _report(
     landed: Callable[[list[tuple[int, int]], list[bool] | BaseException], None],
     parts: list[list[tuple[int, int]]],
