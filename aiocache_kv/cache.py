@@ -426,7 +426,8 @@ class HiCache:
                 raise InvalidInputError(
                     f"kv_indices has {kv_indices.numel()} slots for {len(toks)} tokens"
                 )
-        out = core.insert_device(ns, toks, n, slot_array(kv_indices, n - skip), skip // p)
+        anchor = None if prefix is None else prefix.node
+        out = core.insert_device(ns, toks, n, slot_array(kv_indices, n - skip), skip // p, anchor)
         ack = None
         if self.config.write_policy is WritePolicy.WRITE_THROUGH and n and core.host_pool:
             op = self._transfers.backup(core.tree.path(out.node), OpKind.WRITE_THROUGH)

@@ -32,11 +32,30 @@ from aiocache_kv.stats import CacheCounters
 from aiocache_kv.telemetry import Latencies
 from aiocache_kv.tree import Node, RadixTree, Tier
 from aiocache_kv.tree.node import RESIDENT
-from aiocache_kv.tree.results import InsertOutcome
+from aiocache_kv.tree.results import InsertOutcome, InsertPlan
 from aiocache_kv.validate import raise_for_insert
 
 SplitHook = Callable[[Node, Node], None]
 _NO_IDS = np.empty(0, dtype=np.int64)
+
+
+def _on_path(plan: InsertPlan, upto: int, anchor: Node | None) -> bool:
+    """Whether the node the walk of ``plan`` covers token ``upto - 1`` with is ``anchor`` or
+    one of its ancestors (``anchor`` ``None``: no path to keep to)."""
+    if anchor is None:
+        return True
+    pos = 0
+    node = plan.split
+    for step in plan.steps:
+        pos += len(step.key)
+        if pos >= upto:
+            node = step
+            break
+    while anchor is not None:  # a short walk up: paths are a few nodes deep
+        if anchor is node:
+            return True
+        anchor = anchor.parent
+    return False
 
 
 def _consume(fut: asyncio.Future[None]) -> None:
@@ -143,16 +162,25 @@ class CacheCore:
         return alloc.alloc(n, state, slots_of=slots_of)
 
     def insert_device(
-        self, ns: Namespace, tokens: list[int], n: int, slots: np.ndarray, skip: int = 0
+        self,
+        ns: Namespace,
+        tokens: list[int],
+        n: int,
+        slots: np.ndarray,
+        skip: int = 0,
+        anchor: Node | None = None,
     ) -> InsertOutcome:
         """Insert ``tokens[:n]`` (page-aligned) whose token slots after the first ``skip``
         pages are ``slots`` (C-contiguous int64, checked here): where the tree already has a
-        page on device the caller's copy is freed, the rest become the tree's.  Emits the
-        device ``BlockStored`` events; returns the tree's outcome (pinned at its node).
+        page on device the caller's copy is freed, the rest become the tree's.  The skipped
+        pages must be on the path to ``anchor`` (the caller's match), the path whose KV the
+        new pages were computed against.  Emits the device ``BlockStored`` events; returns
+        the tree's outcome (pinned at its node).
 
         Raises:
-            InvalidInputError: the tree lacks the first ``skip`` pages of ``tokens`` on
-                device, or ``slots`` are not whole pages the caller holds (nothing changed).
+            InvalidInputError: the first ``skip`` pages of ``tokens`` are not on device on the
+                path to ``anchor``, or ``slots`` are not whole pages the caller holds (nothing
+                changed).
         """
         p = self.page_size
         alloc = self.dev_alloc
@@ -160,11 +188,11 @@ class CacheCore:
         tree = self.tree
         # validate ownership before changing anything (not even a new namespace's root)
         plan = tree.plan_insert(ns, tokens, n, skip=skip)  # the walk, once
-        if plan.existing_pages < skip:
+        if plan.existing_pages < skip or (skip and not _on_path(plan, skip * p, anchor)):
             raise InvalidInputError(
-                f"insert: the tree holds {plan.existing_pages * p} leading tokens of these "
-                f"tokens on device, not the {skip * p} of the prefix match: the tokens do "
-                "not extend that match"
+                f"insert: the {skip * p} tokens skipped are not the prefix match's on "
+                f"device (the tree holds {plan.existing_pages * p} leading tokens of these "
+                "tokens on device): the tokens do not extend that match"
             )
         existing = plan.device_pages().numpy() if plan.existing else _NO_IDS
         d = existing.size

@@ -170,6 +170,7 @@ async def test_prefix_insert_refusals_change_nothing(engine: ManualCopyEngine) -
         akv.HiCache(small_config(), copy_engine=ManualCopyEngine()) as other,
     ):
         cache.release(cache.insert([1, 2, 3, 4], cache.alloc(4)))
+        cache.release(cache.insert([7, 7, 8, 8], cache.alloc(4)))
         m = cache.match_prefix([1, 2, 3, 4, 5, 6])
         own = cache.alloc(2)
         events = cache.take_events()
@@ -177,6 +178,10 @@ async def test_prefix_insert_refusals_change_nothing(engine: ManualCopyEngine) -
         cases: list[tuple[dict[str, object], list[int], torch.Tensor, str]] = [
             # tokens that do not start with the match: the tree has no device run for them
             ({"prefix": m}, [9, 9, 3, 4, 5, 6], own, "do not extend"),
+            # ... or it has one, of another prompt: the new rows were computed against m's
+            # prefix, so under this one they would be wrong KV
+            ({"prefix": m}, [7, 7, 8, 8, 5, 6], own, "do not extend"),
+            ({"prefix": m}, [1, 2, 8, 8, 5, 6], own, "do not extend"),
             # slots that start inside a page, or past the match's device run (token 4)
             ({"prefix": m}, [1, 2, 3], own[:0], "start at token 3"),
             ({"prefix": m}, [1, 2, 3, 4, 5, 6, 7, 8], own, "start at token 6"),
