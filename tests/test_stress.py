@@ -33,10 +33,12 @@ import asyncio
 import collections
 import os
 import random
+import threading
 import time
 import zlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -47,6 +49,7 @@ from aiocache_kv.errors import CapacityError, TransferError
 from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from aiocache_kv.handles import HandleState, InsertResult, MatchResult
 from aiocache_kv.namespace import Namespace
+from aiocache_kv.storage import FileStorage, PageBuffer, page_file
 from aiocache_kv.storage.keys import storage_key
 from aiocache_kv.testing import MemoryStorage
 from aiocache_kv.transfer.engine import CopyJob, Done
@@ -54,6 +57,72 @@ from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
 from tests.conftest import small_config
 
 T = TypeVar("T")
+
+
+class OracleFileStorage(FileStorage):
+    """The real ``FileStorage`` with what the oracle reads: its contents (from disk), the keys
+    it evicted (``dropped``: what it reported through ``take_evicted``), none damaged on
+    purpose; every read and write is delayed at random (some beyond the storage deadline, so
+    late completions and leases are exercised), and the capacity is a few dozen pages so that
+    eviction runs all the time."""
+
+    def __init__(self, path: Path, seed: int, capacity_bytes: int, max_delay: float) -> None:
+        super().__init__(path, capacity_bytes=capacity_bytes)
+        self.args = (path, seed, capacity_bytes)
+        self.dropped: set[str] = set()
+        self.corrupted: set[str] = set()
+        self.max_delay = max_delay
+        self._rng = random.Random(seed)
+        self._rng_lock = threading.Lock()
+
+    def quiet(self) -> None:
+        self.max_delay = 0.0
+
+    def reopened(self) -> OracleFileStorage:
+        """A fresh instance on the same directory (a restarted node)."""
+        again = OracleFileStorage(*self.args, max_delay=0.0)
+        again.dropped = self.dropped
+        return again
+
+    def _delay(self) -> None:
+        with self._rng_lock:
+            roll = self._rng.random()
+            d = 0.3 if roll < 0.02 else self._rng.uniform(0, self.max_delay)
+        if self.max_delay and d:
+            time.sleep(d)
+
+    def put_chain(
+        self, keys: Sequence[str], buffers: Sequence[PageBuffer], parents: Sequence[str | None]
+    ) -> list[bool]:
+        self._delay()
+        return super().put_chain(keys, buffers, parents)
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+        self._delay()
+        return super().get_into(keys, buffers)
+
+    def take_evicted(self) -> list[str]:
+        keys = super().take_evicted()
+        self.dropped.update(keys)
+        return keys
+
+    def contents(self) -> dict[str, bytes]:
+        """Every page file's key and stored slot (payload and trailer), read from disk (the
+        oracle's own reads, with ``os`` calls the blocking-call detector leaves alone)."""
+        out: dict[str, bytes] = {}
+        for path in self.root.rglob("*" + page_file.SUFFIX):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # evicted meanwhile
+            try:
+                data = os.read(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            _, key_len, _ = page_file.HEADER.unpack_from(data)
+            start = page_file.HEADER.size
+            out[data[start : start + key_len].decode()] = data[start + key_len :]
+        return out
 
 # every (page size, write policy) pair; 3, 5, 12 and 22 also stall storage and fail copies
 FIXED_SEEDS = [1, 2, 3, 4, 5, 7, 12, 22]
@@ -236,7 +305,7 @@ CANCELLED = Cancelled()
 class Run:
     sc: Scenario
     cache: akv.HiCache
-    storage: MemoryStorage
+    storage: MemoryStorage | OracleFileStorage
     engine: ChaosCopyEngine
     rng: random.Random
     midrun_invariants: bool
@@ -466,7 +535,9 @@ async def _await(aw: Awaitable[T]) -> T:
 # ---------------------------------------------------------------------------- the run
 
 
-def _config(sc: Scenario, storage: MemoryStorage, **kw: Any) -> akv.CacheConfig:
+def _config(
+    sc: Scenario, storage: MemoryStorage | OracleFileStorage, **kw: Any
+) -> akv.CacheConfig:
     opts: dict[str, Any] = dict(
         page_size=sc.page_size,
         num_layers=LAYERS,
@@ -599,12 +670,21 @@ def _check_storage(run: Run, *, events: bool = True) -> None:
             run.fail(f"STORAGE block {h:x} reported stored but the store lacks {key}")
 
 
-async def stress(seed: int, *, midrun_invariants: bool | None = None) -> Run:
+async def stress(
+    seed: int, *, midrun_invariants: bool | None = None, file_root: Path | None = None
+) -> Run:
+    """One seeded run; over ``OracleFileStorage`` in ``file_root`` if given, else over the
+    faulty ``MemoryStorage``."""
     sc = Scenario.from_seed(seed)
     if midrun_invariants is None:
         midrun_invariants = os.environ.get("AKV_STRESS_MIDRUN_INVARIANTS", "1") != "0"
     rng = random.Random(seed)
-    storage = MemoryStorage(seed, **sc.storage)
+    storage: MemoryStorage | OracleFileStorage
+    if file_root is None:
+        storage = MemoryStorage(seed, **sc.storage)
+    else:  # room for ~40 pages: eviction all the time
+        page = LAYERS * 2 * sc.page_size * HEADS * HEAD_DIM * 4 + 40 + 100
+        storage = OracleFileStorage(file_root, seed, 40 * page, sc.storage["max_delay"])
     engine = ChaosCopyEngine(random.Random(seed + 1), sc.copy_fail_rate)
     cache = akv.HiCache(_config(sc, storage), copy_engine=engine)
     loop = asyncio.get_running_loop()
@@ -647,6 +727,8 @@ async def stress(seed: int, *, midrun_invariants: bool | None = None) -> Run:
 
 async def _fresh_check(run: Run) -> None:
     sc = run.sc
+    if isinstance(run.storage, OracleFileStorage):
+        run.storage = run.storage.reopened()  # the first cache closed it: a restarted node
     cfg = _config(
         sc,
         run.storage,
@@ -711,4 +793,12 @@ def describe(run: Run) -> str:
 
 async def test_stress(stress_seed: int) -> None:
     run = await stress(stress_seed)
+    assert not run.failures, describe(run)
+
+
+@pytest.mark.parametrize("seed", [3, 8, 12, 22])
+async def test_stress_over_file_storage(seed: int, tmp_path: Path) -> None:
+    """The same oracle over the real ``FileStorage`` at a capacity of ~40 pages (evictions
+    reported back while backups and prefetches run), with random and stalled I/O."""
+    run = await stress(int(os.environ.get("AKV_STRESS_SEED", seed)), file_root=tmp_path)
     assert not run.failures, describe(run)

@@ -259,9 +259,10 @@ class StorageTier(PrefetchingTier):
         for op in group:
             op.release = None
 
-        def release() -> None:
+        def release() -> None:  # on the loop, once the put's workers are done, late or not
             for r in releases:
                 r()
+            self.reconcile_evictions()  # a put that ended after its deadline evicted too
 
         loop = self.core.loop
         assert loop is not None
