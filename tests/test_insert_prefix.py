@@ -37,6 +37,17 @@ def tree_state(cache: akv.HiCache) -> tuple[object, ...]:
     return (tuple(sorted(nodes)), s.device, s.host)
 
 
+async def finish(
+    cache: akv.HiCache, engine: ManualCopyEngine, *handles: akv.MatchResult | akv.InsertResult
+) -> None:
+    """Release ``handles``, land every copy, and check every invariant."""
+    for h in handles:
+        cache.release(h)
+    engine.complete_all()
+    await cache.flush()
+    cache.check_invariants()
+
+
 async def test_prefix_insert_leaves_the_same_state_as_the_plain_insert() -> None:
     """Two caches, the same requests: one passes m.device_indices + new slots, the other
     only the new slots with prefix=m.  Pages, results and KV must agree at every step."""
@@ -94,11 +105,7 @@ async def test_prefix_insert_passes_only_new_slots(engine: ManualCopyEngine) -> 
         cache.free(own[2:])
         mm = cache.match_prefix([1, 2, 3, 4, 5, 6])
         assert mm.device_indices.tolist() == [*first.tolist(), *own[:2].tolist()]
-        for h in (r, m, mm):
-            cache.release(h)
-        engine.complete_all()
-        await cache.flush()
-        cache.check_invariants()
+        await finish(cache, engine, r, m, mm)
 
 
 async def test_prefix_that_grew_since_the_alloc_frees_the_callers_copies(
@@ -130,11 +137,7 @@ async def test_prefix_that_grew_since_the_alloc_frees_the_callers_copies(
         # the load took a page, the insert freed the caller's copy of [5, 6]
         assert st.free_pages == free0 and st.held_pages == 0
         assert m.device_indices.tolist()[4:] != own[:2].tolist()  # the tree kept its own
-        for h in (r, m, other):
-            cache.release(h)
-        engine.complete_all()
-        await cache.flush()
-        cache.check_invariants()
+        await finish(cache, engine, r, m, other)
 
 
 async def test_prefix_covering_host_pages_adopts_the_callers_slots(
@@ -157,11 +160,7 @@ async def test_prefix_covering_host_pages_adopts_the_callers_slots(
         assert (r.prefix_len, r.inserted_len) == (6, 8)
         assert m.lens() == (6, 0)  # the host-only node is on device again, in own's pages
         assert m.device_indices.tolist()[4:] == own[:2].tolist()
-        cache.release(r)
-        cache.release(m)
-        engine.complete_all()
-        await cache.flush()
-        cache.check_invariants()
+        await finish(cache, engine, r, m)
 
 
 async def test_prefix_insert_refusals_change_nothing(engine: ManualCopyEngine) -> None:

@@ -165,13 +165,8 @@ class PageAllocator:
         """Pages some worker holds now (in use or quarantined)."""
         return int(np.count_nonzero(self._leases))
 
-    def set_state(self, pages: torch.Tensor | np.ndarray, state: PageState) -> None:
-        """Change the ownership state of allocated pages (HELD -> OWNED on insert)."""
-        self._state[pages.numpy() if isinstance(pages, torch.Tensor) else pages] = int(state)
-
     def take(self, ids: np.ndarray) -> None:
-        """Held pages (int64 ids) become the tree's: ``set_state(ids, OWNED)`` for the
-        per-request path."""
+        """Held pages (int64 ids) become the tree's (HELD -> OWNED on insert)."""
         self._state[ids] = _OWNED
 
     def check(self, pages: torch.Tensor, state: PageState) -> bool:
