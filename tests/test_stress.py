@@ -49,7 +49,7 @@ from aiocache_kv.errors import CapacityError, TransferError
 from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from aiocache_kv.handles import HandleState, InsertResult, MatchResult
 from aiocache_kv.namespace import Namespace
-from aiocache_kv.storage import FileStorage, PageBuffer, page_file
+from aiocache_kv.storage import FileStorage, PageBuffer, integrity, page_file
 from aiocache_kv.storage.keys import storage_key
 from aiocache_kv.testing import MemoryStorage
 from aiocache_kv.transfer.engine import CopyJob, Done
@@ -61,35 +61,100 @@ T = TypeVar("T")
 
 class OracleFileStorage(FileStorage):
     """The real ``FileStorage`` with what the oracle reads: its contents (from disk), the keys
-    it evicted (``dropped``: what it reported through ``take_evicted``), none damaged on
-    purpose; every read and write is delayed at random (some beyond the storage deadline, so
-    late completions and leases are exercised), and the capacity is a few dozen pages so that
-    eviction runs all the time."""
+    it evicted (``dropped``: what it reported through ``take_evicted``) and the files damaged
+    behind its back (``damaged``); every read and write is delayed at random (some beyond the
+    storage deadline, so late completions and leases are exercised), and the capacity is a few
+    dozen pages so that eviction runs all the time.
 
-    def __init__(self, path: Path, seed: int, capacity_bytes: int, max_delay: float) -> None:
+    With ``damage`` > 0, before a read or write another "process" damages a random page file
+    with that probability: flips a byte of its sealed slot or of the key in its header,
+    truncates it, deletes it, or replaces it with a symlink to ``outside`` (a file beyond the
+    directory that must never change).  The store learns of it only when it reads the page:
+    it must be a miss, never bytes served, and the tier must report the page gone."""
+
+    def __init__(
+        self,
+        path: Path,
+        seed: int,
+        capacity_bytes: int,
+        max_delay: float,
+        *,
+        damage: float = 0.0,
+        outside: Path | None = None,
+    ) -> None:
         super().__init__(path, capacity_bytes=capacity_bytes)
         self.args = (path, seed, capacity_bytes)
         self.dropped: set[str] = set()
-        self.corrupted: set[str] = set()
+        self.corrupted: set[str] = set()  # (MemoryStorage's name; nothing is put here)
+        #: keys whose files the test damaged (a later put may have stored them again)
+        self.damaged: set[str] = set()
+        self.damage = damage
+        self.outside = outside
         self.max_delay = max_delay
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()
 
     def quiet(self) -> None:
         self.max_delay = 0.0
+        self.damage = 0.0
 
     def reopened(self) -> OracleFileStorage:
         """A fresh instance on the same directory (a restarted node)."""
-        again = OracleFileStorage(*self.args, max_delay=0.0)
+        again = OracleFileStorage(*self.args, max_delay=0.0, outside=self.outside)
         again.dropped = self.dropped
+        again.damaged = self.damaged
         return again
 
     def _delay(self) -> None:
         with self._rng_lock:
             roll = self._rng.random()
             d = 0.3 if roll < 0.02 else self._rng.uniform(0, self.max_delay)
+            hit = self._rng.random() < self.damage
+        if hit:
+            self._damage_one()
         if self.max_delay and d:
             time.sleep(d)
+
+    def _damage_one(self) -> None:
+        """Damage one page file at random, as another process on the host would."""
+        files = sorted(self.root.rglob("*" + page_file.SUFFIX))
+        with self._rng_lock:
+            if not files:
+                return
+            path = self._rng.choice(files)
+            kind = self._rng.choice(["flip", "key", "truncate", "unlink", "link"])
+            at = self._rng.random()
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return  # gone meanwhile, or a link already
+        try:
+            data = os.read(fd, os.fstat(fd).st_size)
+            parsed = page_file_key(data, path.name)
+            if parsed is None or len(data) <= parsed[1]:
+                return
+            key, start = parsed
+            key_len = start - page_file.HEADER.size
+            pos = start + int(at * (len(data) - start))
+            if kind == "flip":  # one byte of the sealed slot (payload or trailer)
+                os.pwrite(fd, bytes([data[pos] ^ 0x5A]), pos)
+            elif kind == "key":  # the recorded key: another key, or bytes that are not UTF-8
+                at_key = page_file.HEADER.size + int(at * key_len)
+                os.pwrite(fd, bytes([data[at_key] ^ 0xC0]), at_key)
+            elif kind == "truncate":
+                os.ftruncate(fd, pos)
+        except OSError:
+            return
+        finally:
+            os.close(fd)
+        if kind in ("unlink", "link"):
+            try:
+                os.unlink(path)
+                if kind == "link" and self.outside is not None:
+                    os.symlink(self.outside, path)
+            except OSError:
+                return
+        self.damaged.add(key)
 
     def put_chain(
         self, keys: Sequence[str], buffers: Sequence[PageBuffer], parents: Sequence[str | None]
@@ -112,17 +177,33 @@ class OracleFileStorage(FileStorage):
         out: dict[str, bytes] = {}
         for path in self.root.rglob("*" + page_file.SUFFIX):
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue  # evicted meanwhile
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                continue  # evicted meanwhile, or a planted link
             try:
                 data = os.read(fd, os.fstat(fd).st_size)
             finally:
                 os.close(fd)
-            _, key_len, _ = page_file.HEADER.unpack_from(data)
-            start = page_file.HEADER.size
-            out[data[start : start + key_len].decode()] = data[start + key_len :]
+            parsed = page_file_key(data, path.name)
+            if parsed is not None:  # else a header damaged by the test
+                out[parsed[0]] = data[parsed[1] :]
         return out
+
+
+def page_file_key(data: bytes, name: str) -> tuple[str, int] | None:
+    """The key a page file's bytes record and where its slot starts; ``None`` unless the
+    header is whole and names the file ``name``."""
+    if len(data) < page_file.HEADER.size:
+        return None
+    _, key_len, _ = page_file.HEADER.unpack_from(data)
+    start = page_file.HEADER.size + key_len
+    try:
+        key = data[page_file.HEADER.size : start].decode()
+    except UnicodeDecodeError:
+        return None
+    if len(data) < start or page_file.file_name(key) + page_file.SUFFIX != name:
+        return None
+    return key, start
 
 # every (page size, write policy) pair; 3, 5, 12 and 22 also stall storage and fail copies
 FIXED_SEEDS = [1, 2, 3, 4, 5, 7, 12, 22]
@@ -643,37 +724,56 @@ def _known_pages(run: Run) -> dict[str, tuple[str | None, list[int]]]:
     return out
 
 
+def intact(key: str, slot: bytes, want: bytes) -> bool:
+    """Whether a page file's slot (after its key) is ``want`` sealed under ``key``."""
+    if len(slot) <= integrity.FRAME_OVERHEAD or slot[: len(want)] != want:
+        return False
+    buf = PageBuffer.from_tensor(torch.frombuffer(bytearray(slot), dtype=torch.uint8))
+    return integrity.verify(buf, key) is integrity.Verdict.OK
+
+
 def _check_storage(run: Run, *, events: bool = True) -> None:
-    """Every stored page holds the KV of its key; STORAGE events match the store."""
+    """Every stored page holds the KV of its key (on disk: sealed, unless damaged by the
+    test); STORAGE events match the store."""
     known = _known_pages(run)
     by_hash = {int(k.split("/")[1], 16): k for k in known}
-    contents = run.storage.contents()
+    storage = run.storage
+    contents = storage.contents()
     p = run.sc.page_size
+    on_disk = isinstance(storage, OracleFileStorage)
     for key, raw in contents.items():
         if key not in known:
             run.fail(f"storage holds a key no prompt produced: {key}")
             continue
-        if key in run.storage.corrupted:
+        if key in storage.corrupted:
             continue
         tenant, prefix = known[key]
         want = page_payload(tenant, prefix, p)
-        if raw[: len(want)] != want:
+        ok = intact(key, raw, want) if on_disk else raw[: len(want)] == want
+        if not ok and not (on_disk and key in storage.damaged):
             run.fail(
                 f"storage page {key} (tenant={tenant!r} prefix={prefix}) holds other KV than "
                 "its tokens'"
             )
+    damaged = storage.damaged if on_disk else set()
     for h in run.live["STORAGE"] if events else ():
         key = by_hash.get(h)
         if key is None:
             run.fail(f"STORAGE BlockStored for an unknown block {h:x}")
-        elif key not in contents and key not in run.storage.dropped:
+        elif key not in contents and key not in storage.dropped and key not in damaged:
             run.fail(f"STORAGE block {h:x} reported stored but the store lacks {key}")
 
 
 async def stress(
-    seed: int, *, midrun_invariants: bool | None = None, file_root: Path | None = None
+    seed: int,
+    *,
+    midrun_invariants: bool | None = None,
+    file_root: Path | None = None,
+    damage: float = 0.0,
+    outside: Path | None = None,
 ) -> Run:
-    """One seeded run; over ``OracleFileStorage`` in ``file_root`` if given, else over the
+    """One seeded run; over ``OracleFileStorage`` in ``file_root`` if given (its files damaged
+    with probability ``damage`` per I/O call, links pointing at ``outside``), else over the
     faulty ``MemoryStorage``."""
     sc = Scenario.from_seed(seed)
     if midrun_invariants is None:
@@ -684,7 +784,14 @@ async def stress(
         storage = MemoryStorage(seed, **sc.storage)
     else:  # room for ~40 pages: eviction all the time
         page = LAYERS * 2 * sc.page_size * HEADS * HEAD_DIM * 4 + 40 + 100
-        storage = OracleFileStorage(file_root, seed, 40 * page, sc.storage["max_delay"])
+        storage = OracleFileStorage(
+            file_root,
+            seed,
+            40 * page,
+            sc.storage["max_delay"],
+            damage=damage,
+            outside=outside,
+        )
     engine = ChaosCopyEngine(random.Random(seed + 1), sc.copy_fail_rate)
     cache = akv.HiCache(_config(sc, storage), copy_engine=engine)
     loop = asyncio.get_running_loop()
@@ -758,9 +865,13 @@ async def _serve_all(run: Run, fresh: akv.HiCache) -> None:
             for h in chain_hashes(namespace_seed(ns.tag), tokens[:n], p)
         ]
         run_len = 0
-        for k in keys:
+        for j, k in enumerate(keys):
             if k not in contents or k in storage.corrupted:
                 break
+            if isinstance(storage, OracleFileStorage) and not intact(
+                k, contents[k], page_payload(tenant, tokens[: (j + 1) * p], p)
+            ):
+                break  # damaged by the test (any other bad page failed _check_storage)
             run_len += 1
         res = await fresh.prefetch(tokens, tenant=tenant)
         m = fresh.match_prefix(tokens, tenant=tenant)
@@ -802,3 +913,26 @@ async def test_stress_over_file_storage(seed: int, tmp_path: Path) -> None:
     reported back while backups and prefetches run), with random and stalled I/O."""
     run = await stress(int(os.environ.get("AKV_STRESS_SEED", seed)), file_root=tmp_path)
     assert not run.failures, describe(run)
+
+
+@pytest.mark.parametrize("seed", [7, 15, 25, 34])
+async def test_stress_over_damaged_file_storage(seed: int, tmp_path: Path) -> None:
+    """The same oracle over a ``FileStorage`` whose files another process damages while the
+    cache runs (flipped bytes, truncation, deletion, a symlink to a file outside): every row
+    served is still right, a damaged page is a miss for this cache and for a restarted one,
+    and the file the links point at never changes."""
+    outside = tmp_path / "outside.bin"
+    secret = bytes(range(256)) * 64
+    await asyncio.to_thread(outside.write_bytes, secret)
+    run = await stress(
+        int(os.environ.get("AKV_STRESS_SEED", seed)),
+        file_root=tmp_path / "store",
+        damage=0.25,
+        outside=outside,
+    )
+    assert not run.failures, describe(run)
+    assert isinstance(run.storage, OracleFileStorage)
+    assert run.storage.damaged, "the run damaged no page file: the test proved nothing"
+    assert await asyncio.to_thread(outside.read_bytes) == secret, (
+        "a write went through a planted symlink"
+    )

@@ -357,16 +357,18 @@ class FileStorage(FileWrites):
         """Delete evicted pages; the keys of ``report`` (default: all) are read from their
         headers first and kept for :meth:`take_evicted`."""
         gone: list[str] = []
-        for name in victims if report is None else report:
-            try:
-                key, _ = page_file.read_header(
-                    self._dirs.get(name[:2]), name + SUFFIX, MAX_KEY_LEN
-                )
-            except OSError:
-                key = None  # gone or junk meanwhile: nothing this cache can name
-            if key is not None:
-                gone.append(key)
-        self._unlink_pages(victims)
+        try:
+            for name in victims if report is None else report:
+                try:
+                    key, _ = page_file.read_header(
+                        self._dirs.get(name[:2]), name + SUFFIX, MAX_KEY_LEN
+                    )
+                except OSError:
+                    key = None  # gone or junk meanwhile: nothing this cache can name
+                if key is not None and file_name(key) == name:  # else damaged: not its key
+                    gone.append(key)
+        finally:  # the names are marked being deleted until this ran, whatever happened
+            self._unlink_pages(victims)
         if gone:
             with self._lock:
                 self._evicted.extend(gone)
@@ -421,8 +423,8 @@ class FileStorage(FileWrites):
         io_errors: list[str] = []
         for chunk in chunks(todo, buffers):
             got = page_file.read_chunk(self._dirs.get, keys, names, buffers, chunk)
-            for i in got.gone:
-                self._forget(names[i])
+            for i in got.gone:  # deleted behind our back: nothing left to unlink
+                self._forget(names[i], unlinking=False)
             for i in got.junk:  # not a page: forgotten and deleted, not counted as removed
                 self._drop(names[i], count=False)
             for i, verdict in got.corrupt:
@@ -462,10 +464,12 @@ class FileStorage(FileWrites):
             if count:
                 self._stats.add(removed=1)
 
-    def _forget(self, name: str) -> bool:
-        """Drop ``name`` from the index; whether it was there."""
+    def _forget(self, name: str, *, unlinking: bool = True) -> bool:
+        """Drop ``name`` from the index; whether it was there.  With ``unlinking`` the caller
+        deletes the file next (``_unlink_page``): puts of the name wait until it has."""
         with self._lock:
             if self._index.remove(name) is None:
                 return False
-            self._deleting.add(name)  # until ``_unlink_page``
+            if unlinking:  # a mark nobody clears would stall every later put of the name
+                self._deleting.add(name)
             return True

@@ -118,7 +118,7 @@ def header_for(key_bytes: bytes, parent: str | None = None) -> bytes:
 
 def read_header(dfd: int, fname: str, max_key: int) -> tuple[str | None, str | None]:
     """The key and the parent name recorded in file ``fname`` (``None`` for what is not there:
-    no parent, another format, a key longer than ``max_key`` bytes).
+    no parent, another format, a key longer than ``max_key`` bytes or not UTF-8).
 
     Raises:
         FileNotFoundError, safe_fs.NotRegularFileError, OSError: as :func:`read_into`.
@@ -136,7 +136,10 @@ def read_header(dfd: int, fname: str, max_key: int) -> tuple[str | None, str | N
     parent = None if digest == NO_PARENT else digest.hex()
     if key_len > max_key or len(head) < HEADER.size + key_len:
         return None, parent
-    key = head[HEADER.size : HEADER.size + key_len].decode("utf-8", "surrogatepass")
+    try:
+        key = head[HEADER.size : HEADER.size + key_len].decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:  # damaged: not a key anything could have written
+        return None, parent
     return key, parent
 
 

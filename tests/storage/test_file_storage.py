@@ -648,3 +648,79 @@ def test_a_put_that_blows_up_leaves_no_name_marked_in_flight(
     assert calls == [3]  # all three in place, in one group
     assert sorted(stored_keys(tmp_path)) == sorted(keys)
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("policy", ["never", "data"])
+def test_a_page_deleted_behind_its_back_can_be_stored_again(tmp_path: Path, policy: str) -> None:
+    """A page file deleted by someone else (an operator, a cleaner) is a miss at its next
+    read, and a later put of the same key stores it again.  The read used to leave the name
+    marked as being unlinked by nobody, so every later put of that key waited forever (found
+    by the stress oracle over a damaged directory); the put runs in a thread with a bound."""
+    fs = FileStorage(tmp_path, fsync=policy)  # type: ignore[arg-type]
+    keys, src = keys_for("gone", 3), pages(3)
+    assert fs.put(keys, src) == [True] * 3
+    fs.path_of(keys[1]).unlink()
+    assert fs.get_into(keys, empty(3)) == [True, False, True]
+    assert fs.exists(keys) == [True, False, True]
+    got: list[list[bool]] = []
+    worker = threading.Thread(target=lambda: got.append(fs.put(keys, src)), daemon=True)
+    worker.start()  # a daemon: a hung put must not keep the test process alive
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the re-put of a page deleted behind its back hung"
+    assert got == [[True] * 3]
+    dst = empty(3)
+    assert fs.get_into(keys, dst) == [True] * 3
+    assert [payload(b) for b in dst] == [payload(b) for b in src]
+    assert sorted(stored_keys(tmp_path)) == sorted(keys)
+
+
+def _damage_key_bytes(path: Path) -> None:
+    """Overwrite the first byte of the key recorded in a page file with 0xFF (not UTF-8)."""
+    data = bytearray(path.read_bytes())
+    data[page_file.HEADER.size] = 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_header_whose_key_is_not_utf8_does_not_stop_open(tmp_path: Path) -> None:
+    """Start-up reads every header for its parent: a key damaged into bytes that are not
+    UTF-8 made ``open`` raise ``UnicodeDecodeError``.  Now the page is indexed, a miss at
+    its first read (deleted), and the others are served."""
+    fs = FileStorage(tmp_path)
+    keys, src = keys_for("u8", 3), pages(3)
+    assert fs.put(keys, src) == [True] * 3
+    fs.close()
+    _damage_key_bytes(fs.path_of(keys[0]))
+    again = FileStorage(tmp_path)
+    assert again.get_into(keys, empty(3)) == [False, True, True]
+    assert sorted(stored_keys_lenient(tmp_path)) == sorted(keys[1:])
+
+
+def test_evicting_a_page_whose_key_is_damaged_keeps_puts_going(tmp_path: Path) -> None:
+    """Eviction reads each victim's key from its header to report it.  A key that is not
+    UTF-8 raised out of the put and left the victims marked as being unlinked, so the next
+    put of those names waited forever.  Now the damaged page is evicted without being
+    reported (its recorded key is not its own), and later puts of every key run."""
+    fs = FileStorage(tmp_path, capacity_bytes=3 * file_size(keys_for("ev", 1)[0]))
+    keys, src = keys_for("ev", 5), pages(5)
+    assert fs.put(keys[:3], src[:3]) == [True] * 3
+    _damage_key_bytes(fs.path_of(keys[0]))
+    assert fs.put(keys[3:4], src[3:4]) == [True]  # evicts keys[0], the least recent
+    assert fs.take_evicted() == []  # its header no longer names it
+    got: list[list[bool]] = []
+    worker = threading.Thread(target=lambda: got.append(fs.put(keys, src)), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "a put after evicting a damaged page hung"
+    assert len(got) == 1 and sum(fs.exists(keys)) == 3
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def stored_keys_lenient(root: Path) -> list[str]:
+    """Like ``stored_keys``, skipping files whose key is not UTF-8."""
+    out = []
+    for path in sorted(root.rglob("*.kv")):
+        data = path.read_bytes()
+        _, n, _ = struct.unpack_from("<4sI20s", data)
+        with contextlib.suppress(UnicodeDecodeError):
+            out.append(data[28 : 28 + n].decode("utf-8"))
+    return out
