@@ -70,7 +70,7 @@ class OracleFileStorage(FileStorage):
     with that probability: flips a byte of its sealed slot or of the key in its header,
     truncates it, deletes it, or replaces it with a symlink to ``outside`` (a file beyond the
     directory that must never change).  The store learns of it only when it reads the page:
-    it must be a miss, never bytes served, and the tier must report the page gone."""
+    that read must be a miss, never bytes served."""
 
     def __init__(
         self,
