@@ -12,6 +12,10 @@ derived from a rolling hash of ``(tenant, tokens[: i + 1])``.  Every row a match
 (``m.device_indices`` into ``device_kv``) is compared with it, as is every page the storage
 holds (its raw payload), and every page a fresh cache reads back from the same storage.
 
+Variants: over the real ``FileStorage`` (room for ~40 pages), over one whose files another
+process damages while the cache runs, and with a hybrid model's sidecars (SWA window, Mamba
+state, DSA indexer) written, checked and stored beside the KV.
+
 At the end: flush, check_invariants, full eviction returns every page, KV events balance per
 medium (GPU/CPU empty after eviction; STORAGE consistent with the store's contents), and a fresh
 cache on the same storage serves the stored prefixes bit-identically.
@@ -31,6 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import math
 import os
 import random
 import threading
@@ -269,10 +275,54 @@ def read_rows(cache: akv.HiCache, slots: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def page_payload(tenant: str | None, prefix: list[int], page_size: int) -> bytes:
-    """Host-pool payload bytes of the last page of ``prefix``: ``[layers, 2, page_elems]``."""
+def page_payload(
+    tenant: str | None, prefix: list[int], page_size: int, comp: akv.Component | None = None
+) -> bytes:
+    """Host-pool payload bytes of the last page of ``prefix``: ``[layers, 2, page_elems]``
+    (of component ``comp``'s pool: its page state, if given)."""
+    if comp is not None:
+        return expected_sidecar(comp, tenant, prefix).numpy().tobytes()
     kv = expected_kv(tenant, prefix)[:, :, -page_size:]
     return kv.reshape(LAYERS, 2, -1).contiguous().numpy().tobytes()
+
+
+def stress_components(page_size: int) -> tuple[akv.Component, ...]:
+    """The sidecars of the hybrid variant: a 3-token sliding window (2 pages at page size 2,
+    3 at 1), the Mamba state at the prefix end (1 page), the indexer (every page)."""
+    return (
+        akv.SlidingWindow(
+            3, num_layers=1, num_kv_heads=1, head_dim=2, page_size=page_size, dtype=torch.float32
+        ),
+        akv.MambaState((2, 3), page_size=page_size),
+        akv.Indexer(num_layers=1, head_dim=2, page_size=page_size, dtype=torch.float32),
+    )
+
+
+def expected_sidecar(comp: akv.Component, tenant: str | None, prefix: list[int]) -> torch.Tensor:
+    """Component ``comp``'s page state for the last page of ``prefix``: like the KV, a pure
+    function of (component, tenant, token prefix), exact in float32."""
+    h = zlib.crc32(comp.name.encode()) + _tenant_seed(tenant)
+    for t in prefix:
+        h = (h * 1_000_003 + t + 1) % (1 << 61)
+    n = math.prod(comp.page_shape)
+    vals = (h % 4093) / 8 + torch.arange(n, dtype=torch.float32) / 64
+    return vals.view(comp.page_shape).to(comp.dtype)
+
+
+def write_sidecars(
+    cache: akv.HiCache, slots: torch.Tensor, tenant: str | None, tokens: list[int], start: int
+) -> None:
+    """Write every component's state for the whole pages of ``tokens[start:]`` (``start`` a
+    page boundary) at the pages of ``slots``, as the model would."""
+    p = cache.config.page_size
+    pages = (slots[::p] // p).tolist()
+    for comp in cache.config.components:
+        buf = cache.sidecar(comp.name)
+        for j, page in enumerate(pages):
+            end = start + (j + 1) * p
+            if end > len(tokens):
+                break  # the unaligned tail is not cached
+            buf[page] = expected_sidecar(comp, tenant, tokens[:end])
 
 
 # ---------------------------------------------------------------------------- copy engine
@@ -349,6 +399,7 @@ class Scenario:
     storage: dict[str, float]
     requests: int
     concurrency: int
+    components: bool = False  #: hybrid model: SWA, Mamba and indexer sidecars too
 
     @classmethod
     def from_seed(cls, seed: int) -> Scenario:
@@ -442,6 +493,32 @@ class Run:
                 f"{when}: tenant={tenant!r} tokens={tokens[:n]} wrong KV at positions {bad} "
                 f"(rows {idx[bad].tolist()})"
             )
+        if self.sc.components:
+            self.check_sidecars(m, tenant, tokens, when)
+
+    def check_sidecars(
+        self, m: MatchResult, tenant: str | None, tokens: list[int], when: str
+    ) -> None:
+        """Every page a component needs at the end of ``m`` holds its state for that prefix
+        (all pages for the indexer, the trailing window for SWA and Mamba)."""
+        p = self.sc.page_size
+        pages = m.device_pages.tolist()
+        k = len(pages)
+        for comp in self.cache.config.components:
+            w = comp.window_pages(p)
+            buf = self.cache.sidecar(comp.name)
+            bad = [
+                j
+                for j in (range(k) if w == 0 else range(max(0, k - w), k))
+                if not torch.equal(
+                    buf[pages[j]], expected_sidecar(comp, tenant, tokens[: (j + 1) * p])
+                )
+            ]
+            if bad:
+                self.fail(
+                    f"{when}: tenant={tenant!r} tokens={tokens[: k * p]} wrong {comp.name} "
+                    f"state at pages {bad} of {k}"
+                )
 
     def prompt(self, rng: random.Random) -> list[int]:
         sys_prompt = rng.choice(self.systems)
@@ -540,6 +617,8 @@ class Run:
                 return
             held = slots
             write_rows(cache, slots[:n_new], expected_kv(tenant, tokens)[:, :, d:])
+            if self.sc.components:
+                write_sidecars(cache, slots[:n_new], tenant, tokens, d)
             if rng.random() < 0.5:  # only the new slots: the match's own pages serve the rest
                 r = cache.insert(tokens, slots[:n_new], prefix=m, tenant=tenant)
             else:
@@ -637,6 +716,8 @@ def _config(
         prefetch_timeout_max=0.1,
         prefetch_batch_pages=2,
     )
+    if sc.components:
+        opts["components"] = stress_components(sc.page_size)
     opts.update(kw)
     return small_config(**opts)
 
@@ -711,16 +792,23 @@ async def _drive(run: Run) -> None:
             )
 
 
-def _known_pages(run: Run) -> dict[str, tuple[str | None, list[int]]]:
-    """Storage key -> (tenant, token prefix ending with that page), for every prompt seen."""
+Known = dict[str, tuple[str | None, list[int], akv.Component | None]]
+
+
+def _known_pages(run: Run) -> Known:
+    """Storage key -> (tenant, token prefix ending with that page, component or ``None`` for
+    the KV), for every prompt seen."""
     p = run.sc.page_size
-    out: dict[str, tuple[str | None, list[int]]] = {}
+    comps: list[akv.Component | None] = [None, *run.cache.config.components]
+    out: Known = {}
     for tenant, toks in run.prompts:
         ns = Namespace(MODEL, tenant or "", "")
         n = len(toks) // p * p
         hashes = chain_hashes(namespace_seed(ns.tag), list(toks[:n]), p)
         for j, h in enumerate(hashes):
-            out[storage_key(ns.tag, h, "kv")] = (tenant, list(toks[: (j + 1) * p]))
+            for comp in comps:
+                key = storage_key(ns.tag, h, "kv" if comp is None else comp.name)
+                out[key] = (tenant, list(toks[: (j + 1) * p]), comp)
     return out
 
 
@@ -736,7 +824,7 @@ def _check_storage(run: Run, *, events: bool = True) -> None:
     """Every stored page holds the KV of its key (on disk: sealed, unless damaged by the
     test); STORAGE events match the store."""
     known = _known_pages(run)
-    by_hash = {int(k.split("/")[1], 16): k for k in known}
+    by_hash = {int(k.split("/")[1], 16): k for k, (_, _, c) in known.items() if c is None}
     storage = run.storage
     contents = storage.contents()
     p = run.sc.page_size
@@ -747,8 +835,8 @@ def _check_storage(run: Run, *, events: bool = True) -> None:
             continue
         if key in storage.corrupted:
             continue
-        tenant, prefix = known[key]
-        want = page_payload(tenant, prefix, p)
+        tenant, prefix, comp = known[key]
+        want = page_payload(tenant, prefix, p, comp)
         ok = intact(key, raw, want) if on_disk else raw[: len(want)] == want
         if not ok and not (on_disk and key in storage.damaged):
             run.fail(
@@ -771,13 +859,17 @@ async def stress(
     file_root: Path | None = None,
     damage: float = 0.0,
     outside: Path | None = None,
+    components: bool = False,
 ) -> Run:
     """One seeded run; over ``OracleFileStorage`` in ``file_root`` if given (its files damaged
     with probability ``damage`` per I/O call, links pointing at ``outside``), else over the
-    faulty ``MemoryStorage``."""
+    faulty ``MemoryStorage``; with ``components``, a hybrid model's sidecars (SWA window,
+    Mamba state, indexer) are written, checked and stored beside the KV."""
     sc = Scenario.from_seed(seed)
     if midrun_invariants is None:
         midrun_invariants = os.environ.get("AKV_STRESS_MIDRUN_INVARIANTS", "1") != "0"
+    if components:
+        sc = dataclasses.replace(sc, components=True)
     rng = random.Random(seed)
     storage: MemoryStorage | OracleFileStorage
     if file_root is None:
@@ -850,6 +942,38 @@ async def _fresh_check(run: Run) -> None:
         await _serve_all(run, fresh)
 
 
+def _usable_stored_run(
+    run: Run,
+    contents: dict[str, bytes],
+    tag: str,
+    hashes: list[int],
+    tenant: str | None,
+    tokens: list[int],
+) -> int:
+    """Pages a fresh cache can serve of a prompt (page hashes ``hashes``) from storage alone:
+    the leading run of intact KV pages, cut to the longest prefix at whose end every
+    component has the pages it needs (all of them, or its trailing window)."""
+    storage = run.storage
+    p = run.sc.page_size
+
+    def intact_pages(comp: akv.Component | None) -> list[bool]:
+        out = []
+        for j, h in enumerate(hashes):
+            k = storage_key(tag, h, "kv" if comp is None else comp.name)
+            ok = k in contents and k not in storage.corrupted
+            if ok and isinstance(storage, OracleFileStorage):  # damaged by the test: a miss
+                ok = intact(k, contents[k], page_payload(tenant, tokens[: (j + 1) * p], p, comp))
+            out.append(ok)
+        return out
+
+    kv = intact_pages(None)
+    end = kv.index(False) if False in kv else len(kv)
+    needs = [(intact_pages(c), c.window_pages(p)) for c in run.cache.config.components]
+    while end and not all(all(have[0 if w == 0 else max(0, end - w) : end]) for have, w in needs):
+        end -= 1
+    return end
+
+
 async def _serve_all(run: Run, fresh: akv.HiCache) -> None:
     storage = run.storage
     p = run.sc.page_size
@@ -860,19 +984,8 @@ async def _serve_all(run: Run, fresh: akv.HiCache) -> None:
         n = len(tokens) // p * p
         if not n:
             continue
-        keys = [
-            storage_key(ns.tag, h, "kv")
-            for h in chain_hashes(namespace_seed(ns.tag), tokens[:n], p)
-        ]
-        run_len = 0
-        for j, k in enumerate(keys):
-            if k not in contents or k in storage.corrupted:
-                break
-            if isinstance(storage, OracleFileStorage) and not intact(
-                k, contents[k], page_payload(tenant, tokens[: (j + 1) * p], p)
-            ):
-                break  # damaged by the test (any other bad page failed _check_storage)
-            run_len += 1
+        hashes = chain_hashes(namespace_seed(ns.tag), tokens[:n], p)
+        run_len = _usable_stored_run(run, contents, ns.tag, hashes, tenant, tokens)
         res = await fresh.prefetch(tokens, tenant=tenant)
         m = fresh.match_prefix(tokens, tenant=tenant)
         try:
@@ -936,3 +1049,24 @@ async def test_stress_over_damaged_file_storage(seed: int, tmp_path: Path) -> No
     assert await asyncio.to_thread(outside.read_bytes) == secret, (
         "a write went through a planted symlink"
     )
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 5])
+async def test_stress_hybrid_model(seed: int) -> None:
+    """The oracle with a hybrid model's sidecars (SWA window, Mamba state, indexer), over the
+    faulty in-memory store: every page a component needs at the end of a match holds that
+    prefix's state, in every tier and after a restart from storage."""
+    run = await stress(int(os.environ.get("AKV_STRESS_SEED", seed)), components=True)
+    assert not run.failures, describe(run)
+
+
+@pytest.mark.parametrize("seed", [3, 7])
+async def test_stress_hybrid_model_over_file_storage(seed: int, tmp_path: Path) -> None:
+    """The hybrid oracle over the real ``FileStorage`` at ~40 pages of room, damaged too."""
+    run = await stress(
+        int(os.environ.get("AKV_STRESS_SEED", seed)),
+        file_root=tmp_path / "store",
+        components=True,
+        damage=0.1,
+    )
+    assert not run.failures, describe(run)
