@@ -63,6 +63,9 @@ class CacheConfig:
     storage_workers: int = 2
     storage_timeout: float = 5.0
     storage_retry_seconds: float = 1.0
+    #: storage tier: deadline (s) for opening the backend at start, which can take far longer
+    #: than one call (a FileStorage rebuilds its index from the directory; Mooncake connects)
+    storage_open_timeout: float = 60.0
     #: prefetch: minimum uncached tokens, deadline = base + per_1k * tokens / 1000 (capped),
     #: pages per storage read call
     prefetch_threshold_tokens: int = 256
@@ -130,6 +133,7 @@ class CacheConfig:
         for name in (
             "storage_timeout",
             "storage_retry_seconds",
+            "storage_open_timeout",
             "prefetch_timeout_base",
             "prefetch_timeout_per_1k",
             "prefetch_timeout_max",
@@ -137,8 +141,9 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
-        if self.storage_timeout <= 0:
-            raise ConfigError(f"storage_timeout must be > 0, got {self.storage_timeout!r}")
+        for name in ("storage_timeout", "storage_open_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.storage is not None:
             from aiocache_kv.storage.base import StorageBackend
 

@@ -362,6 +362,39 @@ async def test_unwritable_storage_dir_fails_at_start(tmp_path: Path) -> None:
             pass
 
 
+class SlowToOpen(FileStorage):
+    """A FileStorage whose ``open`` takes ``delay`` seconds (a big directory to index)."""
+
+    def __init__(self, path: Path, delay: float) -> None:
+        super().__init__(path)
+        self.delay = delay
+
+    def open(self) -> None:
+        threading.Event().wait(self.delay)  # on the storage worker, never the loop
+        super().open()
+
+
+async def test_opening_storage_is_bounded_by_its_own_deadline(tmp_path: Path) -> None:
+    """Opening can take far longer than one storage call (the index of a big directory is
+    rebuilt; Mooncake connects): it is bounded by ``storage_open_timeout``, not by the
+    per-call ``storage_timeout``.  A cache whose calls must answer in 0.2 s used to fail to
+    start whenever the open took longer than that."""
+    slow = SlowToOpen(tmp_path / "a", 0.6)
+    async with akv.HiCache(cfg(tmp_path, storage=slow, storage_timeout=0.2)) as cache:
+        slots = cache.alloc(len(PROMPT))
+        write_kv(cache, slots, seed=1)
+        cache.release(cache.insert(PROMPT, slots))
+        await cache.flush()
+        assert cache.statistics().backup_pages_ok == len(PROMPT) // cache.config.page_size
+    stuck = SlowToOpen(tmp_path / "b", 5.0)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(akv.StorageTimeoutError, match="open"):
+        async with akv.HiCache(cfg(tmp_path, storage=stuck, storage_open_timeout=0.3)):
+            pass
+    assert loop.time() - t0 < 3.0, "start waited past storage_open_timeout"
+
+
 def test_storage_must_be_a_backend() -> None:
     with pytest.raises(akv.ConfigError, match="StorageBackend"):
         small_config(storage="/tmp/kv")

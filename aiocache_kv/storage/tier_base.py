@@ -71,11 +71,12 @@ class StorageTierBase:
         """Open the backend, register the host pool once, build per-page buffer views.
 
         Raises:
-            StorageUnavailableError / StorageTimeoutError: the backend cannot be opened.
+            StorageUnavailableError / StorageTimeoutError: the backend cannot be opened (within
+                ``storage_open_timeout``).
         """
         pool = self.core.host_pool
         assert pool is not None, "a storage tier needs a host pool"
-        await self.io.open()
+        await self.io.open(timeout=self.core.config.storage_open_timeout)
         raws = [(pool.raw, pool.page_bytes)]
         raws += [(sc.host_raw, sc.page_bytes) for sc in self.core.sidecars]
         for raw, _ in raws:

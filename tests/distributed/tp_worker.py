@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import json
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,14 +114,7 @@ async def serve(args: argparse.Namespace) -> dict[str, Any]:
     else:  # every rank's store holds a different number of pages
         keep, hole = 16 - 3 * rank, None
     await seed_storage(root, rank, world, keep, args.hybrid, hole)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{args.port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    group = akv.TorchTPGroup()
+    group = init_group(args)
     out: dict[str, Any] = {"rank": rank}
     engine = RandomDelayEngine(seed=1000 + rank, max_delay=0.03)
     cfg = config(akv.FileStorage(root), args.hybrid)
@@ -174,17 +168,38 @@ async def serve(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def init_group(args: argparse.Namespace) -> akv.TorchTPGroup:
+    """Join the gloo group of ``args.world`` ranks on 127.0.0.1 as ``args.rank``."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    return akv.TorchTPGroup()
+
+
+def run_rank(
+    serve_fn: Callable[[argparse.Namespace], Awaitable[dict[str, Any]]],
+    add_args: Callable[[argparse.ArgumentParser], None],
+) -> None:
+    """Parse the rank's arguments (the common ones plus ``add_args``'), serve, print the
+    result line the test reads."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--dir", required=True)
-    ap.add_argument("--hybrid", action="store_true")
+    add_args(ap)
     args = ap.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    result = asyncio.run(serve(args))
+    result = asyncio.run(serve_fn(args))
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def main() -> None:
+    run_rank(serve, lambda ap: ap.add_argument("--hybrid", action="store_true"))
 
 
 if __name__ == "__main__":
