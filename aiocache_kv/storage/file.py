@@ -175,7 +175,9 @@ class FileStorage(FileWrites):
             try:
                 self._dirs.open_root()
                 try:
-                    self._dirs.probe_write(f".probe-{self._pid}-{next(self._seq)}{TMP_SUFFIX}")
+                    # unique among the instances of this process on the same directory too
+                    probe = f".probe-{self._pid}-{id(self):x}-{next(self._seq)}{TMP_SUFFIX}"
+                    self._dirs.probe_write(probe)
                 except OSError as exc:
                     if exc.errno not in safe_fs.NO_SPACE:
                         raise

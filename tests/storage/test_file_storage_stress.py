@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import random
+import threading
 import zlib
 from pathlib import Path
 
@@ -76,3 +77,57 @@ def test_concurrent_churn_keeps_disk_index_and_bytes_agreeing(
     for k, b in zip(stored, dst, strict=True):
         assert bytes(b.view[: SLOT - 40]) == bytes(page_of(k).view[: SLOT - 40]), f"seed {seed}"
     assert fs.statistics().corrupt == 0, f"seed {seed}"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_two_instances_sharing_a_directory_never_serve_wrong_bytes(
+    tmp_path: Path, seed: int
+) -> None:
+    """Two ``FileStorage`` instances on one directory (two processes pointed at the same
+    path by mistake, or a shared filesystem): each keeps its own index, and the other
+    unlinks, replaces and evicts files behind its back.  Nothing may hang (the workers are
+    daemon threads joined with a bound), every read returns its key's bytes or misses, and a
+    third instance opened afterwards reads every page it indexes back intact."""
+    universe = keys_for("two", 40)
+    cap = 12 * file_size(universe[0])
+    stores = [FileStorage(tmp_path, capacity_bytes=cap) for _ in range(2)]
+    mismatches: list[str] = []
+    errors: list[BaseException] = []
+
+    def work(w: int) -> None:
+        fs = stores[w % 2]
+        rng = random.Random(seed * 1000 + w)
+        try:
+            for _ in range(40):
+                op = rng.random()
+                ks = rng.sample(universe, rng.randrange(1, 12))
+                if op < 0.5:
+                    fs.put(ks, [page_of(k) for k in ks])
+                elif op < 0.9:
+                    dst = empty(len(ks))
+                    for k, ok, b in zip(ks, fs.get_into(ks, dst), dst, strict=True):
+                        n = SLOT - 40
+                        if ok and bytes(b.view[:n]) != bytes(page_of(k).view[:n]):
+                            mismatches.append(f"seed {seed}: {k} read other bytes")
+                else:
+                    fs.remove(ks[:3])
+        except BaseException as exc:  # reported below: a worker must not die silently
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(w,), daemon=True) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), f"seed {seed}: a worker hung"
+    assert not errors, f"seed {seed}: {errors[:3]!r}"
+    assert not mismatches, mismatches[:3]
+    for fs in stores:
+        fs.close()
+    third = FileStorage(tmp_path, capacity_bytes=cap)
+    stored = [k for k in universe if third.exists([k]) == [True]]
+    dst = empty(len(stored))
+    assert third.get_into(stored, dst) == [True] * len(stored), f"seed {seed}"
+    for k, b in zip(stored, dst, strict=True):
+        assert bytes(b.view[: SLOT - 40]) == bytes(page_of(k).view[: SLOT - 40]), f"seed {seed}"
+    assert not list(tmp_path.rglob("*.tmp")), f"seed {seed}"
