@@ -13,8 +13,9 @@ derived from a rolling hash of ``(tenant, tokens[: i + 1])``.  Every row a match
 holds (its raw payload), and every page a fresh cache reads back from the same storage.
 
 Variants: over the real ``FileStorage`` (room for ~40 pages), over one whose files another
-process damages while the cache runs, and with a hybrid model's sidecars (SWA window, Mamba
-state, DSA indexer) written, checked and stored beside the KV.
+process damages while the cache runs, over the real ``MooncakeStorage`` logic on a chaotic
+in-memory client, and with a hybrid model's sidecars (SWA window, Mamba state, DSA indexer)
+written, checked and stored beside the KV.
 
 At the end: flush, check_invariants, full eviction returns every page, KV events balance per
 medium (GPU/CPU empty after eviction; STORAGE consistent with the store's contents), and a fresh
@@ -57,7 +58,7 @@ from aiocache_kv.handles import HandleState, InsertResult, MatchResult
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.storage import FileStorage, PageBuffer, integrity, page_file
 from aiocache_kv.storage.keys import storage_key
-from aiocache_kv.testing import MemoryStorage
+from aiocache_kv.testing import ChaosMooncakeClient, FakeMooncakeStorage, MemoryStorage
 from aiocache_kv.transfer.engine import CopyJob, Done
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
 from tests.conftest import small_config
@@ -194,6 +195,36 @@ class OracleFileStorage(FileStorage):
             if parsed is not None:  # else a header damaged by the test
                 out[parsed[0]] = data[parsed[1] :]
         return out
+
+
+class OracleMooncakeStorage(FakeMooncakeStorage):
+    """The real ``MooncakeStorage`` logic over a :class:`ChaosMooncakeClient` (delays, stalls,
+    failed batches, objects damaged or removed behind the cache's back), with what the oracle
+    reads: the store's objects, and the keys damaged (nothing is evicted)."""
+
+    def __init__(self, chaos: ChaosMooncakeClient) -> None:
+        super().__init__(chaos)
+        self.chaos = chaos
+        self.dropped: set[str] = set()
+        self.corrupted: set[str] = set()
+
+    @property
+    def damaged(self) -> set[str]:
+        return self.chaos.damaged
+
+    def quiet(self) -> None:
+        self.chaos.quiet()
+
+    def reopened(self) -> OracleMooncakeStorage:
+        """A fresh client on the same store (a restarted node)."""
+        return OracleMooncakeStorage(self.chaos)
+
+    def contents(self) -> dict[str, bytes]:
+        with self.chaos.lock:
+            return dict(self.chaos.objects)
+
+
+Store = MemoryStorage | OracleFileStorage | OracleMooncakeStorage
 
 
 def page_file_key(data: bytes, name: str) -> tuple[str, int] | None:
@@ -437,7 +468,7 @@ CANCELLED = Cancelled()
 class Run:
     sc: Scenario
     cache: akv.HiCache
-    storage: MemoryStorage | OracleFileStorage
+    storage: Store
     engine: ChaosCopyEngine
     rng: random.Random
     midrun_invariants: bool
@@ -696,7 +727,7 @@ async def _await(aw: Awaitable[T]) -> T:
 
 
 def _config(
-    sc: Scenario, storage: MemoryStorage | OracleFileStorage, **kw: Any
+    sc: Scenario, storage: Store, **kw: Any
 ) -> akv.CacheConfig:
     opts: dict[str, Any] = dict(
         page_size=sc.page_size,
@@ -828,7 +859,7 @@ def _check_storage(run: Run, *, events: bool = True) -> None:
     storage = run.storage
     contents = storage.contents()
     p = run.sc.page_size
-    on_disk = isinstance(storage, OracleFileStorage)
+    on_disk = isinstance(storage, (OracleFileStorage, OracleMooncakeStorage))
     for key, raw in contents.items():
         if key not in known:
             run.fail(f"storage holds a key no prompt produced: {key}")
@@ -860,19 +891,32 @@ async def stress(
     damage: float = 0.0,
     outside: Path | None = None,
     components: bool = False,
+    mooncake: bool = False,
 ) -> Run:
     """One seeded run; over ``OracleFileStorage`` in ``file_root`` if given (its files damaged
     with probability ``damage`` per I/O call, links pointing at ``outside``), else over the
     faulty ``MemoryStorage``; with ``components``, a hybrid model's sidecars (SWA window,
-    Mamba state, indexer) are written, checked and stored beside the KV."""
+    Mamba state, indexer) are written, checked and stored beside the KV; with ``mooncake``,
+    over the real ``MooncakeStorage`` logic and a ``ChaosMooncakeClient`` (damage: per put)."""
     sc = Scenario.from_seed(seed)
     if midrun_invariants is None:
         midrun_invariants = os.environ.get("AKV_STRESS_MIDRUN_INVARIANTS", "1") != "0"
     if components:
         sc = dataclasses.replace(sc, components=True)
     rng = random.Random(seed)
-    storage: MemoryStorage | OracleFileStorage
-    if file_root is None:
+    storage: Store
+    if mooncake:
+        chaos = ChaosMooncakeClient(
+            seed,
+            max_delay=sc.storage["max_delay"],
+            stall=sc.storage["stall_probability"],
+            stall_seconds=sc.storage["stall_seconds"],
+            put_failure=sc.storage["put_failure"],
+            get_failure=sc.storage["get_failure"],
+            damage=damage,
+        )
+        storage = OracleMooncakeStorage(chaos)
+    elif file_root is None:
         storage = MemoryStorage(seed, **sc.storage)
     else:  # room for ~40 pages: eviction all the time
         page = LAYERS * 2 * sc.page_size * HEADS * HEAD_DIM * 4 + 40 + 100
@@ -926,7 +970,7 @@ async def stress(
 
 async def _fresh_check(run: Run) -> None:
     sc = run.sc
-    if isinstance(run.storage, OracleFileStorage):
+    if isinstance(run.storage, (OracleFileStorage, OracleMooncakeStorage)):
         run.storage = run.storage.reopened()  # the first cache closed it: a restarted node
     cfg = _config(
         sc,
@@ -961,7 +1005,8 @@ def _usable_stored_run(
         for j, h in enumerate(hashes):
             k = storage_key(tag, h, "kv" if comp is None else comp.name)
             ok = k in contents and k not in storage.corrupted
-            if ok and isinstance(storage, OracleFileStorage):  # damaged by the test: a miss
+            if ok and isinstance(storage, (OracleFileStorage, OracleMooncakeStorage)):
+                # damaged by the test: a miss
                 ok = intact(k, contents[k], page_payload(tenant, tokens[: (j + 1) * p], p, comp))
             out.append(ok)
         return out
@@ -1068,5 +1113,21 @@ async def test_stress_hybrid_model_over_file_storage(seed: int, tmp_path: Path) 
         file_root=tmp_path / "store",
         components=True,
         damage=0.1,
+    )
+    assert not run.failures, describe(run)
+
+
+@pytest.mark.parametrize(("seed", "components"), [(18, False), (25, False), (34, True), (39, True)])
+async def test_stress_over_mooncake_logic(seed: int, components: bool) -> None:
+    """The oracle over the real ``MooncakeStorage`` logic (existence checks, seal and verify,
+    pipelined calls, return codes) on an in-memory client that delays, stalls, fails batches
+    and damages or removes stored objects: every row served is right, a damaged object is a
+    miss, and a restarted cache serves exactly the intact leading run (with a hybrid model's
+    sidecars too, for two seeds)."""
+    run = await stress(
+        int(os.environ.get("AKV_STRESS_SEED", seed)),
+        mooncake=True,
+        damage=0.4,
+        components=components,
     )
     assert not run.failures, describe(run)

@@ -9,7 +9,8 @@ blocking calls on the event loop.
   corrupted pages) and raw inspection of what it holds.
 * :class:`FakeMooncakeStorage` / :class:`FakeMooncakeClient` - the real ``MooncakeStorage``
   logic over an in-memory client whose answers (scripted codes) and timing (gates) a test
-  controls: the one fake Mooncake client of the test suite.
+  controls: the one fake Mooncake client of the test suite (:class:`ChaosMooncakeClient`: with
+  seeded faults, for stress tests).
 * :class:`LoopbackMaster` - a real ``mooncake_master`` on 127.0.0.1 (kill/stop/cont/restart on
   the same ports), for tests, the demo and the examples.
 * :class:`BlockingCallDetector` - patches well-known blocking calls so that calling one on a
@@ -19,7 +20,11 @@ blocking calls on the event loop.
 
 from aiocache_kv.testing.blocking import BlockingCallDetector
 from aiocache_kv.testing.engines import ManualCopyEngine, RandomDelayEngine
-from aiocache_kv.testing.fake_mooncake import FakeMooncakeClient, FakeMooncakeStorage
+from aiocache_kv.testing.fake_mooncake import (
+    ChaosMooncakeClient,
+    FakeMooncakeClient,
+    FakeMooncakeStorage,
+)
 from aiocache_kv.testing.logs import capture_logs
 from aiocache_kv.testing.memory_storage import MemoryStorage
 from aiocache_kv.testing.mooncake_master import (
@@ -30,6 +35,7 @@ from aiocache_kv.testing.mooncake_master import (
 
 __all__ = [
     "BlockingCallDetector",
+    "ChaosMooncakeClient",
     "FakeMooncakeClient",
     "FakeMooncakeStorage",
     "LoopbackMaster",

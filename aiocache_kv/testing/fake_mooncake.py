@@ -13,6 +13,9 @@ seal, verify, return-code mapping, retries) runs unchanged while a test decides:
 * what was called: ``client.calls`` counts calls by name, ``client.log`` lists ``(name, keys)``
   in order, ``client.puts_per_key`` counts the puts that stored a key.
 
+:class:`ChaosMooncakeClient` adds seeded faults for stress tests: delays, stalls, failed
+batches, stored objects damaged or removed by "another client".
+
 Bytes move with ``ctypes`` from and to the buffers' addresses, as with the zero-copy client.
 The codes are Mooncake's: 0 success, ``-704`` object not found, ``-600`` buffer too small.
 """
@@ -21,14 +24,23 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import random
 import threading
+import time
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
 from aiocache_kv.storage.mooncake import MooncakeStorage
 
-__all__ = ["BUFFER_TOO_SMALL", "GATED", "MISSING", "FakeMooncakeClient", "FakeMooncakeStorage"]
+__all__ = [
+    "BUFFER_TOO_SMALL",
+    "GATED",
+    "MISSING",
+    "ChaosMooncakeClient",
+    "FakeMooncakeClient",
+    "FakeMooncakeStorage",
+]
 
 MISSING = -704
 BUFFER_TOO_SMALL = -600
@@ -160,3 +172,78 @@ class FakeMooncakeStorage(MooncakeStorage):
         """Install the fake client (no connection)."""
         with self._open_lock:
             self._store = self.client
+
+
+class ChaosMooncakeClient(FakeMooncakeClient):
+    """A :class:`FakeMooncakeClient` with seeded faults, for stress tests.
+
+    Every put and get first sleeps up to ``max_delay`` seconds, or ``stall_seconds`` with
+    probability ``stall``; then fails the whole batch (code ``-1``) with probability
+    ``put_failure`` / ``get_failure``.  After a put that ran, with probability ``damage``
+    another client damages a random stored object: flips one bit of it (70%) or removes it;
+    its key goes into :attr:`damaged`.  :meth:`quiet` turns every fault off.
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        *,
+        max_delay: float = 0.003,
+        stall: float = 0.03,
+        stall_seconds: float = 0.25,
+        put_failure: float = 0.08,
+        get_failure: float = 0.05,
+        damage: float = 0.2,
+    ) -> None:
+        super().__init__()
+        self._rng = random.Random(seed)
+        self._rng_lock = threading.Lock()
+        self.max_delay, self.stall, self.stall_seconds = max_delay, stall, stall_seconds
+        self.put_failure, self.get_failure, self.damage = put_failure, get_failure, damage
+        self.damaged: set[str] = set()  #: keys whose object was flipped or removed
+
+    def quiet(self) -> None:
+        """No more delays, stalls, failures or damage."""
+        self.max_delay = self.stall = self.put_failure = self.get_failure = self.damage = 0.0
+
+    def _roll(self) -> tuple[float, float, float]:
+        with self._rng_lock:
+            stall = self._rng.random() < self.stall
+            delay = self.stall_seconds if stall else self._rng.uniform(0, self.max_delay)
+            return delay, self._rng.random(), self._rng.random()
+
+    def batch_put_from(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        """The store's put, after this client's faults."""
+        delay, fail, damage = self._roll()
+        time.sleep(delay)  # a storage worker's thread, never the loop
+        if fail < self.put_failure:
+            return [-1] * len(keys)
+        codes = super().batch_put_from(keys, ptrs, sizes)
+        if damage < self.damage:
+            self._damage_one()
+        return codes
+
+    def batch_get_into(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        """The store's read, after this client's faults."""
+        delay, fail, _ = self._roll()
+        time.sleep(delay)
+        if fail < self.get_failure:
+            return [-1] * len(keys)
+        return super().batch_get_into(keys, ptrs, sizes)
+
+    def _damage_one(self) -> None:
+        with self.lock, self._rng_lock:
+            if not self.objects:
+                return
+            key = self._rng.choice(sorted(self.objects))
+            if self._rng.random() < 0.7:
+                obj = bytearray(self.objects[key])
+                obj[self._rng.randrange(len(obj))] ^= 1 << self._rng.randrange(8)
+                self.objects[key] = bytes(obj)
+            else:
+                del self.objects[key]
+            self.damaged.add(key)

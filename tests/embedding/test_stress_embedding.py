@@ -19,70 +19,19 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import threading
-import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable
 from typing import Any
 
 import pytest
 import torch
 
 from aiocache_kv.embedding import EmbeddingCache
+from aiocache_kv.testing import ChaosMooncakeClient
 
-from .fakes import FakeClient, FakeMooncakeStorage
+from .fakes import FakeMooncakeStorage
 
 DIM = 8
 HASHES = [f"image-{i}" for i in range(24)]
-
-
-class ChaosClient(FakeClient):
-    """The in-memory client with seeded faults (see the module docstring)."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        self._rng = random.Random(seed)
-        self._rng_lock = threading.Lock()
-        self.damaged: set[str] = set()  #: keys whose object was flipped or dropped
-
-    def _roll(self) -> tuple[float, float, float]:
-        with self._rng_lock:
-            stall = self._rng.random() < 0.03
-            delay = 0.25 if stall else self._rng.uniform(0, 0.003)
-            return delay, self._rng.random(), self._rng.random()
-
-    def batch_put_from(
-        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
-    ) -> list[int]:
-        delay, fail, damage = self._roll()
-        time.sleep(delay)
-        if fail < 0.08:
-            return [-1] * len(keys)  # the store refused the batch
-        codes = super().batch_put_from(keys, ptrs, sizes)
-        if damage < 0.2:
-            self._damage()
-        return codes
-
-    def batch_get_into(
-        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
-    ) -> list[int]:
-        delay, fail, _ = self._roll()
-        time.sleep(delay)
-        if fail < 0.05:
-            return [-1] * len(keys)
-        return super().batch_get_into(keys, ptrs, sizes)
-
-    def _damage(self) -> None:
-        with self.lock, self._rng_lock:
-            if not self.objects:
-                return
-            key = self._rng.choice(sorted(self.objects))
-            obj = bytearray(self.objects[key])
-            if self._rng.random() < 0.7:
-                obj[self._rng.randrange(len(obj))] ^= 1 << self._rng.randrange(8)
-                self.objects[key] = bytes(obj)
-            else:
-                del self.objects[key]
-            self.damaged.add(key)
 
 
 def embedding(h: str) -> torch.Tensor:
@@ -92,7 +41,7 @@ def embedding(h: str) -> torch.Tensor:
     return torch.randn(1 + i % 6, DIM, generator=g)
 
 
-def node(client: ChaosClient, pool: int) -> EmbeddingCache:
+def node(client: ChaosMooncakeClient, pool: int) -> EmbeddingCache:
     store = FakeMooncakeStorage()
     store.client = client
     return EmbeddingCache(pool_bytes=pool, store=store, namespace="stress", timeout=0.1)
@@ -113,7 +62,7 @@ async def maybe_cancel(rng: random.Random, aw: Awaitable[Any]) -> Any:
 async def run(seed: int) -> list[str]:
     """One seeded run; the failures it found."""
     failures: list[str] = []
-    client = ChaosClient(seed)
+    client = ChaosMooncakeClient(seed)
     rng = random.Random(seed)
     async with node(client, 5 * 512) as a, node(client, 3 * 512) as b:
 
