@@ -14,8 +14,9 @@ holds (its raw payload), and every page a fresh cache reads back from the same s
 
 Variants: over the real ``FileStorage`` (room for ~40 pages), over one whose files another
 process damages while the cache runs, over the real ``MooncakeStorage`` logic on a chaotic
-in-memory client, and with a hybrid model's sidecars (SWA window, Mamba state, DSA indexer)
-written, checked and stored beside the KV.
+in-memory client, with a hybrid model's sidecars (SWA window, Mamba state, DSA indexer)
+written, checked and stored beside the KV, and closed at a random moment with requests in
+flight.
 
 At the end: flush, check_invariants, full eviction returns every page, KV events balance per
 medium (GPU/CPU empty after eviction; STORAGE consistent with the store's contents), and a fresh
@@ -826,6 +827,44 @@ async def _drive(run: Run) -> None:
 Known = dict[str, tuple[str | None, list[int], akv.Component | None]]
 
 
+async def _drive_until_close(run: Run) -> None:
+    """Requests as in ``_drive``, and ``aclose`` at a random moment while they run: the close
+    finishes within its bound, every request ends (normally, cancelled, or with
+    ``CacheClosedError``) instead of hanging on a copy or a storage call, and what reached
+    storage stays right (checked by the caller)."""
+    sc = run.sc
+    cache = run.cache
+    rng = run.rng
+    run.systems = [[rng.randint(100, 120) for _ in range(rng.randint(2, 8))] for _ in range(3)]
+    sem = asyncio.Semaphore(sc.concurrency)
+
+    async def one(rid: int) -> None:
+        async with sem:
+            await run.request(rid)
+
+    tasks = [asyncio.create_task(one(i)) for i in range(sc.requests)]
+    await asyncio.sleep(rng.uniform(0.02, 0.25))
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await cache.aclose()
+    took = loop.time() - t0
+    bound = 3 * cache.config.storage_timeout + 1.0
+    if took > bound:
+        run.fail(f"aclose with requests in flight took {took:.2f} s (bound {bound:.2f} s)")
+    run.note(f"closed mid-run after {sum(t.done() for t in tasks)} requests ended")
+    run.storage.quiet()  # the restarted cache reads a store without faults
+    done, pending = await asyncio.wait(tasks, timeout=10)
+    if pending:
+        run.fail(f"HANG: {len(pending)} requests still running 10 s after aclose")
+        for t in pending:
+            t.cancel()
+    for i, t in enumerate(tasks):
+        if t in done and not t.cancelled():
+            exc = t.exception()
+            if exc is not None and not isinstance(exc, akv.CacheClosedError):
+                run.fail(f"request r{i} raised {type(exc).__name__} after close: {exc}")
+
+
 def _known_pages(run: Run) -> Known:
     """Storage key -> (tenant, token prefix ending with that page, component or ``None`` for
     the KV), for every prompt seen."""
@@ -892,12 +931,14 @@ async def stress(
     outside: Path | None = None,
     components: bool = False,
     mooncake: bool = False,
+    close_midway: bool = False,
 ) -> Run:
     """One seeded run; over ``OracleFileStorage`` in ``file_root`` if given (its files damaged
     with probability ``damage`` per I/O call, links pointing at ``outside``), else over the
     faulty ``MemoryStorage``; with ``components``, a hybrid model's sidecars (SWA window,
     Mamba state, indexer) are written, checked and stored beside the KV; with ``mooncake``,
-    over the real ``MooncakeStorage`` logic and a ``ChaosMooncakeClient`` (damage: per put)."""
+    over the real ``MooncakeStorage`` logic and a ``ChaosMooncakeClient`` (damage: per put);
+    with ``close_midway``, the cache is closed while requests are in flight."""
     sc = Scenario.from_seed(seed)
     if midrun_invariants is None:
         midrun_invariants = os.environ.get("AKV_STRESS_MIDRUN_INVARIANTS", "1") != "0"
@@ -944,13 +985,17 @@ async def stress(
     try:
         hung = False
         try:
-            await asyncio.wait_for(_drive(run), timeout=40)
+            await asyncio.wait_for(
+                _drive_until_close(run) if close_midway else _drive(run), timeout=40
+            )
+            closed = close_midway
         except asyncio.TimeoutError:
             hung = True
             run.fail(f"HANG: the run did not finish in 40 s; {cache!r}")
         if not hung:
-            await asyncio.wait_for(cache.aclose(), timeout=10)
-            closed = True
+            if not closed:
+                await asyncio.wait_for(cache.aclose(), timeout=10)
+                closed = True
             _check_storage(run, events=False)  # again: puts that landed late, at close
             try:
                 await asyncio.wait_for(_fresh_check(run), timeout=30)
@@ -1129,5 +1174,16 @@ async def test_stress_over_mooncake_logic(seed: int, components: bool) -> None:
         mooncake=True,
         damage=0.4,
         components=components,
+    )
+    assert not run.failures, describe(run)
+
+
+@pytest.mark.parametrize("seed", [1, 3, 5, 12])
+async def test_stress_close_with_requests_in_flight(seed: int, tmp_path: Path) -> None:
+    """``aclose`` at a random moment of a busy run over the real ``FileStorage``: the close
+    is bounded, no request hangs or fails with anything but ``CacheClosedError``, and what
+    reached storage is right and served again by a restarted cache."""
+    run = await stress(
+        int(os.environ.get("AKV_STRESS_SEED", seed)), file_root=tmp_path, close_midway=True
     )
     assert not run.failures, describe(run)
