@@ -89,29 +89,40 @@ class MatchResult(Handle):
 
     __slots__ = ()
 
-    def _runs(self) -> tuple[list[Node], int, int]:
-        """The usable path and where its runs end: ``path[:i]`` device-resident, then
-        ``path[i:j]`` host-resident only (what ``load_back`` moves)."""
-        path = self.core.usable_path(self._path())
+    def _runs(self) -> tuple[list[Node], int, int, int]:
+        """The path and its runs: ``path[:d]`` the device part (device-resident, ending where
+        every trailing window is whole), ``path[d:u]`` what a load-back adds (``u``: the last
+        such end once the host run is on device), ``path[i:u]`` the host-only nodes it
+        moves (``path[:i]`` is the whole device-resident run).  Returns ``(path, d, i, u)``.
+
+        The device part is cut on its own: a device run may end on a node that lacks a
+        window's pages (it came from storage without them) while the path goes on in host
+        memory to an end where every window is whole; serving that run alone would hand the
+        model a state that was never stored."""
+        path = self._path()
+        core = self.core
         i = 0
         while i < len(path) and path[i].device is RESIDENT:
             i += 1
         j = i
         while j < len(path) and path[j].host is RESIDENT and path[j].device is not RESIDENT:
             j += 1
-        return path, i, j
+        d = len(core.usable_path(path[:i]))
+        u = len(core.usable_path(path[:j]))  # >= d; when > d, also > i (d is the last <= i)
+        return path, d, i, u
 
     def parts(self) -> tuple[list[Node], list[Node]]:
-        """The usable path split in its device-resident run and the host run after it."""
-        path, i, j = self._runs()
-        return path[:i], path[i:j]
+        """The device part, and the host-only nodes ``load_back`` moves to extend it."""
+        path, d, i, u = self._runs()
+        return path[:d], path[i:u]
 
     def lens(self) -> tuple[int, int]:
-        """``(device_len, host_len)``: the tokens of :meth:`parts`, without the lists."""
+        """``(device_len, host_len)``: the tokens of the device part and of what a
+        load-back adds to it, without the lists."""
         if self.core.trailing:  # windows may cut the path: the general rule
-            path, i, j = self._runs()
-            dev = sum(len(path[k].key) for k in range(i))
-            return dev, sum(len(path[k].key) for k in range(i, j))
+            path, d, _, u = self._runs()
+            dev = sum(len(path[k].key) for k in range(d))
+            return dev, sum(len(path[k].key) for k in range(d, u))
         # one walk up, no lists (every request reads these): ``run`` is the segment that
         # reaches the current node from below (device, host-only or neither) and ``dev`` /
         # ``host`` the runs it would give if it reached the root
@@ -156,8 +167,8 @@ class MatchResult(Handle):
     @property
     def device_pages(self) -> torch.Tensor:
         """Device page ids of the device-resident part."""
-        path, i, _ = self._runs()
-        pages = [path[k].device_pages for k in range(i)]
+        path, d, _, _ = self._runs()
+        pages = [path[k].device_pages for k in range(d)]
         if not pages:
             return torch.empty(0, dtype=torch.int64)
         return torch.cat(pages) if len(pages) > 1 else pages[0]  # type: ignore[arg-type,return-value]

@@ -240,3 +240,35 @@ def test_prefetch_commits_only_whole_windows(
             assert stats.host.free_pages == 32 and stats.prefetch_reserved_pages == 0
 
     asyncio.run(run())
+
+
+async def test_device_run_ending_on_a_window_hole_is_not_served(tmp_path: Path) -> None:
+    """A node whose Mamba state never arrived from storage (page 5) sits between nodes that
+    have theirs.  Loaded back whole, then the tail's device copy evicted, the match's path is
+    device pages 0-5 and host pages 6-7: the whole path may end at page 8, but the device run
+    alone ends on page 5, whose state is missing.  The device part used to be the whole
+    device run (12 tokens, serving garbage as the Mamba state of page 5: wrong output on a
+    hybrid model); it must end where every window is whole (10 tokens), and a load-back must
+    make all 16 usable, with every sidecar the prompt's own."""
+    _kv, side = await stored(tmp_path)
+    await drop(tmp_path, "mamba", [5])
+    async with akv.HiCache(cfg(tmp_path)) as cache:
+        res = await cache.prefetch(PROMPT)
+        assert res.hit_tokens == 16, res
+        m = cache.match_prefix(PROMPT)
+        await cache.load_back(m)
+        assert (m.device_len, m.host_len) == (16, 0)
+        cache.release(m)
+        assert cache.evict(2) == 2  # the leaf: pages 6-7 (their host copy stays)
+        m = cache.match_prefix(PROMPT)
+        assert (m.device_len, m.host_len) == (10, 6), (m.device_len, m.host_len)
+        got = read_sidecars(cache, m)
+        for name, vals in side.items():
+            assert torch.equal(got[name], vals[:5]), name
+        await cache.load_back(m)
+        assert (m.device_len, m.host_len) == (16, 0)
+        got = read_sidecars(cache, m)
+        assert torch.equal(got["mamba"][7], side["mamba"][7])  # the state at the end
+        assert torch.equal(got["indexer"], side["indexer"])
+        cache.release(m)
+        cache.check_invariants()

@@ -669,7 +669,10 @@ class Run:
             await asyncio.sleep(rng.uniform(0, 0.005))
             m2 = cache.match_prefix(tokens, tenant=tenant)
             handles.append(m2)
-            if m2.matched_len < r.inserted_len:
+            # (a node that came from storage without a window's pages keeps lacking them on
+            # host even when an insert gives it device pages: matches may not end there)
+            holes = self.sc.components and any(n.invalid for n in r.core.tree.path(r.node))
+            if m2.matched_len < r.inserted_len and not holes:
                 self.fail(f"{tag}: match {m2.matched_len} < pinned insert {r.inserted_len}")
             self.check_rows(m2, tenant, tokens, f"{tag} re-match")
             if m2.host_len and rng.random() < 0.5:
