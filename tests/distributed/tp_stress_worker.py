@@ -182,8 +182,7 @@ async def serve(args: argparse.Namespace) -> dict[str, Any]:
         await cache.flush()
         cache.check_invariants()
         out["shape"] = sorted(
-            (n.key, n.device.name, n.host.name, n.storage.name, n.pins)
-            for n in cache._tree.walk()
+            (n.key, n.device.name, n.host.name, n.storage.name, n.pins) for n in cache._tree.walk()
         )
         out["events"] = [
             [type(e).__name__, getattr(e, "medium", None), getattr(e, "token_ids", None)]

@@ -108,12 +108,16 @@ async def run(seed: int) -> list[str]:
     return failures
 
 
-SEEDS = [int(os.environ["AKV_EMB_STRESS_SEED"])] if "AKV_EMB_STRESS_SEED" in os.environ else [
-    1,
-    2,
-    3,
-    4,
-]
+SEEDS = (
+    [int(os.environ["AKV_EMB_STRESS_SEED"])]
+    if "AKV_EMB_STRESS_SEED" in os.environ
+    else [
+        1,
+        2,
+        3,
+        4,
+    ]
+)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
