@@ -113,19 +113,21 @@ async def test_ranks_agree_on_everything(world: int, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(TIMEOUT + 30)
-@pytest.mark.parametrize(("world", "seed"), [(2, 1), (3, 2), (2, 3)])
+@pytest.mark.parametrize(
+    ("world", "seed", "hybrid"), [(2, 1, False), (3, 2, False), (2, 3, True), (3, 4, True)]
+)
 async def test_seeded_ranks_under_faults_stay_identical(
-    world: int, seed: int, tmp_path: Path
+    world: int, seed: int, hybrid: bool, tmp_path: Path
 ) -> None:
     """The same seeded request sequence on every rank (prefetch with every policy, match,
     load-back, both insert forms, evictions, syncs, flushes) over rank-specific faults: each
     rank's store delays, stalls past the deadline and loses pages on its own, and its copies
     complete out of order and fail on their own.  No deadlock, identical trees, events,
-    statistics and collective counts, and every served row holds the rank's own KV."""
+    statistics and collective counts, and every served row holds the rank's own KV (and, for
+    a hybrid model, every sidecar page a window needs at the match end its own state)."""
     seed = int(os.environ.get("AKV_TP_STRESS_SEED", seed))
-    results = await run_ranks(
-        world, tmp_path, "--seed", str(seed), worker="tests.distributed.tp_stress_worker"
-    )
+    extra = ["--seed", str(seed)] + (["--hybrid"] if hybrid else [])
+    results = await run_ranks(world, tmp_path, *extra, worker="tests.distributed.tp_stress_worker")
     first = results[0]
     for r in results:
         assert r["wrong_rows"] == 0, f"seed {seed} rank {r['rank']}: {r['log'][-20:]}"

@@ -26,7 +26,12 @@ import aiocache_kv as akv
 from aiocache_kv.errors import CapacityError, TransferError
 from aiocache_kv.storage import PageBuffer
 from tests.distributed.tp_worker import init_group, run_rank
-from tests.test_stress import ChaosCopyEngine
+from tests.test_stress import (
+    ChaosCopyEngine,
+    expected_sidecar,
+    stress_components,
+    write_sidecars,
+)
 
 PAGE = 2
 LAYERS, HEADS, HEAD_DIM = 2, 1, 4
@@ -86,6 +91,8 @@ def write(cache: akv.HiCache, slots: torch.Tensor, kv: torch.Tensor) -> None:
 
 
 def wrong_rows(cache: akv.HiCache, m: akv.MatchResult, rank: int, tokens: list[int]) -> int:
+    """Rows (and sidecar pages a window needs at the match end) that do not hold this
+    rank's state for ``tokens``."""
     idx = m.device_indices
     n = idx.numel()
     if n != m.device_len:
@@ -94,7 +101,16 @@ def wrong_rows(cache: akv.HiCache, m: akv.MatchResult, rank: int, tokens: list[i
         [torch.stack([k[idx], v[idx]]) for k, v in (cache.device_kv(i) for i in range(LAYERS))]
     )
     want = expected(rank, tokens[:n])
-    return sum(not torch.equal(got[:, :, i], want[:, :, i]) for i in range(n))
+    bad = sum(not torch.equal(got[:, :, i], want[:, :, i]) for i in range(n))
+    pages = m.device_pages.tolist()
+    k = len(pages)
+    for comp in cache.config.components:
+        w = comp.window_pages(PAGE)
+        buf = cache.sidecar(comp.name)
+        for j in range(k) if w == 0 else range(max(0, k - w), k):
+            state = expected_sidecar(comp, f"rank{rank}", tokens[: (j + 1) * PAGE])
+            bad += not torch.equal(buf[pages[j]], state)
+    return bad
 
 
 async def serve(args: argparse.Namespace) -> dict[str, Any]:
@@ -118,6 +134,7 @@ async def serve(args: argparse.Namespace) -> dict[str, Any]:
         prefetch_timeout_max=0.1,
         prefetch_batch_pages=2,
         write_policy=random.Random(seed).choice(["write_through", "write_back"]),
+        components=stress_components(PAGE) if args.hybrid else (),
     )
     rng = random.Random(seed)  # the same on every rank: the scheduler's decisions
     systems = [[rng.randint(100, 130) for _ in range(rng.randint(3, 9))] for _ in range(3)]
@@ -155,6 +172,7 @@ async def serve(args: argparse.Namespace) -> dict[str, Any]:
                     cache.release(m)
                     continue
                 write(cache, slots[:n_new], expected(rank, tokens)[:, :, d:])
+                write_sidecars(cache, slots[:n_new], f"rank{rank}", tokens, d)
                 if rng.random() < 0.5:
                     r = cache.insert(tokens, slots[:n_new], prefix=m)
                 else:
@@ -200,6 +218,7 @@ def main() -> None:
     def add_args(ap: argparse.ArgumentParser) -> None:
         ap.add_argument("--seed", type=int, required=True)
         ap.add_argument("--requests", type=int, default=60)
+        ap.add_argument("--hybrid", action="store_true")
 
     run_rank(serve, add_args)
 
