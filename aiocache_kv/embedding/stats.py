@@ -69,7 +69,9 @@ class EmbeddingCacheStats:
     get_store_hits: int
     get_misses: int
     get_no_space: int  # present in the store but no room in the pool
-    get_invalid: int  # present but unusable (bad header, other dtype, failed integrity)
+    # present but unusable: implausible size, bad header, other dtype (an object that fails
+    # the store's integrity check is a miss there: the store's ``corrupt`` counts it)
+    get_invalid: int
     evictions: int
     evicted_bytes: int
     store_errors: int  # store calls that raised (unavailable, timeout, ...)

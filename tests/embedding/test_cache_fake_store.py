@@ -280,3 +280,25 @@ async def test_close_with_a_hung_store_is_bounded(ns: str) -> None:
         assert loop.time() - t0 < 2.0, "aclose waited for a hung worker"
     finally:
         client.gates["batch_put_from"].set()
+
+
+async def test_object_failing_the_integrity_check_is_a_counted_miss(ns: str) -> None:
+    """A stored object whose bytes were flipped is never returned: the store's verify fails,
+    it removes the object and counts it ``corrupt``; the cache counts a miss (not
+    ``get_invalid``, which is for objects that verify but cannot be used)."""
+    client = FakeClient()
+    async with node(client, ns) as a:
+        await a.insert_batch(["img"], [emb(5)])
+        await settle(a)
+    (key,) = client.objects
+    obj = bytearray(client.objects[key])
+    obj[len(obj) // 2] ^= 0x08
+    client.objects[key] = bytes(obj)
+    store = FakeMooncakeStorage()
+    store.client = client
+    async with EmbeddingCache(pool_bytes=1 << 16, store=store, namespace=ns) as b:
+        assert await b.get_batch(["img"]) == [None]
+        s = b.statistics()
+        assert (s.get_misses, s.get_invalid, s.get_store_hits) == (1, 0, 0)
+        assert store.statistics().corrupt == 1
+    assert key not in client.objects
