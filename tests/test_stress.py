@@ -580,21 +580,22 @@ def _config(
     return small_config(**opts)
 
 
-async def _drive(run: Run) -> None:
-    sc = run.sc
-    cache = run.cache
+def _start_requests(run: Run) -> list[asyncio.Task[None]]:
+    """Draw the run's system prompts and start every request task (``concurrency`` at once)."""
     rng = run.rng
-    systems = []
-    for _ in range(3):
-        systems.append([rng.randint(100, 120) for _ in range(rng.randint(2, 8))])
-    run.systems = systems
-    sem = asyncio.Semaphore(sc.concurrency)
+    run.systems = [[rng.randint(100, 120) for _ in range(rng.randint(2, 8))] for _ in range(3)]
+    sem = asyncio.Semaphore(run.sc.concurrency)
 
     async def one(rid: int) -> None:
         async with sem:
             await run.request(rid)
 
-    tasks = [asyncio.create_task(one(i)) for i in range(sc.requests)]
+    return [asyncio.create_task(one(i)) for i in range(run.sc.requests)]
+
+
+async def _drive(run: Run) -> None:
+    cache = run.cache
+    tasks = _start_requests(run)
     chaos = asyncio.create_task(run.chaos(tasks))
     results = await asyncio.gather(*tasks, return_exceptions=True)
     chaos.cancel()
@@ -658,18 +659,9 @@ async def _drive_until_close(run: Run) -> None:
     finishes within its bound, every request ends (normally, cancelled, or with
     ``CacheClosedError``) instead of hanging on a copy or a storage call, and what reached
     storage stays right (checked by the caller)."""
-    sc = run.sc
     cache = run.cache
-    rng = run.rng
-    run.systems = [[rng.randint(100, 120) for _ in range(rng.randint(2, 8))] for _ in range(3)]
-    sem = asyncio.Semaphore(sc.concurrency)
-
-    async def one(rid: int) -> None:
-        async with sem:
-            await run.request(rid)
-
-    tasks = [asyncio.create_task(one(i)) for i in range(sc.requests)]
-    await asyncio.sleep(rng.uniform(0.02, 0.25))
+    tasks = _start_requests(run)
+    await asyncio.sleep(run.rng.uniform(0.02, 0.25))
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     await cache.aclose()
