@@ -18,7 +18,7 @@ import aiocache_kv as akv
 from aiocache_kv.storage import FileStorage, PageBuffer, parse_storage_key
 from aiocache_kv.storage.keys import storage_key
 from aiocache_kv.storage.tier import PrefetchStatus
-from aiocache_kv.testing import ManualCopyEngine
+from aiocache_kv.testing import ManualCopyEngine, MemoryStorage
 from aiocache_kv.tree import TierState
 from aiocache_kv.tree.hashing import chain_hashes
 from tests.conftest import small_config
@@ -434,3 +434,59 @@ async def test_prefetch_spreads_one_batch_over_every_worker(tmp_path: Path, batc
             assert torch.equal(a, b)
         cache.release(m)
         cache.check_invariants()
+
+
+async def test_a_silently_evicted_page_is_retracted_when_a_prefetch_finds_it_gone() -> None:
+    """A store that evicts without telling (Mooncake) after the node holding the pages left
+    the tree: the prefetch that finds a claimed page missing publishes its
+    ``BlockRemoved(STORAGE)``, once, for every claimed page it asked about, beyond the
+    leading run too; a page never claimed is not retracted."""
+    store = MemoryStorage()
+    stored: set[int] = set()
+
+    def feed(cache: akv.HiCache) -> list[int]:
+        removed: list[int] = []
+        for e in cache.take_events():
+            if isinstance(e, akv.BlockStored) and e.medium == "STORAGE":
+                stored.update(e.block_hashes)
+            elif isinstance(e, akv.BlockRemoved) and e.medium == "STORAGE":
+                stored.difference_update(e.block_hashes)
+                removed += e.block_hashes
+        return removed
+
+    async with akv.HiCache(
+        small_config(
+            storage=store,
+            enable_kv_events=True,
+            prefetch_threshold_tokens=0,
+            prefetch_policy="wait_complete",
+        )
+    ) as cache:
+        slots = cache.alloc(len(PROMPT))
+        kv = write_kv(cache, slots, seed=3)
+        cache.release(cache.insert(PROMPT, slots))
+        await cache.flush()
+        feed(cache)
+        (node,) = cache._tree.walk()
+        hashes = list(cache._tree.block_hashes(node))
+        del node
+        assert stored == set(hashes)
+        cache.evict(1 << 20)
+        cache.evict(1 << 20, tier="host")  # the node leaves the tree: its claim is orphaned
+        assert feed(cache) == []
+        keys = {parse_storage_key(k).page_hash: k for k in store.contents()}
+        assert store.drop(keys[hashes[2]]) and store.drop(keys[hashes[5]])
+        res = await cache.prefetch(PROMPT)
+        assert res.hit_tokens == 4  # pages 0 and 1
+        assert feed(cache) == [hashes[2], hashes[5]]
+        assert stored == set(hashes) - {hashes[2], hashes[5]}
+        m = cache.match_prefix(PROMPT)
+        await cache.load_back(m)
+        got = read_kv(cache, m.device_indices[:4])
+        assert all(torch.equal(g, w[:4]) for g, w in zip(got, kv, strict=True))
+        cache.release(m)
+        cache.evict(1 << 20)
+        cache.evict(1 << 20, tier="host")
+        feed(cache)
+        await cache.prefetch(PROMPT)
+        assert feed(cache) == []  # retracted once

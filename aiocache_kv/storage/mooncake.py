@@ -9,7 +9,9 @@ the names SGLang's Mooncake backend reads (so one deployment config serves both)
 * ``local_hostname``: ``MOONCAKE_LOCAL_HOSTNAME``, default ``127.0.0.1``
 * ``protocol``: ``MOONCAKE_PROTOCOL``, default ``tcp``
 * ``device_name``: ``MOONCAKE_DEVICE``, default ``""``
-* ``global_segment_size``: ``MOONCAKE_GLOBAL_SEGMENT_SIZE``, default 1 GiB
+* ``global_segment_size``: ``MOONCAKE_GLOBAL_SEGMENT_SIZE``, default 1 GiB; 0 (this client
+  mounts no memory: it only reads and writes other clients' segments) or at least 16 MiB, the
+  smallest segment the client accepts (a smaller one fails ``setup`` with -600)
 * ``local_buffer_size``: ``MOONCAKE_LOCAL_BUFFER_SIZE``, default 16 MiB
 
 Sizes accept an int or a string with a unit (``"4gb"``, ``"512MB"``, ``"64k"``; binary units).
@@ -96,6 +98,8 @@ _DEFAULT_MASTER = "127.0.0.1:50051"
 _DEFAULT_METADATA = "http://127.0.0.1:8080/metadata"
 _DEFAULT_HOSTNAME = "127.0.0.1"
 _DEFAULT_GLOBAL_SEGMENT = 1 << 30
+#: the smallest non-zero segment the Mooncake client mounts
+MIN_GLOBAL_SEGMENT = 16 << 20
 _DEFAULT_LOCAL_BUFFER = 16 << 20
 
 #: helper threads for RPCs overlapped with the checksum (one per concurrent put is enough)
@@ -147,6 +151,11 @@ class MooncakeStorage:
             lbs = _env("MOONCAKE_LOCAL_BUFFER_SIZE") or _DEFAULT_LOCAL_BUFFER
         self.global_segment_size = parse_size(gss, "global_segment_size")
         self.local_buffer_size = parse_size(lbs, "local_buffer_size")
+        if 0 < self.global_segment_size < MIN_GLOBAL_SEGMENT:
+            raise ConfigError(
+                f"global_segment_size must be 0 or at least {MIN_GLOBAL_SEGMENT} bytes (16 MiB, "
+                f"Mooncake's smallest segment), got {self.global_segment_size}"
+            )
         if rpc_timeout_ms is not None and (
             isinstance(rpc_timeout_ms, bool)
             or not isinstance(rpc_timeout_ms, int)

@@ -92,6 +92,9 @@ class _Prefetch:
     #: pages storage listed but could not deliver intact (gone or corrupt: the backend drops
     #: a corrupt page), reported as STORAGE ``BlockRemoved``
     vanished: list[int] = field(default_factory=list)
+    #: hashes of pages storage does not have that an earlier ``BlockStored(STORAGE)`` of a node
+    #: no longer in the tree claimed (evicted silently, e.g. by a Mooncake master)
+    unclaimed: list[int] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -308,6 +311,8 @@ class PrefetchingTier(StorageTierBase):
             i + 1 for i, c in enumerate(comps) if c.hit_policy is HitPolicy.ALL_PAGES
         ]
         job.hits = min(leading_run(by_pool[i]) for i in all_pools)
+        if not self.core.coordinator.deferred:  # (with TP a rank's store is not published)
+            job.unclaimed = self._stored.take_missing(job.hashes, by_pool[0])
         self.counters.prefetch_storage_hit_tokens += job.hits * self.core.config.page_size
         # what to read: the leading run for KV/ALL pools, present pages inside it for the rest
         plan: list[tuple[int, int]] = [
@@ -383,8 +388,8 @@ class PrefetchingTier(StorageTierBase):
             core = self.core
             core.latencies.prefetch.observe(time.monotonic() - job.started)
             # per-rank facts about a rank's own store: not published where ranks must agree
-            if job.vanished and not core.coordinator.deferred:
-                gone = [job.hashes[j] for j in sorted(job.vanished)]
+            if (job.vanished or job.unclaimed) and not core.coordinator.deferred:
+                gone = job.unclaimed + [job.hashes[j] for j in sorted(job.vanished)]
                 core.emit(BlockRemoved(gone, Tier.STORAGE.medium))
         finally:
             self.core.tree.unpin(job.anchor)

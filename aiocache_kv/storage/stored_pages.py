@@ -10,6 +10,12 @@ pages costs one reference and one dict update, where a ``WeakValueDictionary`` m
 keyed references, ~3 us each, on the loop).  When a node dies its reference's callback only
 queues the reference (it may run on any thread, inside the garbage collector); the loop drops
 the dead entries at its next call, so the table is only ever changed on the loop.
+
+A dead node's pages may still be claimed as stored by the ``BlockStored(STORAGE)`` events it
+caused, and no node is left to retract the claim when the backend drops them silently (a
+Mooncake master evicts without telling anyone).  With ``orphan_limit`` > 0 those hashes are
+kept as *orphaned claims* (the newest ``orphan_limit``); a prefetch that finds one of them
+missing takes it back with :meth:`take_missing` and retracts it.
 """
 
 from __future__ import annotations
@@ -25,8 +31,12 @@ __all__ = ["StoredPages"]
 class StoredPages:
     """Page hash -> the node that held the page when it was stored (loop thread only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, orphan_limit: int = 0) -> None:
+        """``orphan_limit``: how many orphaned claims to keep (0: none, events are off)."""
         self._by_hash: dict[int, weakref.ref[Node]] = {}
+        self._orphan_limit = orphan_limit
+        #: hashes of pages stored by nodes that died since, oldest first
+        self._orphans: collections.OrderedDict[int, None] = collections.OrderedDict()
         #: id of each live reference -> (the reference, the hashes it was given for)
         self._given: dict[int, tuple[weakref.ref[Node], list[int]]] = {}
         self._dead: collections.deque[weakref.ref[Node]] = collections.deque()  # any thread
@@ -42,11 +52,42 @@ class StoredPages:
         self._given[id(ref)] = (ref, hashes)
         self._by_hash.update(dict.fromkeys(hashes, ref))
 
-    def pop(self, page_hash: int) -> Node | None:
-        """Forget ``page_hash``; the node that held it, if that node is still alive."""
+    @property
+    def orphans(self) -> int:
+        """Orphaned claims kept."""
         self._sweep()
+        return len(self._orphans)
+
+    def pop(self, page_hash: int) -> Node | None:
+        """Forget ``page_hash`` (its orphaned claim too); the node that held it, if alive."""
+        self._sweep()
+        self._orphans.pop(page_hash, None)
         ref = self._by_hash.pop(page_hash, None)
         return None if ref is None else ref()
+
+    def take_missing(self, hashes: list[int], present: list[bool]) -> list[int]:
+        """The orphaned claims among ``hashes`` whose ``present`` flag is false, in order;
+        they are forgotten (so retracted once).  A page whose node left the tree but was not
+        collected yet (nodes sit in reference cycles) counts as orphaned too."""
+        self._sweep()
+        if not self._orphan_limit:
+            return []
+        orphans = self._orphans
+        by_hash = self._by_hash
+        out = []
+        for h, there in zip(hashes, present, strict=True):
+            if there:
+                continue
+            if h in orphans:  # (once: a hash may repeat)
+                del orphans[h]
+                out.append(h)
+                continue
+            ref = by_hash.get(h)
+            node = None if ref is None else ref()
+            if ref is not None and (node is None or not node.alive):
+                del by_hash[h]
+                out.append(h)
+        return out
 
     def _sweep(self) -> None:
         dead = self._dead
@@ -54,6 +95,16 @@ class StoredPages:
             ref = dead.popleft()
             _, hashes = self._given.pop(id(ref))
             by_hash = self._by_hash
+            orphaned = []
             for h in hashes:
-                if by_hash.get(h) is ref:
+                if by_hash.get(h) is ref:  # (once: a hash may repeat)
                     del by_hash[h]
+                    orphaned.append(h)
+            if self._orphan_limit:
+                self._orphan(orphaned)
+
+    def _orphan(self, hashes: list[int]) -> None:
+        orphans = self._orphans
+        orphans.update(dict.fromkeys(hashes))
+        for _ in range(len(orphans) - self._orphan_limit):
+            orphans.popitem(last=False)  # the oldest claim is forgotten

@@ -34,6 +34,11 @@ log = get_logger(__name__)
 COMPONENT = "kv"
 
 
+#: STORAGE claims of pages whose nodes left the tree kept for retraction (the newest;
+#: ~100 bytes each, only with KV events on)
+ORPHAN_CLAIMS = 1 << 18
+
+
 class StorageTierBase:
     """Executor, buffers and keys of one cache's storage tier."""
 
@@ -63,7 +68,7 @@ class StorageTierBase:
         #: from the tree leaves), to find what an eviction took.  Hashes are seeded by the
         #: namespace, so the hash alone names the page; a collision would only mark a node
         #: absent (backed up again), never present.
-        self._stored = StoredPages()
+        self._stored = StoredPages(ORPHAN_CLAIMS if core.events.enabled else 0)
         #: nodes under backup whose page another call evicted meanwhile: their backup fails
         self._doubted: weakref.WeakSet[Node] = weakref.WeakSet()
 

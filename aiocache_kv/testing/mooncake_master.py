@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -103,7 +104,12 @@ def _free_port() -> int:
 class LoopbackMaster:
     """One ``mooncake_master`` child process on 127.0.0.1; ``with LoopbackMaster() as m:``."""
 
-    def __init__(self, logdir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, logdir: str | os.PathLike[str] | None = None, *, extra_args: Sequence[str] = ()
+    ) -> None:
+        """``extra_args``: more ``--flag=value`` options for the master (e.g. a short
+        ``--default_kv_lease_ttl`` so a test's reads do not shield objects from eviction)."""
+        self.extra_args = tuple(extra_args)
         self._own_logdir = logdir is None
         self.logdir = Path(logdir) if logdir is not None else None
         self.rpc = self.http = self.metrics = 0
@@ -153,6 +159,7 @@ class LoopbackMaster:
                         f"--metrics_host={LOOPBACK}",
                         f"--metrics_port={self.metrics}",
                         "--enable_metric_reporting=false",
+                        *self.extra_args,
                     ],
                     stdout=logf,
                     stderr=subprocess.STDOUT,

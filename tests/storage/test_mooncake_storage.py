@@ -294,6 +294,15 @@ def test_bad_sizes(bad: object) -> None:
     assert parse_size("16k") == 16 << 10 and parse_size("2GiB") == 2 << 30
 
 
+def test_a_segment_mooncake_would_refuse_is_refused_up_front() -> None:
+    """Below 16 MiB the client's ``setup`` fails with a bare -600 at ``open``; the config
+    says why at construction instead (0, no segment at all, is fine)."""
+    with pytest.raises(ConfigError, match="4194304"):
+        MooncakeStorage(master="127.0.0.1:1", global_segment_size="4MiB")
+    assert MooncakeStorage(master="127.0.0.1:1", global_segment_size=0).global_segment_size == 0
+    assert MooncakeStorage(master="127.0.0.1:1", global_segment_size="16MiB")
+
+
 def test_missing_client_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "mooncake.store", None)
     with pytest.raises(MooncakeNotInstalledError, match="pip install"):

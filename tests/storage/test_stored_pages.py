@@ -11,6 +11,8 @@ import gc
 import random
 import threading
 
+import pytest
+
 from aiocache_kv.storage.stored_pages import StoredPages
 from aiocache_kv.tree import Node
 
@@ -60,32 +62,100 @@ def test_the_collector_on_another_thread_only_queues() -> None:
     assert len(table) == 0 and not table._given
 
 
-def test_seeded_churn_matches_a_plain_model() -> None:
-    """Random remembers (nodes remembered again, hashes taken over), pops and deaths
-    against a dict of strong references with dead nodes filtered out.  The nodes are not in
-    cycles here, so each dies the moment the test drops it."""
-    seed = 1234
+@pytest.mark.parametrize("limit", [0, 1000])
+def test_seeded_churn_matches_a_plain_model(limit: int) -> None:
+    """Random remembers (nodes remembered again, hashes taken over), pops, deaths and
+    missing-page reports against a dict of strong references with dead nodes filtered out
+    and a set of orphaned claims (the limit is never reached: which claims it drops first
+    among those one death orphaned is not specified; the unit tests below pin it).  The
+    nodes are not in cycles here, so each dies the moment the test drops it."""
+    seed = 1234 + limit
     rng = random.Random(seed)
-    table = StoredPages()
+    table = StoredPages(orphan_limit=limit)
     live: dict[int, Node] = {}  # tag -> node the test keeps alive
     model: dict[int, int] = {}  # hash -> tag of the node that holds it
+    orphans: set[int] = set()
     for step in range(2000):
         op = rng.random()
-        if op < 0.45 or not live:
+        if op < 0.4 or not live:
             tag = rng.randrange(40)
             if tag not in live:
                 live[tag] = Node([tag], None, "ns")
             hashes = [rng.randrange(300) for _ in range(rng.randrange(1, 6))]
             table.remember(live[tag], hashes)
             model.update(dict.fromkeys(hashes, tag))
-        elif op < 0.7:
+        elif op < 0.6:
             h = rng.randrange(300)
             tag = model.pop(h, None)
+            orphans.discard(h)
             assert table.pop(h) is (None if tag is None else live[tag]), f"seed {seed} step {step}"
+        elif op < 0.75:
+            asked = [rng.randrange(300) for _ in range(rng.randrange(1, 8))]
+            there = [rng.random() < 0.5 for _ in asked]
+            want = []
+            for h, t in zip(asked, there, strict=True):
+                if not t and h in orphans:
+                    orphans.remove(h)
+                    want.append(h)
+            assert table.take_missing(asked, there) == want, f"seed {seed} step {step}"
         else:
             tag = rng.choice(sorted(live))
             del live[tag]
+            dead = [h for h, t in model.items() if t == tag]
             model = {h: t for h, t in model.items() if t != tag}
+            if limit:
+                orphans.update(dead)
         assert len(table) == len(model), f"seed {seed} step {step}"
+        assert table.orphans == len(orphans), f"seed {seed} step {step}"
     live.clear()
     assert len(table) == 0 and not table._given, f"seed {seed}"
+
+
+def test_a_dead_nodes_pages_stay_claimed_until_found_missing() -> None:
+    table = StoredPages(orphan_limit=4)
+    a, b = cyclic_node(1), cyclic_node(2)
+    table.remember(a, [1, 2, 3])
+    table.remember(b, [3, 4])  # 3 is b's now: still tracked by a live node when a dies
+    del a
+    gc.collect()
+    assert table.orphans == 2  # 1 and 2
+    assert table.take_missing([1, 2, 3, 4], [True, False, False, False]) == [2]
+    assert table.take_missing([2], [False]) == []  # retracted once
+    assert table.pop(1) is None and table.orphans == 0  # a backend's own report wins
+    del b
+    gc.collect()
+    assert table.orphans == 2
+    assert table.take_missing([4, 3], [False, False]) == [4, 3]  # in the order asked
+
+
+def test_orphaned_claims_keep_the_newest_within_the_limit() -> None:
+    table = StoredPages(orphan_limit=3)
+    for i in range(3):
+        node = cyclic_node(i)
+        table.remember(node, [i * 10, i * 10 + 1])
+        del node
+        gc.collect()
+    assert table.orphans == 3
+    assert table.take_missing([0, 1, 10, 11, 20, 21], [False] * 6) == [11, 20, 21]
+
+
+def test_without_a_limit_nothing_is_kept() -> None:
+    table = StoredPages()
+    node = cyclic_node(1)
+    table.remember(node, [1, 2])
+    del node
+    gc.collect()
+    assert table.orphans == 0 and table.take_missing([1, 2], [False, False]) == []
+
+
+def test_a_node_that_left_the_tree_counts_before_it_is_collected() -> None:
+    table = StoredPages(orphan_limit=4)
+    a = cyclic_node(1)
+    table.remember(a, [1, 2])
+    assert table.take_missing([1, 2], [False, False]) == []  # in the tree: not orphaned
+    a.alive = False  # removed from the tree, not yet collected (a cycle)
+    assert table.take_missing([1, 2], [False, True]) == [1]
+    del a
+    gc.collect()
+    assert table.orphans == 1  # 2 only: 1 was retracted already
+    assert table.take_missing([1, 2], [False, False]) == [2]
