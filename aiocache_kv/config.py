@@ -59,7 +59,8 @@ class CacheConfig:
     #: background workers (the CPU copy worker): nice increment over the loop's thread, so
     #: the loop wins a contended core (Linux; 0 leaves their priority alone)
     worker_nice: int = 10
-    #: storage tier: worker threads, per-call deadline (s), back-off after a failed backup (s)
+    #: storage tier: worker threads, per-call deadline (s), back-off (s) after a backup the
+    #: store took nothing of (the call failed, or every page was refused)
     storage_workers: int = 2
     storage_timeout: float = 5.0
     storage_retry_seconds: float = 1.0

@@ -225,6 +225,35 @@ async def test_partial_backup_failure_is_recorded_per_page(tmp_path: Path) -> No
         cache.check_invariants()
 
 
+async def test_a_store_refusing_some_pages_is_no_reason_to_stop_backing_up(
+    tmp_path: Path,
+) -> None:
+    """A full store refuses a page now and then while it evicts (Mooncake's -200): the tier
+    backs off only when the store took nothing, so one refused page does not cost the next
+    prompts their backups."""
+    store = FlakyStorage(tmp_path)
+    store.fail_put = {1}
+    async with akv.HiCache(cfg(tmp_path, storage=store, storage_retry_seconds=60.0)) as cache:
+        cache.release(insert(cache, [1, 2, 3, 4, 5, 6]))
+        await cache.flush()
+        st = cache.statistics()
+        assert (st.backup_pages_ok, st.backup_pages_failed) == (0, 3)
+        store.fail_put = set()
+        cache.release(insert(cache, [7, 8, 9, 10]))
+        await cache.flush()
+        st = cache.statistics()
+        assert (st.backup_pages_ok, st.backup_skipped_pages) == (2, 0)
+        store.fail_put = set(range(16))  # now it takes nothing: rest
+        cache.release(insert(cache, [11, 12, 13, 14]))
+        await cache.flush()
+        store.fail_put = set()
+        cache.release(insert(cache, [15, 16, 17, 18]))
+        await cache.flush()
+        st = cache.statistics()
+        assert (st.backup_pages_ok, st.backup_pages_failed, st.backup_skipped_pages) == (2, 5, 2)
+        cache.check_invariants()
+
+
 class StallSecondBatch(FlakyStorage):
     """Reads of the batch that holds ``stalled_key`` hang until ``stall`` is set."""
 

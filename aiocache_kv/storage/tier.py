@@ -18,9 +18,11 @@ would).  Every op keeps its own slice of the verdicts and lands on its own; an o
 at its deadline (``storage_timeout`` after its ack) fails unsent.  The op's target list is
 re-targeted by node splits exactly like device<->host copies, and its per-page
 results are consumed in target order, so every fragment gets its own verdict, its own STORAGE
-``BlockStored`` event, and a failed page is never reported as stored.  After a failed batch the
-tier backs off for ``storage_retry_seconds``; nodes whose backup failed stay storage-ABSENT and
-are retried on a later hit.
+``BlockStored`` event, and a failed page is never reported as stored.  After a backup the
+store took nothing of (the call failed or timed out, or it refused every page) the tier backs
+off for ``storage_retry_seconds``; one it took some pages of (a full store refusing a page
+while it evicts, as a Mooncake master does) is no reason to stop backing up other prompts.
+Nodes whose backup failed stay storage-ABSENT and are retried on a later hit.
 
 Prefetch is the base class's job (:mod:`.prefetch`), and the plumbing (executor, buffer views,
 keys) is :mod:`.tier_base`'s: this module adds the backup path and the tier's lifecycle.
@@ -389,7 +391,8 @@ class StorageTier(PrefetchingTier):
         self.counters.backup_pages_failed += failed
         if failed:
             self.counters.storage_errors += 1
-            self._retry_after = time.monotonic() + core.config.storage_retry_seconds
+            if op.error is not None or not any(op.results):  # the store took nothing: rest
+                self._retry_after = time.monotonic() + core.config.storage_retry_seconds
             log.warning("backup_incomplete", pages=pages, failed=failed, error=op.error)
         if not op.future.done():
             op.future.set_result(None)
