@@ -174,6 +174,14 @@ class OracleMooncakeStorage(FakeMooncakeStorage):
         with self.chaos.lock:
             return dict(self.chaos.objects)
 
+    def drop(self, key: str) -> bool:
+        """Evict ``key`` silently, as a Mooncake master does; ``True`` if it was there."""
+        with self.chaos.lock:
+            there = self.chaos.objects.pop(key, None) is not None
+        if there:
+            self.dropped.add(key)
+        return there
+
 
 Store = MemoryStorage | OracleFileStorage | OracleMooncakeStorage
 

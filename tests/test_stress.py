@@ -19,8 +19,10 @@ written, checked and stored beside the KV, and closed at a random moment with re
 flight.
 
 At the end: flush, check_invariants, full eviction returns every page, KV events balance per
-medium (GPU/CPU empty after eviction; STORAGE consistent with the store's contents), and a fresh
-cache on the same storage serves the stored prefixes bit-identically.
+medium (GPU/CPU empty after eviction; STORAGE consistent with the store's contents; a few
+claimed pages then evicted silently, and every claim the store no longer backs retracted once a
+prefetch has asked for it), and a fresh cache on the same storage serves the stored prefixes
+bit-identically.
 
 Running it::
 
@@ -649,6 +651,42 @@ async def _drive(run: Run) -> None:
             run.fail(
                 f"{len(run.live[medium])} {medium} blocks still reported stored after eviction"
             )
+    await _probe_stale_claims(run)
+
+
+async def _probe_stale_claims(run: Run) -> None:
+    """Every STORAGE claim the store no longer backs (a page it dropped or evicted silently):
+    once a prefetch of the page's prefix has asked the store, on the emptied cache, the claim
+    must be retracted."""
+    known = _known_pages(run)
+    by_hash = {int(k.split("/")[1], 16): k for k, (_, _, c) in known.items() if c is None}
+    storage = run.storage
+    # files hurt behind the index's back: the index still lists them (read, they are dropped)
+    damaged = storage.damaged if isinstance(storage, OracleFileStorage) else set()
+    if not isinstance(storage, OracleFileStorage):  # evict a few claimed pages silently too
+        claimed = sorted(h for h in run.live["STORAGE"] if h in by_hash)
+        for h in random.Random(run.sc.seed).sample(claimed, min(3, len(claimed))):
+            storage.drop(by_hash[h])
+    contents = storage.contents()
+    stale = [
+        h
+        for h in run.live["STORAGE"]
+        if (key := by_hash.get(h)) is not None and key not in contents and key not in damaged
+    ]
+    cache = run.cache
+    for h in stale:
+        tenant, prefix, _ = known[by_hash[h]]
+        await cache.prefetch(prefix, tenant=tenant, policy="wait_complete")
+        cache.evict(1 << 30)
+        cache.evict(1 << 30, "host")
+        run.drain_events()
+    left = [h for h in stale if h in run.live["STORAGE"]]
+    if left:
+        run.fail(
+            f"{len(left)} of {len(stale)} STORAGE claims the store no longer backs stayed "
+            f"claimed after a prefetch found them missing: {[f'{h:x}' for h in left[:4]]}"
+        )
+    run.note(f"stale STORAGE claims probed: {len(stale)}")
 
 
 Known = dict[str, tuple[str | None, list[int], akv.Component | None]]
