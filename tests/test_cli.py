@@ -189,8 +189,17 @@ def _check_storage_report(path: Path, backend: str, configs: set[str]) -> dict[s
     entries = suite["backends"][backend]["configs"]
     assert set(entries) == configs
     for entry in entries.values():
-        assert set(entry["gbs"]) == {"raw_put", "cache_backup", "raw_get", "cache_prefetch", "seal"}
-        assert set(entry["ratio"]) == {"backup", "prefetch"}
+        assert set(entry["gbs"]) == {
+            "raw_put",
+            "cache_backup",
+            "raw_get",
+            "cache_prefetch",
+            "seal",
+            "ceiling_put",
+            "ceiling_get",
+        }
+        assert set(entry["ratio"]) == set(entry["ceiling"]) == {"backup", "prefetch"}
+        assert all(0 < v < 2 for v in entry["ceiling"].values())  # (at most ~1: noise aside)
         assert entry["pages"] > 0 and entry["bytes"] == entry["pages"] * entry["page_bytes"]
         assert all(v > 0 for v in positive_numbers(entry["gbs"]))
         assert all(v > 0 for v in positive_numbers(entry["ratio"]))
