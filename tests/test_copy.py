@@ -106,3 +106,34 @@ async def test_copy_worker_runs_below_the_loop(nice: int) -> None:
 def test_worker_nice_is_validated(bad: object) -> None:
     with pytest.raises(ConfigError, match="worker_nice"):
         CacheConfig(worker_nice=bad)  # type: ignore[arg-type]
+
+
+async def test_the_bench_engine_never_parks_a_copy_that_lands_after_release() -> None:
+    """The storage bench's ``HeldAckEngine``: released while a held copy is still running,
+    that copy's ack is delivered when it lands (parked, it would make ``flush`` wait forever)."""
+    from aiocache_kv.bench.storage_paths import HeldAckEngine
+
+    dev = torch.randn(1, 2, 8, 4)
+    host = torch.zeros(8, 1, 2, 4)
+    engine = HeldAckEngine()
+    loop = asyncio.get_running_loop()
+    engine.start(loop)
+    gate = threading.Event()
+    first: asyncio.Future[BaseException | None] = loop.create_future()
+    one = CopyJob(Direction.D2H, dev, host, torch.arange(1), torch.arange(1))
+    engine.submit(one, first.set_result)
+    assert await asyncio.wait_for(first, 10) is None  # not holding: delivered as usual
+    engine.hold(1)
+    late: asyncio.Future[BaseException | None] = loop.create_future()
+
+    class Slow(CopyJob):
+        def run(self, *, non_blocking: bool = False) -> None:
+            gate.wait(10)
+            super().run(non_blocking=non_blocking)
+
+    engine.submit(Slow(Direction.D2H, dev, host, torch.arange(8), torch.arange(8)), late.set_result)
+    engine.release()  # before the copy landed
+    gate.set()
+    assert await asyncio.wait_for(late, 10) is None
+    assert torch.equal(host.permute(1, 2, 0, 3), dev)
+    await engine.aclose()

@@ -150,6 +150,9 @@ class HeldAckEngine:
             return
 
         def park(err: BaseException | None) -> None:
+            if not self._holding:  # released before this copy landed: deliver it now
+                done(err)
+                return
             self._held.append((done, err))
             if len(self._held) >= self._want and self._ready is not None:
                 self._ready.set()
