@@ -38,10 +38,9 @@ each ratio from the same round: raw time / the time of the same raw call (fresh 
 checksum pass over the same pages running on a second thread, started together.  Overlapped
 perfectly the pass is free; where the store's copy and the pass both stream through memory
 (the 2-core project machine: a put alone ~14 GB/s, beside one checksum pass ~9.4) it is what
-the two take together, so a cache path that makes that pass cannot beat it.  Pages written by a
-round are
-removed (untimed) before the next; one untimed warm-up round first touches every buffer, file
-and store segment page.
+the two take together, so a cache path that makes that pass cannot beat it.  Pages written by
+a round are removed (untimed) before the next; one untimed warm-up round first touches every
+buffer, file and store segment page.
 
 The measured paths live in :mod:`aiocache_kv.bench.storage_paths`; this module plans them
 (sizes scaled to fit memory), drives them per backend and prints the report.
