@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -119,9 +118,8 @@ def empty(cache: akv.HiCache) -> None:
 
 
 async def test_pages_the_master_evicted_are_learned_and_never_served(
-    evicting_master: MasterProc, tmp_path: Path
+    evicting_master: MasterProc,
 ) -> None:
-    del tmp_path
     ns = f"e{uuid.uuid4().hex[:8]}"
     tag = akv.Namespace(ns, "").tag
     hashes = [chain_hashes(namespace_seed(tag), prompt(i), PAGE) for i in range(PROMPTS)]
