@@ -31,7 +31,7 @@ from aiocache_kv.pools.sidecar import SidecarPools
 from aiocache_kv.stats import CacheCounters
 from aiocache_kv.telemetry import Latencies
 from aiocache_kv.tree import Node, RadixTree, Tier
-from aiocache_kv.tree.node import RESIDENT
+from aiocache_kv.tree.node import RESIDENT, lacking
 from aiocache_kv.tree.results import InsertOutcome, InsertPlan
 from aiocache_kv.validate import raise_for_insert
 
@@ -363,7 +363,7 @@ class CacheCore:
 
     def usable_path(self, path: list[Node]) -> list[Node]:
         """Cut ``path`` where every trailing-window component still has its whole window."""
-        if not self.trailing or not any(n.invalid for n in path):
+        if not self.trailing or not any(lacking(n) for n in path):
             return path
         p = self.page_size
         sizes = [len(n.key) // p for n in path]
@@ -372,7 +372,7 @@ class CacheCore:
         for name, window in self.trailing:
             valid: list[bool] = []
             for node, k in zip(path, sizes, strict=True):
-                valid += [name not in node.invalid] * k
+                valid += [name not in lacking(node)] * k
             trailing.append((window, valid, 0))
         end = usable_end(total, trailing, total)
         out: list[Node] = []

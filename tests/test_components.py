@@ -272,3 +272,124 @@ async def test_device_run_ending_on_a_window_hole_is_not_served(tmp_path: Path) 
         assert torch.equal(got["indexer"], side["indexer"])
         cache.release(m)
         cache.check_invariants()
+
+
+async def test_a_recomputed_window_hole_is_served_from_device(tmp_path: Path) -> None:
+    """A node that came from storage without its Mamba state (page 5) used to stay unusable
+    as a match end even after a request recomputed it: the insert gave the node the model's
+    pages, but ``invalid`` still described the host copy, so every later request cut its
+    match before page 5 and computed it again.  Now the device copy the insert adopted counts
+    as whole (its sidecars are the request's own) until it leaves the device; the host copy
+    still lacks the state, so a demoted node is cut again."""
+    await stored(tmp_path)
+    await drop(tmp_path, "mamba", [5])
+    async with akv.HiCache(cfg(tmp_path)) as cache:
+        res = await cache.prefetch(PROMPT)
+        assert res.hit_tokens == 16, res
+        head = PROMPT[:12]  # 6 pages: its end needs the state of page 5
+        m = cache.match_prefix(head)
+        assert m.matched_len == 10, m  # cut one page short
+        await cache.load_back(m)
+        assert m.device_len == 10
+        # the request computes page 5 (KV and every sidecar) and inserts it after m
+        own = cache.alloc(2)
+        write_kv(cache, torch.cat([m.device_indices, own]), 9)
+        side = write_sidecars(cache, own, 9)
+        cache.release(cache.insert(head, own, prefix=m))
+        cache.release(m)
+        cache.check_invariants()
+
+        m = cache.match_prefix(head)
+        assert (m.device_len, m.host_len) == (12, 0), m  # healed: page 5 ends a match
+        got = read_sidecars(cache, m)
+        for name, vals in side.items():
+            assert torch.equal(got[name][5], vals[0]), name  # the request's own state
+        cache.release(m)
+        m = cache.match_prefix(PROMPT)  # the rest is still there, from host
+        assert (m.device_len, m.host_len) == (12, 4), m
+        cache.release(m)
+
+        # the device copy goes (the host copy stays, still without the state): cut again
+        assert cache.evict(100) == 6
+        m = cache.match_prefix(head)
+        assert (m.device_len, m.matched_len) == (0, 10), m
+        cache.release(m)
+        cache.check_invariants()
+
+
+def needed_pages(end: int) -> dict[str, range]:
+    """The pages each component of :func:`components` needs for a prefix of ``end`` pages."""
+    return {"swa": range(max(0, end - 2), end), "mamba": range(end - 1, end), "indexer": range(end)}
+
+
+def check_served(cache: akv.HiCache, m: akv.MatchResult, side: dict[str, torch.Tensor]) -> None:
+    """Every sidecar page the match's device part needs holds the prompt's own state."""
+    end = m.device_len // P
+    if not end:
+        return
+    pages = m.device_pages
+    for name, want in needed_pages(end).items():
+        buf = cache.sidecar(name)
+        for i in want:
+            assert torch.equal(buf[pages[i]], side[name][i]), (name, i, end)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    swa=st.sets(st.integers(0, 7)),
+    mamba=st.sets(st.integers(0, 7)),
+    indexer=st.sets(st.integers(0, 7)),
+    evict_first=st.booleans(),
+)
+def test_recomputed_holes_serve_only_whole_windows(
+    tmp_path_factory: pytest.TempPathFactory,
+    swa: set[int],
+    mamba: set[int],
+    indexer: set[int],
+    evict_first: bool,
+) -> None:
+    """Holes from storage, then a request that recomputes everything after its match (the
+    model's state is deterministic: the same values as stored).  Every prefix of the prompt
+    must then serve from device only pages whose every needed sidecar is the prompt's own: a
+    recomputed page heals, a hole loaded back from host does not.  After the device copies go,
+    the host copies (still with their holes) decide again."""
+    path = tmp_path_factory.mktemp("heal")
+
+    async def run() -> None:
+        _kv, side = await stored(path)
+        for name, pages in (("swa", swa), ("mamba", mamba), ("indexer", indexer)):
+            if pages:
+                await drop(path, name, sorted(pages))
+        async with akv.HiCache(cfg(path)) as cache:
+            for c in cache.config.components:
+                cache.sidecar(c.name).fill_(-1.0)  # whatever a hole's rows hold is wrong
+            await cache.prefetch(PROMPT)
+            m = cache.match_prefix(PROMPT)
+            await cache.load_back(m)
+            check_served(cache, m, side)
+            first = m.device_len // P
+            own = cache.alloc(len(PROMPT) - m.device_len)
+            if own.numel():
+                new_pages = own[::P] // P
+                for c in cache.config.components:
+                    cache.sidecar(c.name)[new_pages] = side[c.name][first:]
+            cache.release(cache.insert(PROMPT, own, prefix=m))
+            cache.release(m)
+            cache.check_invariants()
+            if evict_first:  # the recomputed tail's device copy goes first
+                cache.evict(1)
+            for end in range(1, 9):
+                m = cache.match_prefix(PROMPT[: end * P])
+                check_served(cache, m, side)
+                cache.release(m)
+            cache.evict(100)  # only host copies now: holes cut matches again
+            for end in range(1, 9):
+                m = cache.match_prefix(PROMPT[: end * P])
+                await cache.load_back(m)
+                check_served(cache, m, side)
+                cache.release(m)
+            cache.check_invariants()
+
+    asyncio.run(run())

@@ -31,7 +31,7 @@ from aiocache_kv.storage.base import StorageBackend, leading_run
 from aiocache_kv.storage.tier_base import StorageTierBase
 from aiocache_kv.tracing import span
 from aiocache_kv.tree.hashing import chain_hashes
-from aiocache_kv.tree.node import Node, Tier
+from aiocache_kv.tree.node import Node, Tier, lacking
 
 if TYPE_CHECKING:
     from aiocache_kv.core import CacheCore
@@ -247,7 +247,7 @@ class PrefetchingTier(StorageTierBase):
             need = min(window, cached_pages)
             have = 0
             for node in reversed(path):
-                if have >= need or name in node.invalid:
+                if have >= need or name in lacking(node):
                     break
                 have += len(node.key) // p
             out.append((need, min(have, need)))

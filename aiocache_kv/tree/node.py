@@ -47,6 +47,12 @@ RESIDENT = TierState.RESIDENT
 _VALID: frozenset[str] = frozenset()
 
 
+def lacking(node: Node) -> frozenset[str]:
+    """The trailing-window components whose pages the copy a match serves from lacks:
+    ``node.invalid``, unless the device copy is complete (then none)."""
+    return _VALID if node.device_complete else node.invalid
+
+
 class Node:
     """A radix-tree node: ``key`` tokens (whole pages) and the pages that hold their KV."""
 
@@ -58,6 +64,7 @@ class Node:
         "children",
         "cpu_hidden",
         "device",
+        "device_complete",
         "device_pages",
         "hashes",
         "hit_count",
@@ -94,6 +101,10 @@ class Node:
         #: trailing-window components whose pages this node lacks (it came from storage
         #: without them); a prefix may not end where such a page is inside the window
         self.invalid: frozenset[str] = _VALID  # shared: a new empty set per node costs
+        #: the device copy holds every component's pages although ``invalid`` says the host
+        #: (and storage) copy lacks some: an insert gave the node pages the model computed
+        #: whole.  Reset whenever the device copy goes; see :func:`lacking`
+        self.device_complete = False
         #: host-resident but not announced on CPU (its parent was not on CPU when it landed):
         #: announced once the parent is, never reported removed otherwise
         self.cpu_hidden = False

@@ -245,6 +245,8 @@ class RadixTree(TierBook):
                 self._acct(child, -1)
                 child.device_pages = pages[(pos - base) // p : (pos + klen - base) // p]
                 self._set_device(child, RESIDENT, accounted=True)
+                # the model computed these pages whole, components the host copy lacks too
+                child.device_complete = bool(child.invalid)
                 out.adopted.append(child)
             node = child
             pos += klen
@@ -296,6 +298,7 @@ class RadixTree(TierBook):
         head.storage = child.storage
         head.cpu_hidden = child.cpu_hidden
         head.invalid = child.invalid
+        head.device_complete = child.device_complete
         head.pins = child.pins
         head.last_access = child.last_access
         head.hit_count = child.hit_count
@@ -512,6 +515,8 @@ class RadixTree(TierBook):
                 ), f"host pages mismatch {node!r}"
             else:
                 assert node.host_pages is None, f"stale host pages {node!r}"
+            if node.device_complete:
+                assert node.device is RESIDENT, f"complete device copy of no device {node!r}"
             if node.host is FILLING:
                 assert node.device is RESIDENT, f"host filling without device copy {node!r}"
             if node.device is FILLING:

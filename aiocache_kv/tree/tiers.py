@@ -160,6 +160,7 @@ class TierBook:
             assert node.n_dev_children == 0, f"device-absent node with device children {node!r}"
             parent.n_dev_children -= 1
             node.device_pages = None
+            node.device_complete = False  # a later device copy comes from the host one
             self._offer(parent)
         self._acct(node, 1)
         self._offer(node)
