@@ -1,9 +1,10 @@
 """Build hook for the optional C fast paths (everything else is pyproject.toml).
 
 ``optional=True``: where no C compiler is at hand the build goes on without them, and
-``aiocache_kv.tree.hashing`` / ``aiocache_kv.fastcheck`` / ``aiocache_kv.storage.integrity``
-compute the same values in Python, ``aiocache_kv.storage.page_file`` reads page by page, and
-``aiocache_kv.gcfree`` leaves the tree's int lists tracked by the garbage collector.
+``aiocache_kv.tree.hashing`` / ``aiocache_kv.tree.keycmp`` / ``aiocache_kv.fastcheck`` /
+``aiocache_kv.storage.integrity`` compute the same values in Python,
+``aiocache_kv.storage.page_file`` reads page by page, and ``aiocache_kv.gcfree`` leaves the
+tree's int lists tracked by the garbage collector.
 """
 
 from setuptools import Extension, setup
@@ -13,6 +14,11 @@ setup(
         Extension(
             "aiocache_kv.tree._chainhash",
             sources=["aiocache_kv/tree/_chainhash.c"],
+            optional=True,
+        ),
+        Extension(
+            "aiocache_kv.tree._keycmp",
+            sources=["aiocache_kv/tree/_keycmp.c"],
             optional=True,
         ),
         Extension(

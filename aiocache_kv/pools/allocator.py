@@ -71,6 +71,10 @@ class PageAllocator:
         self._epoch = 0  # the last mark written to _stamp; counts down (never a position)
         self._ids = np.empty(num_pages, dtype=np.int64)  # see ``scratch``
         self._leases = np.zeros(num_pages, dtype=np.int32)  # workers holding each page
+        # touch every page of the per-page arrays now: zeros/empty of a large array maps them
+        # lazily, and the first request to reach each 4 KiB of them would take the fault
+        for arr in (self._state, self._stamp, self._ids, self._leases):
+            arr.fill(0)
         self.quarantined = 0  #: pages freed while leased, waiting for their workers
         # numpy, not torch: slicing it costs a tenth, and alloc runs on every request
         self._free = np.arange(num_pages, dtype=np.int64)

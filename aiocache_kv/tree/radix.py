@@ -44,11 +44,10 @@ import torch
 from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.gcfree import keep
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
+from aiocache_kv.tree.keycmp import common_len
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, Tier, TierState
 from aiocache_kv.tree.results import Eviction, InsertOutcome, InsertPlan
 from aiocache_kv.tree.tiers import TierBook
-
-_CHUNK = 64  # tokens compared per slice while searching a mismatch
 
 
 class RadixTree(TierBook):
@@ -102,16 +101,6 @@ class RadixTree(TierBook):
         p = self.page_size
         return tokens[pos] if p == 1 else tuple(tokens[pos : pos + p])
 
-    def _common(self, key: list[int], tokens: list[int], pos: int, limit: int) -> int:
-        """Page-aligned length of the common prefix of ``key`` and ``tokens[pos:]``."""
-        i = 0
-        while i + _CHUNK <= limit and key[i : i + _CHUNK] == tokens[pos + i : pos + i + _CHUNK]:
-            i += _CHUNK
-        end = min(limit, i + _CHUNK)
-        while i < end and key[i] == tokens[pos + i]:
-            i += 1
-        return i - i % self.page_size
-
     # ---------------------------------------------------------------- match / insert
 
     def match(
@@ -135,11 +124,12 @@ class RadixTree(TierBook):
                 break
             key = child.key
             klen = len(key)
-            if pos + klen <= n and tokens[pos : pos + klen] == key:
+            same = common_len(key, tokens, pos, n - pos)  # compared in place, no slice
+            if same == klen:
                 node = child
                 pos += klen
                 continue
-            common = self._common(key, tokens, pos, min(klen, n - pos))
+            common = same - same % p
             if common:
                 node = self._split(child, common)
                 pos += common
@@ -175,7 +165,8 @@ class RadixTree(TierBook):
             key = child.key
             klen = len(key)
             on_device = on_device and child.device is not ABSENT
-            if pos + klen <= n and tokens[pos : pos + klen] == key:
+            same = common_len(key, tokens, pos, n - pos)
+            if same == klen:
                 steps.append(child)
                 if on_device:
                     have = plan.existing_pages
@@ -188,7 +179,7 @@ class RadixTree(TierBook):
                 if child.device is FILLING:
                     break  # nothing may hang below a node still loading (see ``insert``)
                 continue
-            common = self._common(key, tokens, pos, min(klen, n - pos))
+            common = same - same % p
             plan.split = child
             plan.common = common
             if on_device:

@@ -1,0 +1,49 @@
+"""How far a node's key and a request's tokens agree: the comparison of every tree walk.
+
+Two implementations return the same values: a C extension (``_keycmp``, built by
+``pip install -e .`` where a C compiler is at hand), which compares the lists in place, and
+:func:`py_common_len` below (slices compared in chunks; the reference, used where the
+extension is missing).  :data:`KEYCMP_IMPL` says which one runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aiocache_kv.extensions import optional_extension
+
+__all__ = ["KEYCMP_IMPL", "common_len", "py_common_len"]
+
+_CHUNK = 64  # items compared per slice before the item-by-item search for the mismatch
+
+
+def py_common_len(key: list[int], tokens: list[int], pos: int, limit: int) -> int:
+    """How many leading items of ``key[:limit]`` equal ``tokens[pos:pos + limit]``, in order
+    (``limit`` is clipped to what both lists hold).
+
+    Raises:
+        ValueError: ``pos`` or ``limit`` is negative.
+    """
+    if pos < 0 or limit < 0:
+        raise ValueError("pos and limit must be >= 0")
+    limit = min(limit, len(key), max(len(tokens) - pos, 0))
+    # the common case, the whole key: one comparison and one slice
+    if limit == len(key) and key == tokens[pos : pos + limit]:
+        return limit
+    i = 0
+    while i + _CHUNK <= limit and key[i : i + _CHUNK] == tokens[pos + i : pos + i + _CHUNK]:
+        i += _CHUNK
+    end = min(limit, i + _CHUNK)
+    while i < end and key[i] == tokens[pos + i]:
+        i += 1
+    return i
+
+
+_EXT = optional_extension("aiocache_kv.tree._keycmp")
+#: ``"c"`` where the C extension compares, else ``"python"``.
+KEYCMP_IMPL = "python" if _EXT is None else "c"
+
+#: :func:`py_common_len`, in C where the extension is built.
+common_len: Callable[[list[int], list[int], int, int], int] = (
+    py_common_len if _EXT is None else _EXT.common_len
+)
