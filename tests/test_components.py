@@ -335,13 +335,15 @@ def check_served(cache: akv.HiCache, m: akv.MatchResult, side: dict[str, torch.T
 
 
 @settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     swa=st.sets(st.integers(0, 7)),
     mamba=st.sets(st.integers(0, 7)),
     indexer=st.sets(st.integers(0, 7)),
     evict_first=st.booleans(),
+    load=st.booleans(),
+    with_prefix=st.booleans(),
 )
 def test_recomputed_holes_serve_only_whole_windows(
     tmp_path_factory: pytest.TempPathFactory,
@@ -349,6 +351,8 @@ def test_recomputed_holes_serve_only_whole_windows(
     mamba: set[int],
     indexer: set[int],
     evict_first: bool,
+    load: bool,
+    with_prefix: bool,
 ) -> None:
     """Holes from storage, then a request that recomputes everything after its match (the
     model's state is deterministic: the same values as stored).  Every prefix of the prompt
@@ -367,7 +371,8 @@ def test_recomputed_holes_serve_only_whole_windows(
                 cache.sidecar(c.name).fill_(-1.0)  # whatever a hole's rows hold is wrong
             await cache.prefetch(PROMPT)
             m = cache.match_prefix(PROMPT)
-            await cache.load_back(m)
+            if load:
+                await cache.load_back(m)
             check_served(cache, m, side)
             first = m.device_len // P
             own = cache.alloc(len(PROMPT) - m.device_len)
@@ -375,7 +380,10 @@ def test_recomputed_holes_serve_only_whole_windows(
                 new_pages = own[::P] // P
                 for c in cache.config.components:
                     cache.sidecar(c.name)[new_pages] = side[c.name][first:]
-            cache.release(cache.insert(PROMPT, own, prefix=m))
+            if with_prefix:
+                cache.release(cache.insert(PROMPT, own, prefix=m))
+            else:
+                cache.release(cache.insert(PROMPT, torch.cat([m.device_indices, own])))
             cache.release(m)
             cache.check_invariants()
             if evict_first:  # the recomputed tail's device copy goes first
