@@ -66,7 +66,7 @@ from aiocache_kv.errors import (
 from aiocache_kv.logs import get_logger
 from aiocache_kv.storage.base import ChainAwareStorage, PageBuffer, StorageBackend, StorageStats
 
-__all__ = ["StorageIO", "StorageIOStats"]
+__all__ = ["BatchReports", "StorageIO", "StorageIOStats"]
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -105,6 +105,32 @@ class _Call:
     finished: asyncio.Future[None]  # set when the worker is done (buffers released)
     ranges: tuple[tuple[int, int], ...]
     on_release: Callable[[], None] | None = None  # the caller's lease ends with the worker
+
+
+class BatchReports:
+    """The results of :meth:`StorageIO.get_into_batches`' batches on their way to the loop.
+
+    The worker :meth:`put` s each batch's result as it ends; :meth:`drain`, on the loop, runs
+    ``on_batch(i, result)`` for every result put so far, in order (the worker wakes the loop
+    to drain; a caller may drain at any time, e.g. when its deadline passes).
+    """
+
+    __slots__ = ("_on_batch", "_ready")
+
+    def __init__(self, on_batch: Callable[[int, list[bool] | BaseException], None]) -> None:
+        self._on_batch = on_batch
+        self._ready: collections.deque[tuple[int, list[bool] | BaseException]] = collections.deque()
+
+    def put(self, i: int, result: list[bool] | BaseException) -> None:
+        """Worker thread: batch ``i`` ended with ``result`` (deque appends are thread-safe)."""
+        self._ready.append((i, result))
+
+    def drain(self) -> None:
+        """Loop thread: report every batch put so far, in order."""
+        ready = self._ready
+        while ready:
+            i, result = ready.popleft()
+            self._on_batch(i, result)
 
 
 class StorageIO:
@@ -246,17 +272,25 @@ class StorageIO:
     async def get_into_batches(
         self,
         batches: Sequence[tuple[Sequence[str], Sequence[PageBuffer]]],
-        on_batch: Callable[[int, list[bool] | BaseException], None],
+        on_batch: Callable[[int, list[bool] | BaseException], None] | BatchReports,
         *,
         timeout: float | None = None,
         on_release: Callable[[], None] | None = None,
+        report_gap: float = 0.0,
     ) -> None:
         """``backend.get_into`` of each ``(keys, buffers)`` batch in turn, on one worker: one
         hand-off for all of them, each batch still one backend call of its own size.
-        ``on_batch(i, flags or the exception)`` runs on the loop as each batch ends, in
-        order, before this returns; a batch's exception does not stop the next.  Batches not
-        started by the deadline are skipped.  Buffers stay in use until every batch ended,
+        ``on_batch(i, flags or the exception)`` runs on the loop for each batch that ended,
+        in order, before this returns; a batch's exception does not stop the next.  Batches
+        not started by the deadline are skipped.  Buffers stay in use until every batch ended,
         late ones included (``on_release`` runs on the loop then, exactly once).
+
+        Reports and loop wake-ups.  The worker wakes the loop for a report at most every
+        ``report_gap`` seconds (0: after every batch; a wake-up costs ~40 us of CPU between
+        the loop and the worker, measured with 16-page batches) and once when it is done;
+        batches that end in between wait in ``on_batch``'s :class:`BatchReports` (pass one to
+        :meth:`BatchReports.drain` them yourself, e.g. at a deadline).  This call drains them
+        when it ends, however it ends.
 
         Raises:
             StorageTimeoutError: the batches did not all end in ``timeout`` seconds (those
@@ -268,26 +302,43 @@ class StorageIO:
         stop = time.monotonic() + limit  # the worker starts no batch after this
         get_into = self.backend.get_into
         jobs = [(list(keys), list(bufs)) for keys, bufs in batches]
+        reports = on_batch if isinstance(on_batch, BatchReports) else BatchReports(on_batch)
 
         def run() -> None:  # worker thread: results go back through the loop only
-            for i, (keys, bufs) in enumerate(jobs):
-                if time.monotonic() >= stop:
-                    return
-                res: list[bool] | BaseException
-                try:
-                    res = get_into(keys, bufs)
-                except Exception as exc:  # reported per batch; the next one still runs
-                    res = exc
-                with contextlib.suppress(RuntimeError):  # a closed loop: nobody to tell
-                    loop.call_soon_threadsafe(on_batch, i, res)
+            last = -float("inf")  # the first batch is reported at once
+            unposted = False
+            try:
+                for i, (keys, bufs) in enumerate(jobs):
+                    if time.monotonic() >= stop:
+                        return
+                    res: list[bool] | BaseException
+                    try:
+                        res = get_into(keys, bufs)
+                    except Exception as exc:  # reported per batch; the next one still runs
+                        res = exc
+                    reports.put(i, res)
+                    unposted = True
+                    now = time.monotonic()
+                    if now - last >= report_gap:
+                        last = now
+                        unposted = False
+                        with contextlib.suppress(RuntimeError):  # a closed loop: nobody to tell
+                            loop.call_soon_threadsafe(reports.drain)
+            finally:
+                if unposted:
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(reports.drain)
 
-        await self.call(
-            "get_into",
-            run,
-            timeout=timeout,
-            buffers=[b for _, bufs in jobs for b in bufs],
-            on_release=on_release,
-        )
+        try:
+            await self.call(
+                "get_into",
+                run,
+                timeout=timeout,
+                buffers=[b for _, bufs in jobs for b in bufs],
+                on_release=on_release,
+            )
+        finally:
+            reports.drain()  # what landed and waits for a wake-up (a timeout, a cancel)
 
     async def remove(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bool]:
         """``backend.remove`` off the loop."""

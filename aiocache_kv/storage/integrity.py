@@ -47,7 +47,10 @@ C.  Where the ``_blocksum`` extension is built (``pip install -e .`` with a C co
 :data:`CHECKSUM_IMPL` says), :func:`checksums` and :func:`checksum` are one C pass per page
 with the GIL released for the whole batch: ~23 GB/s on 64 KiB pages in batches of 16 (numpy:
 ~12), the same ~24 GB/s on 4 MiB pages.  The numpy/torch code above is the reference the tests
-hold it to, and what runs without the extension.
+hold it to, and what runs without the extension.  With the extension :func:`seal_many` and
+:func:`verify_many` are one C call per batch that also packs / parses every trailer (no Python
+per page: ~0.6 us a page less, and no GIL held per page by a storage worker);
+:func:`py_seal_many` / :func:`py_verify_many` are their Python reference.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.extensions import optional_extension
 from aiocache_kv.logs import get_logger
 from aiocache_kv.storage.base import PageBuffer
-from aiocache_kv.storage.keys import check_keys
+from aiocache_kv.storage.keys import MAX_KEY_LEN, check_keys
 
 __all__ = [
     "CHECKSUM_IMPL",
@@ -81,6 +84,8 @@ __all__ = [
     "checksums",
     "log_failures",
     "payload_nbytes",
+    "py_seal_many",
+    "py_verify_many",
     "seal",
     "seal_many",
     "verify",
@@ -107,6 +112,8 @@ _TORCH_MIN_BYTES = 2 << 20
 #: a set of rows is summed through one strided view over its span if at least this share of the
 #: span's rows are wanted (else: one view per run of consecutive rows)
 _DENSE = 0.5
+#: keys of at most this many chars cannot exceed MAX_KEY_LEN bytes of UTF-8 (4 bytes a char)
+_SHORT_KEY = MAX_KEY_LEN // 4
 
 log = get_logger(__name__)
 
@@ -149,9 +156,14 @@ def check_batch(keys: Sequence[str], buffers: Sequence[PageBuffer]) -> None:
         InvalidInputError: ``len(keys) != len(buffers)``, a buffer is not a ``PageBuffer``, or a
             slot is not larger than :data:`FRAME_OVERHEAD`.
     """
-    check_keys(keys)
+    # fast path: plain str keys of at most MAX_KEY_LEN / 4 chars (UTF-8 <= 4 bytes a char)
+    # cannot fail check_keys; anything else gets its full check
+    if not all(type(k) is str and 0 < len(k) <= _SHORT_KEY for k in keys):
+        check_keys(keys)
     if len(keys) != len(buffers):
         raise InvalidInputError(f"{len(keys)} keys but {len(buffers)} buffers")
+    if all(type(b) is PageBuffer and b.nbytes > FRAME_OVERHEAD for b in buffers):
+        return
     for buf in buffers:
         if not isinstance(buf, PageBuffer):
             raise InvalidInputError(f"expected PageBuffer, got {type(buf).__name__}")
@@ -370,6 +382,14 @@ def seal_many(buffers: Sequence[PageBuffer], keys: Sequence[str]) -> None:
         raise InvalidInputError(f"{len(keys)} keys but {len(buffers)} buffers")
     for b in buffers:
         payload_nbytes(b.nbytes)
+    if _EXT is not None:  # checksums and trailers in one C call, no Python per page
+        _EXT.seal([b.view for b in buffers], keys)
+        return
+    py_seal_many(buffers, keys)
+
+
+def py_seal_many(buffers: Sequence[PageBuffer], keys: Sequence[str]) -> None:
+    """:func:`seal_many` in Python (the reference of the C path; inputs already checked)."""
     for size, idx in _by_size(buffers, range(len(buffers))).items():
         n = size - FRAME_OVERHEAD
         sums = checksums([buffers[i] for i in idx], n)
@@ -427,6 +447,28 @@ def verify_many(
         raise InvalidInputError(
             f"{len(keys)} keys, {len(buffers)} buffers, {len(nbytes_read)} sizes"
         )
+    if _EXT is not None:  # every check of every page in one C call
+        codes = _EXT.verify([b.view for b in buffers], keys, nbytes_read)
+        return [_VERDICTS[c] for c in codes]
+    return py_verify_many(buffers, keys, nbytes_read)
+
+
+#: :func:`verify_many`'s C codes, in the order of ``_blocksum.c``'s enum
+_VERDICTS = (
+    Verdict.OK,
+    Verdict.BAD_LENGTH,
+    Verdict.BAD_MAGIC,
+    Verdict.BAD_TRAILER,
+    Verdict.BAD_VERSION,
+    Verdict.BAD_KEY,
+    Verdict.BAD_CHECKSUM,
+)
+
+
+def py_verify_many(
+    buffers: Sequence[PageBuffer], keys: Sequence[str], nbytes_read: Sequence[int | None]
+) -> list[Verdict]:
+    """:func:`verify_many` in Python (the reference of the C path; lengths already checked)."""
     verdicts: list[Verdict] = [Verdict.OK] * len(buffers)
     stored: dict[int, tuple[int, int]] = {}
     for i, (buf, key, got) in enumerate(zip(buffers, keys, nbytes_read, strict=True)):
