@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.extensions import optional_extension
 
 __all__ = ["KEYCMP_IMPL", "common_len", "py_common_len"]
@@ -22,10 +23,11 @@ def py_common_len(key: list[int], tokens: list[int], pos: int, limit: int) -> in
     (``limit`` is clipped to what both lists hold).
 
     Raises:
-        ValueError: ``pos`` or ``limit`` is negative.
+        InvalidInputError: ``pos`` or ``limit`` is negative (the C path raises a plain
+            ``ValueError``, which it also is).
     """
     if pos < 0 or limit < 0:
-        raise ValueError("pos and limit must be >= 0")
+        raise InvalidInputError(f"pos and limit must be >= 0, got pos={pos} limit={limit}")
     limit = min(limit, len(key), max(len(tokens) - pos, 0))
     # the common case, the whole key: one comparison and one slice
     if limit == len(key) and key == tokens[pos : pos + limit]:
