@@ -8,8 +8,9 @@
  * can never be part of a reference cycle, so it needs no tracking; reference counting still
  * frees it.  CPython untracks such tuples and dicts by itself, but never lists.
  *
- * untrack_ints(lst) -> bool: untrack ``lst`` if it is an exact list of exact ints; whether it
- * is untracked now.  The caller must never put anything but ints into it afterwards.
+ * untrack_ints(lst) -> bool: untrack ``lst`` if it is an exact list of exact ints or exact
+ * bytes (page hashes; bytes hold no references either); whether it is untracked now.  The
+ * caller must never put anything but ints or bytes into it afterwards.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,7 +23,8 @@ static PyObject *untrack_ints(PyObject *self, PyObject *arg)
     }
     Py_ssize_t n = PyList_GET_SIZE(arg);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!PyLong_CheckExact(PyList_GET_ITEM(arg, i))) {
+        PyObject *item = PyList_GET_ITEM(arg, i);
+        if (!PyLong_CheckExact(item) && !PyBytes_CheckExact(item)) {
             Py_RETURN_FALSE;
         }
     }

@@ -6,10 +6,10 @@
 consumer that joined late (or missed batches) resyncs from.
 
 The hash function: pages are ``page_size`` tokens; ``h_0 = seed`` and
-``h_i = BLAKE2b-64(h_{i-1} as 8 little-endian bytes || the page's token ids as int64
-little-endian)``, read as an unsigned little-endian int.  The seed is
-``BLAKE2b-64(namespace tag)`` where the tag names (model, tenant, LoRA) injectively (see
-:mod:`aiocache_kv.namespace`), so the same tokens under another tenant or adapter hash apart.
+``h_i = BLAKE2b-256(h_{i-1} (32 bytes) || the page's token ids as int64 little-endian)``, 32
+bytes.  The seed is ``BLAKE2b-256(namespace tag)`` where the tag names (model, tenant, LoRA)
+injectively (see :mod:`aiocache_kv.namespace`), so the same tokens under another tenant or
+adapter hash apart.  The hash is the page's identity (``docs/ARCHITECTURE.md``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def page_hashes(
     tenant: str | None = None,
     lora: str | None = None,
     namespace: Namespace | None = None,
-) -> list[int]:
+) -> list[bytes]:
     """The block hashes a cache publishes (``BlockStored.block_hashes``) for ``tokens``.
 
     One hash per whole page, from the first page on: an unaligned tail is not hashed (the
@@ -41,17 +41,23 @@ def page_hashes(
     ``CacheConfig.namespace``) with the ``tenant`` and ``lora`` given to ``insert`` /
     ``match_prefix``, or a :class:`Namespace`.
 
-    The hash function (stable across processes, versions and machines)::
+    Returns a list of 32-byte ``bytes``, one per page: each is that page's identity (the
+    namespace and every token up to the end of the page), the value the cache publishes in
+    ``BlockStored.block_hashes``, puts into the page's storage key (as 64 hex digits) and
+    binds into the stored page's trailer.  The hash function (stable across processes,
+    versions and machines)::
 
-        seed = BLAKE2b-64(Namespace(model, tenant or "", lora or "").tag as UTF-8)
+        seed = BLAKE2b-256(Namespace(model, tenant or "", lora or "").tag as UTF-8)
         h[-1] = seed
-        h[i] = BLAKE2b-64(h[i-1] as 8 little-endian bytes
-                          || tokens[i*page_size:(i+1)*page_size], each as int64 little-endian)
+        h[i] = BLAKE2b-256(h[i-1] (32 bytes)
+                           || tokens[i*page_size:(i+1)*page_size], each as int64 little-endian)
 
-    where BLAKE2b-64 is unkeyed BLAKE2b with an 8-byte digest (``hashlib.blake2b(data,
-    digest_size=8)``), read as a little-endian unsigned integer.  Equivalently
-    ``chain_hashes(namespace_seed(ns.tag), tokens[:n], page_size)`` from
-    :mod:`aiocache_kv.tree.hashing`.  Hashes of a longer prompt extend those of its prefix.
+    where BLAKE2b-256 is unkeyed BLAKE2b with a 32-byte digest (``hashlib.blake2b(data,
+    digest_size=32).digest()``).  Equivalently ``chain_hashes(namespace_seed(ns.tag),
+    tokens[:n], page_size)`` from :mod:`aiocache_kv.tree.hashing`.  Hashes of a longer prompt
+    extend those of its prefix.  A router that needs an integer may take a prefix of the bytes
+    as a routing hint, but only the full 32 bytes are an identity: a 64-bit value falls to a
+    birthday search in minutes.
 
     Raises:
         InvalidTypeError: tokens are not a list/tuple/1-D integer CPU tensor of ints, or
@@ -83,8 +89,8 @@ def page_hashes(
 class BlockInfo:
     """One cached block (page) in :meth:`HiCache.snapshot`."""
 
-    block_hash: int
-    parent_block_hash: int | None  #: ``None`` for a namespace's first page
+    block_hash: bytes  #: the page's identity (32 bytes, see :func:`page_hashes`)
+    parent_block_hash: bytes | None  #: ``None`` for a namespace's first page
     token_ids: tuple[int, ...]
     tiers: tuple[str, ...]  #: media holding it now, of ``GPU``, ``CPU``, ``STORAGE``
     lora_name: str | None

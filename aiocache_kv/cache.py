@@ -24,6 +24,7 @@ from aiocache_kv.core import CacheCore
 from aiocache_kv.distributed import SingleRank, TPGroup
 from aiocache_kv.errors import CacheClosedError, CapacityError, InvalidInputError, InvalidTypeError
 from aiocache_kv.events import BlockStored, KVEvent
+from aiocache_kv.flush import settle_work
 from aiocache_kv.handles import Handle, InsertResult, MatchResult, WriteAck, check_handle
 from aiocache_kv.introspection import blocks, check_all, describe, snapshot, snapshot_events
 from aiocache_kv.lifecycle import Lifecycle
@@ -140,8 +141,8 @@ class HiCache:
         self._state = Lifecycle.CLOSING
         core = self._core
         try:
-            if core.coordinator.deferred:
-                await self._flush()  # every rank closes at the same point of its loop
+            if core.coordinator.deferred:  # every rank closes at the same point of its loop
+                await settle_work(core, self._transfers, self._l3, until_idle=True)
             await self._engine.aclose()  # runs what is queued; completions reach the loop
             await self._transfers.wait_all()
             if self._l3 is not None:
@@ -471,8 +472,12 @@ class HiCache:
             self._l3.backup(nodes)
 
     async def flush(self) -> None:
-        """Wait until every transfer in flight (write-through, write-back, load-back) and
-        every storage operation landed, bounded by their deadlines.
+        """Wait for what was in flight or queued when called: every transfer (write-through,
+        write-back, load-back), the storage backups those copies start when they land, and
+        the backups and background prefetches queued or running, each bounded by its
+        deadline.  Work started meanwhile does not hold it up (it returns under sustained
+        inserts).  When it returns, the pages of those copies and backups are in storage,
+        unless their backup failed or was skipped (both counted in :meth:`statistics`).
 
         Failures do not raise here; they are counted in :meth:`statistics` and logged.
 
@@ -480,22 +485,7 @@ class HiCache:
             CacheClosedError: the cache is not running.
         """
         self._check()
-        await self._flush()
-
-    async def _flush(self) -> None:
-        coord = self._core.coordinator
-        if coord.deferred:
-            # one agreement per round; a round can start backups, so repeat until idle
-            while self._transfers.inflight or (self._l3 is not None and self._l3.backups_pending):
-                await coord.settle_all()
-            if coord.pending:
-                await coord.sync()
-        while True:
-            await self._transfers.wait_all()
-            if self._l3 is not None:
-                await self._l3.settle()  # bounded: deadlines, then storage_timeout for workers
-            if not self._transfers.inflight and (self._l3 is None or not self._l3.in_flight):
-                break
+        await settle_work(self._core, self._transfers, self._l3)
 
     async def sync(self) -> None:
         """Apply the completions every rank has (TP): call once per scheduler step.
@@ -569,15 +559,15 @@ class HiCache:
         return blocks(self._core)
 
     def snapshot_events(self) -> list[BlockStored]:
-        """The event stream's view of the cache as ``BlockStored`` events (one per node and
-        medium, parents first): what :class:`~aiocache_kv.events.ZmqEventPublisher` answers a
-        snapshot request with.
+        """The event stream's view of the cache as ``BlockStored`` events (parents first):
+        what :class:`~aiocache_kv.events.ZmqEventPublisher` answers a snapshot request with.
+        Every page still claimed in storage is in it, and after :meth:`aclose` only those.
 
         Raises:
             OwnershipError: called from a thread other than the loop's.
         """
         self._core.check_owner()
-        return snapshot_events(self._core)
+        return snapshot_events(self._core, self._l3, closed=self._state is Lifecycle.CLOSED)
 
     def check_invariants(self) -> None:
         """Recompute every counter and cross-check tree, allocators, handles and transfers.

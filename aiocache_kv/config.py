@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from aiocache_kv.errors import ConfigError
+from aiocache_kv.numeric import check_real
 
 
 class WritePolicy(str, enum.Enum):
@@ -33,6 +34,9 @@ GiB = 1 << 30
 @dataclass(frozen=True)
 class CacheConfig:
     """Shape of the KV, sizes of the tiers and policies.
+
+    Every number must be finite and in range (an int where it counts something; ``bool`` is
+    not a number), so nothing a config holds can become a NaN or infinite deadline.
 
     Raises:
         ConfigError: on any inconsistent value (the message names it).
@@ -131,6 +135,8 @@ class CacheConfig:
                 f"prefetch_threshold_tokens must be an int >= 0, "
                 f"got {self.prefetch_threshold_tokens!r}"
             )
+        # seconds: finite (a NaN deadline breaks the loop's timer heap), >= 0 (> 0 for the
+        # deadlines of storage calls), at most MAX_SECONDS
         for name in (
             "storage_timeout",
             "storage_retry_seconds",
@@ -139,12 +145,8 @@ class CacheConfig:
             "prefetch_timeout_per_1k",
             "prefetch_timeout_max",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
-        for name in ("storage_timeout", "storage_open_timeout"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+            positive = name in ("storage_timeout", "storage_open_timeout")
+            check_real(name, getattr(self, name), exclusive=positive, error=ConfigError)
         if self.storage is not None:
             from aiocache_kv.storage.base import StorageBackend
 

@@ -113,7 +113,8 @@ class CacheCore:
         self.tree.bind_owner(self.owner)
 
     def on_split(self, hook: SplitHook) -> None:
-        """Call ``hook(head, tail)`` whenever a node with work in flight is split."""
+        """Call ``hook(head, tail)`` whenever a node with work in flight, or a
+        storage-resident one, is split."""
         self._split_hooks.append(hook)
 
     def _on_split(self, head: Node, tail: Node) -> None:

@@ -1,19 +1,24 @@
 """Int lists the tree keeps for good, taken out of the cyclic garbage collector's view.
 
-The tree keeps every cached token run (a node's key) and its page hashes as lists of ints.
+The tree keeps every cached token run (a node's key) as a list of ints and its page hashes as
+a list of ``bytes``.
 The collector tracks every list and visits each element at every collection that sees it, so
 with many cached tokens a young collection after a large insert, and every full collection,
 pause the event loop for milliseconds (7-12 ms measured on an H100 machine while 8 GiB was
 written through; ~100 ms full collections in ``bench tree``).  A list of ints cannot be part
-of a reference cycle, so :func:`keep` untracks it (C extension ``_gcfree``, built by
+(or of bytes) of a reference cycle, so :func:`keep` untracks it (C extension ``_gcfree``, built by
 ``pip install -e .`` where a C compiler is at hand; without it the lists stay tracked, which is
-only slower).  Reference counting still frees them.  Nothing may put a non-int into such a
-list afterwards: the tree never mutates keys or hashes, it replaces them.
+only slower).  Reference counting still frees them.  Nothing may put anything but ints or
+bytes into such a list afterwards: the tree never mutates keys or hashes, it replaces them.
 """
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from aiocache_kv.extensions import optional_extension
+
+_T = TypeVar("_T", int, bytes)
 
 __all__ = ["GCFREE_IMPL", "keep"]
 
@@ -24,9 +29,9 @@ GCFREE_IMPL = "none" if _EXT is None else "c"
 _untrack = None if _EXT is None else _EXT.untrack_ints
 
 
-def keep(ints: list[int]) -> list[int]:
-    """``ints`` (returned), out of the collector's view where possible: the caller keeps it
-    and never stores anything but ints in it."""
+def keep(ints: list[_T]) -> list[_T]:
+    """``ints`` (a list of ints or of bytes, returned), out of the collector's view where
+    possible: the caller keeps it and never stores anything but ints or bytes in it."""
     if _untrack is not None:
         _untrack(ints)
     return ints

@@ -9,6 +9,7 @@ from aiocache_kv.core import CacheCore
 from aiocache_kv.events.kv_events import BlockStored, namespace_fields
 from aiocache_kv.pools import PageAllocator, PageState
 from aiocache_kv.stats import CacheStatistics, StorageCounters, TierStatistics
+from aiocache_kv.storage.stored_pages import StoredRun
 from aiocache_kv.storage.tier import StorageTier
 from aiocache_kv.transfer.ops import Transfers
 from aiocache_kv.tree import Tier
@@ -88,19 +89,64 @@ def describe(core: CacheCore, transfers: Transfers, state: str) -> str:
     )
 
 
-def snapshot_events(core: CacheCore) -> list[BlockStored]:
-    """One ``BlockStored`` per node and medium it is resident in, parents before children:
-    the state a consumer of the event stream holds, as the stream announced it (a host copy
-    not yet announced on CPU is left out, as in the stream)."""
+def snapshot_events(
+    core: CacheCore, l3: StorageTier | None, *, closed: bool = False
+) -> list[BlockStored]:
+    """What a consumer of the event stream holds, as ``BlockStored`` events: one per node and
+    medium it is resident in, parents before children (a host copy not yet announced on CPU
+    is left out, as in the stream), then the STORAGE events in the order of their first
+    page's place in its sequence (so a parent's page comes before its children's): one per
+    storage-resident node, and the pages still claimed in storage that no such node holds
+    (pages of nodes that left the tree; the rest of a node that lost one of its pages).
+    ``closed``: the cache closed, announcing its device and host pages removed: storage only.
+    """
     tree = core.tree
+    p = core.page_size
     out: list[BlockStored] = []
+    storage: list[tuple[int, BlockStored]] = []  # (pages before it, event)
+    covered: set[bytes] = set()  # the pages of the storage-resident nodes
+    starts: dict[int, int] = {}  # id(node) -> pages before its first
     for node in tree.walk():
+        parent = node.parent  # before it in the walk (a root: no pages, no entry)
+        assert parent is not None
+        start = starts[id(node)] = starts.get(id(parent), 0) + len(parent.key) // p
         for tier, state in ((Tier.DEVICE, node.device), (Tier.HOST, node.host)):
-            if state is RESIDENT and not (tier is Tier.HOST and node.cpu_hidden):
+            if state is RESIDENT and not closed and not (tier is Tier.HOST and node.cpu_hidden):
                 out.append(_stored(core, node, tier))
         if node.storage is RESIDENT:
-            out.append(_stored(core, node, Tier.STORAGE))
-    return out
+            storage.append((start, _stored(core, node, Tier.STORAGE)))
+            covered.update(tree.block_hashes(node))
+    if l3 is not None:
+        storage += _claimed_elsewhere(p, l3.storage_claims(), covered)
+    storage.sort(key=lambda item: item[0])
+    return out + [event for _, event in storage]
+
+
+def _claimed_elsewhere(
+    p: int, claims: list[tuple[StoredRun, list[int]]], covered: set[bytes]
+) -> list[tuple[int, BlockStored]]:
+    """The storage claims outside ``covered``: one event per run of consecutive pages of one
+    remembered run, with the pages before its first in its sequence."""
+    found: list[tuple[int, BlockStored]] = []
+    for run, held in claims:
+        pages = sorted(i for i in held if run.hashes[i] not in covered)
+        at = 0
+        while at < len(pages):
+            a = b = pages[at]
+            while at + 1 < len(pages) and pages[at + 1] == b + 1:
+                at += 1
+                b += 1
+            at += 1
+            event = BlockStored(
+                block_hashes=list(run.hashes[a : b + 1]),
+                parent_block_hash=run.parent if a == 0 else run.hashes[a - 1],
+                token_ids=list(run.tokens[a * p : (b + 1) * p]),
+                block_size=p,
+                medium=Tier.STORAGE.medium,
+                **namespace_fields(run.ns),
+            )
+            found.append((run.start + a, event))
+    return found
 
 
 def _stored(core: CacheCore, node: Node, tier: Tier) -> BlockStored:
@@ -146,4 +192,4 @@ def blocks(core: CacheCore) -> list[BlockInfo]:
     return out
 
 
-__all__ = ["blocks", "check_all", "describe", "snapshot"]
+__all__ = ["blocks", "check_all", "describe", "snapshot", "snapshot_events"]

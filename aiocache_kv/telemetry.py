@@ -110,9 +110,12 @@ def attribute(
     order and the rest of the prompt is ``computed``.
 
     Raises:
-        InvalidInputError: a negative count, or ``reused`` outside ``[0, prompt]``.
+        InvalidInputError: a count that is not an int >= 0, or ``reused`` outside
+            ``[0, prompt]``.
     """
-    if min(prompt, reused, device, host, storage) < 0 or reused > prompt:
+    counts = (prompt, reused, device, host, storage)
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in counts)
+    if not ints or min(counts) < 0 or reused > prompt:
         raise InvalidInputError(
             f"bad attribution: prompt={prompt} reused={reused} device={device} host={host} "
             f"storage={storage}"

@@ -22,8 +22,9 @@ Endpoints:
   over ``--max-body-bytes``, 1 MiB), 415 (a Content-Type other than JSON, or a charset other
   than UTF-8/16/32).
 * ``GET /health`` - ``{"status": "ok", ...}`` with the cache's page counts.
-* ``POST /flush`` - waits until every copy and storage backup in flight has landed (so another
-  node can read this node's pages from storage).
+* ``POST /flush`` - waits until every copy and storage backup in flight when it was called has
+  landed (so another node can read those pages from storage); requests that arrive meanwhile
+  do not hold it up.
 * ``GET /metrics`` - Prometheus text format: the cache's metrics from
   :class:`aiocache_kv.metrics.CacheCollector` (hits and prompt tokens per tier, bytes per
   direction, load-back / write-through / backup / prefetch latency, pool pages, evictions,
@@ -478,7 +479,8 @@ class GenerateServer:
                 early.cancel()  # the request went away while queued
 
     async def flush(self, request: web.Request) -> web.Response:
-        """``POST /flush``: every pending write-through and storage backup settled."""
+        """``POST /flush``: the write-throughs and storage backups pending at the call settled
+        (``HiCache.flush``: bounded, new requests meanwhile do not hold it up)."""
         assert self.cache is not None
         t0 = time.perf_counter()
         await self.cache.flush()

@@ -8,12 +8,14 @@ import os
 import random
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from aiocache_kv.storage import FileStorage, PageBuffer, integrity, page_file
+from aiocache_kv.storage.keys import parse_storage_key
 from aiocache_kv.testing import ChaosMooncakeClient, FakeMooncakeStorage, MemoryStorage
 
 
@@ -26,9 +28,11 @@ class OracleFileStorage(FileStorage):
 
     With ``damage`` > 0, before a read or write another "process" damages a random page file
     with that probability: flips a byte of its sealed slot or of the key in its header,
-    truncates it, deletes it, or replaces it with a symlink to ``outside`` (a file beyond the
-    directory that must never change).  The store learns of it only when it reads the page:
-    that read must be a miss, never bytes served."""
+    truncates it, deletes it, replaces it with a symlink to ``outside`` (a file beyond the
+    directory that must never change), or *collides* it: another page's sealed slot is written
+    under its key with a valid checksum and key binding, what a writer whose key collided would
+    have stored (only the page identity in the trailer tells them apart).  The store learns of
+    it only when it reads the page: that read must be a miss, never bytes served."""
 
     def __init__(
         self,
@@ -80,8 +84,9 @@ class OracleFileStorage(FileStorage):
             if not files:
                 return
             path = self._rng.choice(files)
-            kind = self._rng.choice(["flip", "key", "truncate", "unlink", "link"])
+            kind = self._rng.choice(["flip", "key", "truncate", "unlink", "link", "collide"])
             at = self._rng.random()
+            source = self._rng.choice(files)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
@@ -101,6 +106,12 @@ class OracleFileStorage(FileStorage):
                 os.pwrite(fd, bytes([data[at_key] ^ 0xC0]), at_key)
             elif kind == "truncate":
                 os.ftruncate(fd, pos)
+            elif kind == "collide":
+                slot = collided_slot(source, key)
+                if slot is None:
+                    return
+                os.pwrite(fd, data[:start] + slot, 0)
+                os.ftruncate(fd, start + len(slot))
         except OSError:
             return
         finally:
@@ -115,14 +126,23 @@ class OracleFileStorage(FileStorage):
         self.damaged.add(key)
 
     def put_chain(
-        self, keys: Sequence[str], buffers: Sequence[PageBuffer], parents: Sequence[str | None]
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        parents: Sequence[str | None],
+        identities: Sequence[bytes] | None = None,
     ) -> list[bool]:
         self._delay()
-        return super().put_chain(keys, buffers, parents)
+        return super().put_chain(keys, buffers, parents, identities)
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         self._delay()
-        return super().get_into(keys, buffers)
+        return super().get_into(keys, buffers, identities)
 
     def take_evicted(self) -> list[str]:
         keys = super().take_evicted()
@@ -202,9 +222,33 @@ def page_file_key(data: bytes, name: str) -> tuple[str, int] | None:
     return key, start
 
 
+def collided_slot(source: Path, key: str) -> bytes | None:
+    """``source``'s sealed slot as a writer whose key collided with ``key`` would have stored
+    it: the same payload and page identity, the key binding and trailer crc of ``key``."""
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    parsed = page_file_key(data, source.name)
+    if parsed is None or len(data) - parsed[1] <= integrity.FRAME_OVERHEAD:
+        return None
+    slot = data[parsed[1] :]
+    n = len(slot) - integrity.FRAME_OVERHEAD
+    trailer = bytearray(slot[n:])  # <4sHHQQQ32sII: identity at 32, key crc at 64, crc at 68
+    trailer[64:68] = zlib.crc32(key.encode("utf-8", "surrogatepass")).to_bytes(4, "little")
+    trailer[68:72] = zlib.crc32(trailer[:68]).to_bytes(4, "little")
+    return slot[:n] + bytes(trailer)
+
+
 def intact(key: str, slot: bytes, want: bytes) -> bool:
-    """Whether a page file's slot (after its key) is ``want`` sealed under ``key``."""
+    """Whether a page file's slot (after its key) is ``want`` sealed under ``key`` for the
+    page the key names (its identity is the hash in the key)."""
     if len(slot) <= integrity.FRAME_OVERHEAD or slot[: len(want)] != want:
         return False
     buf = PageBuffer.from_tensor(torch.frombuffer(bytearray(slot), dtype=torch.uint8))
-    return integrity.verify(buf, key) is integrity.Verdict.OK
+    ident = parse_storage_key(key).page_hash
+    return integrity.verify(buf, key, identity=ident) is integrity.Verdict.OK

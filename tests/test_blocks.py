@@ -54,7 +54,7 @@ async def test_snapshot_equals_the_view_built_from_events(tmp_path: Path) -> Non
             cache.release(r)
         await cache.flush()
         cache.evict(2, "device")  # some pages leave the device tier
-        view: dict[tuple[int, str], BlockStored] = {}
+        view: dict[tuple[bytes, str], BlockStored] = {}
         for ev in cache.take_events():
             if isinstance(ev, BlockStored):
                 for h in ev.block_hashes:
@@ -73,16 +73,15 @@ async def test_snapshot_equals_the_view_built_from_events(tmp_path: Path) -> Non
         assert all("alice" not in b.namespace_tag for b in snap)
 
 
-def spec_hashes(prev: int, tokens: list[int], page_size: int) -> list[int]:
-    """The documented hash function, written plainly (one int per page, no batching)."""
+def spec_hashes(prev: bytes, tokens: list[int], page_size: int) -> list[bytes]:
+    """The documented hash function, written plainly (32 bytes per page, no batching)."""
     import hashlib
     import struct
 
     out = []
     for i in range(0, len(tokens), page_size):
         page = struct.pack(f"<{page_size}q", *tokens[i : i + page_size])
-        digest = hashlib.blake2b(prev.to_bytes(8, "little") + page, digest_size=8).digest()
-        prev = int.from_bytes(digest, "little")
+        prev = hashlib.blake2b(prev + page, digest_size=32).digest()
         out.append(prev)
     return out
 
@@ -95,5 +94,5 @@ def test_chain_hashes_follow_the_documented_function(page_size: int) -> None:
 
     rng = random.Random(page_size)
     tokens = [rng.randrange(MAX_TOKEN_ID + 1) for _ in range(page_size * 300)]
-    seed = rng.randrange(1 << 64)
+    seed = rng.randbytes(32)
     assert chain_hashes(seed, tokens, page_size) == spec_hashes(seed, tokens, page_size)

@@ -40,19 +40,33 @@ class GatedStorage(FileStorage):
         self.close_gate = threading.Event()
         self.close_gate.set()
 
-    def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def put(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         self.put_gate.wait(30)
-        return super().put(keys, buffers)
+        return super().put(keys, buffers, identities)
 
     def put_chain(
-        self, keys: Sequence[str], buffers: Sequence[PageBuffer], parents: Sequence[str | None]
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        parents: Sequence[str | None],
+        identities: Sequence[bytes] | None = None,
     ) -> list[bool]:
         self.put_gate.wait(30)  # the cache's backups come this way
-        return super().put_chain(keys, buffers, parents)
+        return super().put_chain(keys, buffers, parents, identities)
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         self.get_gate.wait(30)
-        return super().get_into(keys, buffers)
+        return super().get_into(keys, buffers, identities)
 
     def close(self) -> None:
         self.close_gate.wait(30)

@@ -46,22 +46,36 @@ class FlakyStorage(FileStorage):
         self.stall = threading.Event()
         self.stall.set()
 
-    def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
-        return self.put_chain(keys, buffers, [None] * len(keys))
+    def put(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        return self.put_chain(keys, buffers, [None] * len(keys), identities)
 
     def put_chain(
-        self, keys: Sequence[str], buffers: Sequence[PageBuffer], parents: Sequence[str | None]
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        parents: Sequence[str | None],
+        identities: Sequence[bytes] | None = None,
     ) -> list[bool]:
-        out = super().put_chain(keys, buffers, parents)
+        out = super().put_chain(keys, buffers, parents, identities)
         for i in self.fail_put:
             if i < len(out):
                 self.remove([keys[i]])
                 out[i] = False
         return out
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         self.stall.wait(30)
-        out = super().get_into(keys, buffers)
+        out = super().get_into(keys, buffers, identities)
         return [ok and k not in self.fail_get_keys for k, ok in zip(keys, out, strict=True)]
 
 
@@ -259,10 +273,15 @@ class StallSecondBatch(FlakyStorage):
 
     stalled_key = ""
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         if self.stalled_key in keys:
-            return super().get_into(keys, buffers)
-        return FileStorage.get_into(self, keys, buffers)
+            return super().get_into(keys, buffers, identities)
+        return FileStorage.get_into(self, keys, buffers, identities)
 
 
 async def test_prefetch_timeout_commits_the_batches_that_landed(tmp_path: Path) -> None:
@@ -438,11 +457,16 @@ class CallLog(FileStorage):
         self.threads: set[int] = set()
         self.both = threading.Barrier(2, timeout=10)
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         self.reads.append(len(keys))
         self.threads.add(threading.get_ident())
         self.both.wait()  # returns only once two reads run at the same time
-        return super().get_into(keys, buffers)
+        return super().get_into(keys, buffers, identities)
 
 
 @pytest.mark.parametrize("batch", [8, 100])

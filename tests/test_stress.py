@@ -58,6 +58,7 @@ from aiocache_kv.errors import CapacityError, TransferError
 from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from aiocache_kv.handles import HandleState, InsertResult, MatchResult
 from aiocache_kv.namespace import Namespace
+from aiocache_kv.storage import integrity
 from aiocache_kv.storage.keys import storage_key
 from aiocache_kv.testing import ChaosMooncakeClient, MemoryStorage
 from aiocache_kv.transfer.engine import CopyJob, Done
@@ -323,13 +324,17 @@ class Run:
                 live = self.live[ev.medium]
                 for h in ev.block_hashes:
                     if h in live and ev.medium != "STORAGE":
-                        self.fail(f"{ev.medium} BlockStored for a block already stored: {h:x}")
+                        self.fail(
+                            f"{ev.medium} BlockStored for a block already stored: {h.hex()[:16]}"
+                        )
                     live.add(h)
             elif isinstance(ev, BlockRemoved):
                 live = self.live[ev.medium]
                 for h in ev.block_hashes:
                     if h not in live and ev.medium != "STORAGE":
-                        self.fail(f"{ev.medium} BlockRemoved for a block not stored: {h:x}")
+                        self.fail(
+                            f"{ev.medium} BlockRemoved for a block not stored: {h.hex()[:16]}"
+                        )
                     live.discard(h)
             elif isinstance(ev, AllBlocksCleared):
                 for live in self.live.values():
@@ -557,9 +562,7 @@ async def _await(aw: Awaitable[T]) -> T:
 # ---------------------------------------------------------------------------- the run
 
 
-def _config(
-    sc: Scenario, storage: Store, **kw: Any
-) -> akv.CacheConfig:
+def _config(sc: Scenario, storage: Store, **kw: Any) -> akv.CacheConfig:
     opts: dict[str, Any] = dict(
         page_size=sc.page_size,
         num_layers=LAYERS,
@@ -661,7 +664,7 @@ async def _probe_stale_claims(run: Run) -> None:
     once a prefetch of the page's prefix has asked the store, on the emptied cache, the claim
     must be retracted."""
     known = _known_pages(run)
-    by_hash = {int(k.split("/")[1], 16): k for k, (_, _, c) in known.items() if c is None}
+    by_hash = {bytes.fromhex(k.split("/")[1]): k for k, (_, _, c) in known.items() if c is None}
     storage = run.storage
     # files hurt behind the index's back: the index still lists them (read, they are dropped)
     damaged = storage.damaged if isinstance(storage, OracleFileStorage) else set()
@@ -686,7 +689,7 @@ async def _probe_stale_claims(run: Run) -> None:
     if left:
         run.fail(
             f"{len(left)} of {len(stale)} STORAGE claims the store no longer backs stayed "
-            f"claimed after a prefetch found them missing: {[f'{h:x}' for h in left[:4]]}"
+            f"claimed after a prefetch found them missing: {[f'{h.hex()[:16]}' for h in left[:4]]}"
         )
     run.note(f"stale STORAGE claims probed: {len(stale)}")
 
@@ -744,7 +747,7 @@ def _check_storage(run: Run, *, events: bool = True) -> None:
     """Every stored page holds the KV of its key (on disk: sealed, unless damaged by the
     test); STORAGE events match the store."""
     known = _known_pages(run)
-    by_hash = {int(k.split("/")[1], 16): k for k, (_, _, c) in known.items() if c is None}
+    by_hash = {bytes.fromhex(k.split("/")[1]): k for k, (_, _, c) in known.items() if c is None}
     storage = run.storage
     contents = storage.contents()
     p = run.sc.page_size
@@ -767,9 +770,9 @@ def _check_storage(run: Run, *, events: bool = True) -> None:
     for h in run.live["STORAGE"] if events else ():
         key = by_hash.get(h)
         if key is None:
-            run.fail(f"STORAGE BlockStored for an unknown block {h:x}")
+            run.fail(f"STORAGE BlockStored for an unknown block {h.hex()[:16]}")
         elif key not in contents and key not in storage.dropped and key not in damaged:
-            run.fail(f"STORAGE block {h:x} reported stored but the store lacks {key}")
+            run.fail(f"STORAGE block {h.hex()[:16]} reported stored but the store lacks {key}")
 
 
 async def stress(
@@ -810,7 +813,7 @@ async def stress(
     elif file_root is None:
         storage = MemoryStorage(seed, **sc.storage)
     else:  # room for ~40 pages: eviction all the time
-        page = LAYERS * 2 * sc.page_size * HEADS * HEAD_DIM * 4 + 40 + 100
+        page = LAYERS * 2 * sc.page_size * HEADS * HEAD_DIM * 4 + integrity.FRAME_OVERHEAD + 100
         storage = OracleFileStorage(
             file_root,
             seed,

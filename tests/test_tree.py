@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from aiocache_kv.errors import OwnershipError
+from aiocache_kv.errors import InvalidInputError, OwnershipError
 from aiocache_kv.tree import RadixTree, TierState, hashing
 from aiocache_kv.tree.hashing import MAX_TOKEN_ID, chain_hashes, namespace_seed, py_chain_hashes
 
@@ -89,18 +89,46 @@ def test_hashes_are_stable_and_chained() -> None:
     assert chain_hashes(seed, [1, 2, 3, 5], 2)[1] != h[1]
 
 
+def _reference_chain(prev: bytes, tokens: list[int], page_size: int) -> list[bytes]:
+    """The published definition, written out with hashlib: BLAKE2b-256(prev || int64 LE)."""
+    out = []
+    for i in range(0, len(tokens), page_size):
+        data = prev + b"".join(
+            t.to_bytes(8, "little", signed=True) for t in tokens[i : i + page_size]
+        )
+        prev = hashlib.blake2b(data, digest_size=32).digest()
+        out.append(prev)
+    return out
+
+
 def test_hash_values_are_pinned() -> None:
-    """The published values (events, storage keys): a change here invalidates stored pages."""
+    """The published values (events, storage keys, trailers): a change here invalidates
+    stored pages."""
     seed = namespace_seed("model-x")
-    assert seed == 6480269761401490347
+    assert seed == hashlib.blake2b(b"model-x", digest_size=32).digest()
+    assert seed.hex() == "56b9d1e13ee7c1068f8af215efcb9ba244153f1eef11e5994a3ef7a4894e5394"
     for impl in (chain_hashes, py_chain_hashes):
-        assert impl(seed, [1, 2, 3, 4], 2) == [7836470222010754399, 463488271254047394]
-        assert impl(seed, list(range(7)), 1)[-1] == 4192510818166056421
-        assert impl(seed, [MAX_TOKEN_ID, 0, 5], 16) == [654794181830219716]  # a short page
+        got = impl(seed, [1, 2, 3, 4], 2)
+        assert [h.hex() for h in got] == [
+            "6565e6a02b77757027c41d0f3f4fb7658e983a694ecedaca4c56bbc0b580c174",
+            "dbd6b5c8ccbda6c52ebb69a88ecc97aa7b600205ea3c8998be13043152c77364",
+        ]
+        assert got == _reference_chain(seed, [1, 2, 3, 4], 2)
+        last = impl(seed, list(range(7)), 1)[-1]
+        assert last.hex() == "0f53c072b8148409d18bf9861d2e9b41d299187246dfc96bf5278fe14d7218f3"
+        short = impl(seed, [MAX_TOKEN_ID, 0, 5], 16)  # a short page
+        assert [h.hex() for h in short] == [
+            "f5af1519110d07cec1418660f844f5a0c99966ad03e009b10edc6cb454ed267b"
+        ]
+        assert short == _reference_chain(seed, [MAX_TOKEN_ID, 0, 5], 16)
 
 
-def _blake64(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+def test_page_hashes_are_full_width_bytes() -> None:
+    """A page's identity is 32 bytes: no 64-bit value a birthday search could collide."""
+    seed = namespace_seed("m")
+    hashes = chain_hashes(seed, list(range(64)), 16)
+    assert all(type(h) is bytes and len(h) == 32 for h in hashes)
+    assert len(set(hashes)) == 4
 
 
 def _ext() -> ModuleType:
@@ -120,17 +148,18 @@ def test_c_blake2b_matches_hashlib_at_block_edges() -> None:
     rng = random.Random(0)
     for n in [0, 1, 7, 8, 9, 16, 120, 127, 128, 129, 136, 255, 256, 257, 1000, 4096]:
         data = rng.randbytes(n)
-        assert ext.blake2b_64(data) == _blake64(data), n
+        assert ext.blake2b_256(data) == hashlib.blake2b(data, digest_size=32).digest(), n
 
 
 def test_c_and_python_chains_agree() -> None:
     ext = _ext()
     rng = random.Random(1)
-    for page_size in [1, 2, 3, 15, 16, 17, 64]:
+    for page_size in [1, 2, 3, 12, 15, 16, 17, 64]:
         for n in [0, 1, page_size, 3 * page_size, 5 * page_size + 1]:
             tokens = [rng.choice([0, 1, MAX_TOKEN_ID, rng.randrange(1 << 63)]) for _ in range(n)]
-            prev = rng.choice([0, (1 << 64) - 1, rng.randrange(1 << 64)])
+            prev = rng.choice([bytes(32), b"\xff" * 32, rng.randbytes(32)])
             want = py_chain_hashes(prev, tokens, page_size)
+            assert want == _reference_chain(prev, tokens, page_size)
             assert ext.chain_hashes(prev, tokens, page_size) == want
             assert ext.chain_hashes(prev, tuple(tokens), page_size) == want
             kw = ext.chain_hashes(prev=prev, tokens=tokens, page_size=page_size)
@@ -140,20 +169,23 @@ def test_c_and_python_chains_agree() -> None:
 @pytest.mark.parametrize(
     ("args", "error"),
     [
-        ((-1, [1], 1), OverflowError),
-        ((1 << 64, [1], 1), OverflowError),
-        ((0, [1 << 63], 1), OverflowError),
-        ((0, [1.5], 1), TypeError),
-        ((0, [1], 0), ValueError),
+        ((-1, [1], 1), InvalidInputError),
+        ((0, [1], 1), InvalidInputError),
+        ((bytes(31), [1], 1), InvalidInputError),
+        ((bytes(33), [1], 1), InvalidInputError),
+        ((bytearray(32), [1], 1), InvalidInputError),
+        ((bytes(32), [1 << 63], 1), OverflowError),
+        ((bytes(32), [1.5], 1), TypeError),
+        ((bytes(32), [1], 0), ValueError),
     ],
 )
 def test_chain_hashes_rejects_what_it_cannot_encode(
-    args: tuple[int, list[int], int], error: type[Exception]
+    args: tuple[object, list[int], int], error: type[Exception]
 ) -> None:
     impls = [py_chain_hashes] if hashing._EXT is None else [py_chain_hashes, chain_hashes]
     for impl in impls:
         with pytest.raises(error):
-            impl(*args)
+            impl(*args)  # type: ignore[arg-type]
 
 
 def test_device_eviction_order_is_lru_exact() -> None:

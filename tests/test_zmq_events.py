@@ -209,7 +209,9 @@ async def test_cache_events_reach_a_real_subscriber(
     first = received[0]
     assert isinstance(first, BlockStored)
     assert first.token_ids == [1, 2, 3, 4] and first.block_size == 2
-    assert len(first.block_hashes) == 2 and all(0 <= h < 1 << 64 for h in first.block_hashes)
+    # full-width page identities, as bytes (vLLM's ExternalBlockHash is bytes | int)
+    assert len(first.block_hashes) == 2
+    assert all(type(h) is bytes and len(h) == 32 for h in first.block_hashes)
     removed = received[2]
     assert isinstance(removed, BlockRemoved) and removed.block_hashes == first.block_hashes
     sub.close(linger=0)
@@ -220,9 +222,10 @@ async def test_wire_bytes_match_vllm_msgspec_structs() -> None:
     require_events_deps()
     import msgspec  # a dev dependency: CI must run this check, never skip it
 
-    h = [2**64 - 1, 12345]
+    h = [b"\xff" * 32, bytes(31) + b"\x39"]
+    parent = b"\x80" + bytes(30) + b"\x05"
     ours: list[KVEvent] = [
-        BlockStored(h, 2**63 + 5, [1, 2, 3, 4], 2, "GPU"),
+        BlockStored(h, parent, [1, 2, 3, 4], 2, "GPU"),
         BlockStored(h[:1], None, [7, 8], 2, "CPU", lora_id=3),
         BlockRemoved(h, "STORAGE"),
         AllBlocksCleared(),
@@ -235,7 +238,7 @@ async def test_wire_bytes_match_vllm_msgspec_structs() -> None:
             theirs = batch_t(
                 ts=1757500000.25,
                 events=[
-                    stored_t(h, 2**63 + 5, [1, 2, 3, 4], 2, None, "GPU", *extra),
+                    stored_t(h, parent, [1, 2, 3, 4], 2, None, "GPU", *extra),
                     stored_t(h[:1], None, [7, 8], 2, 3, "CPU", *extra),
                     removed_t(h, "STORAGE"),
                     cleared_t(),

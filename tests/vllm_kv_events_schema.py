@@ -117,8 +117,8 @@ class _LegacyKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, g
 
 
 class _LegacyBlockStored(_LegacyKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[ExternalBlockHash]  # bytes | int since ExternalBlockHash (before #42892)
+    parent_block_hash: ExternalBlockHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -127,7 +127,7 @@ class _LegacyBlockStored(_LegacyKVCacheEvent, tag="BlockStored"):
 
 
 class _LegacyBlockRemoved(_LegacyKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
+    block_hashes: list[ExternalBlockHash]
     medium: str | None
 
 

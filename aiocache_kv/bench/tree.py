@@ -18,8 +18,8 @@ b. Through ``HiCache`` - ``insert`` with real device slots from ``alloc`` (valid
    default (``--events`` turns them on: each stored run then hashes its pages).
 
 Then the chained page hashes (``aiocache_kv.tree.hashing.chain_hashes``, what ``BlockStored``
-events and storage keys carry) in microseconds per page, against the implementation before the
-C fast path (one ``hashlib`` call and one ``int.from_bytes`` per page), in the same run: chains of
+events and storage keys carry: BLAKE2b-256) in microseconds per page, against the
+implementation before the C fast path (one ``hashlib`` object per page), in the same run: chains of
 1,024 pages and of 4 pages (one call per radix node, so per-call costs show), best of
 ``repeats``.
 """
@@ -373,22 +373,23 @@ def _print_page_size(p: int, a: JSON, b: JSON, opts: TreeBenchOptions) -> None:
 # ---------------------------------------------------------------------- page hashes
 
 
-def old_chain_hashes(prev: int, tokens: Sequence[int], page_size: int) -> list[int]:
-    """``chain_hashes`` as it was before the C fast path (the baseline; same values)."""
-    out: list[int] = []
+def old_chain_hashes(prev: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """``chain_hashes`` the way it was before the C fast path: one ``hashlib`` object per
+    page (the baseline; same values)."""
+    out: list[bytes] = []
     raw = array("q", tokens).tobytes()
     step = page_size * 8
     blake = hashlib.blake2b
     for off in range(0, len(raw), step):
-        h = blake(prev.to_bytes(8, "little"), digest_size=8)
+        h = blake(prev, digest_size=32)
         h.update(raw[off : off + step])
-        prev = int.from_bytes(h.digest(), "little")
+        prev = h.digest()
         out.append(prev)
     return out
 
 
 def _us_per_page(
-    fn: Callable[[int, Sequence[int], int], list[int]],
+    fn: Callable[[bytes, Sequence[int], int], list[bytes]],
     chains: list[list[int]],
     page_size: int,
     repeats: int,
@@ -407,7 +408,7 @@ def _us_per_page(
 def hash_bench(opts: TreeBenchOptions) -> JSON:
     """Microseconds per page of the page hashes, old vs pure Python vs C; prints a table."""
     heading(f"page hashes: us per page (best of {opts.repeats}), C extension: {hashing.HASH_IMPL}")
-    impls: dict[str, Callable[[int, Sequence[int], int], list[int]]] = {
+    impls: dict[str, Callable[[bytes, Sequence[int], int], list[bytes]]] = {
         "old (per-page hashlib)": old_chain_hashes,
         "pure Python (fallback)": hashing.py_chain_hashes,
     }
@@ -422,10 +423,11 @@ def hash_bench(opts: TreeBenchOptions) -> JSON:
             chains = [
                 [rng.randrange(VOCAB) for _ in range(pages_per_call * p)] for _ in range(calls)
             ]
-            want = [old_chain_hashes(7, c, p) for c in chains[:2]]
+            seed = hashing.namespace_seed("check")
+            want = [old_chain_hashes(seed, c, p) for c in chains[:2]]
             got = {name: _us_per_page(fn, chains, p, opts.repeats) for name, fn in impls.items()}
             for fn in impls.values():
-                assert [fn(7, c, p) for c in chains[:2]] == want, "implementations disagree"
+                assert [fn(seed, c, p) for c in chains[:2]] == want, "implementations disagree"
             res[label] = got
             base = got["old (per-page hashlib)"]
             for name, us in got.items():

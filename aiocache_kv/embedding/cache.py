@@ -52,13 +52,13 @@ from aiocache_kv.embedding.transfers import StoreTransfers
 from aiocache_kv.errors import (
     CacheClosedError,
     ConfigError,
-    InvalidInputError,
     OwnershipError,
     StorageError,
     StorageKeyError,
 )
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
+from aiocache_kv.numeric import check_int, check_real
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.mooncake import MooncakeStorage
 
@@ -104,7 +104,8 @@ class EmbeddingCache:
             pin_memory: page-lock the pool (default: when CUDA is available).
 
         Raises:
-            ConfigError: a bad size, dtype, namespace, timeout, store type or worker count.
+            ConfigError: a bad size, dtype, namespace, timeout (a finite number of seconds
+                > 0), store type or worker count (an int >= 1).
         """
         if isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes <= 0:
             raise ConfigError(f"pool_bytes must be a positive int, got {pool_bytes!r}")
@@ -120,8 +121,8 @@ class EmbeddingCache:
             embedding_key(namespace, b"probe")
         except StorageKeyError as exc:
             raise ConfigError(f"namespace {namespace!r} is not a valid storage tag: {exc}") from exc
-        if not timeout > 0:
-            raise ConfigError(f"timeout must be > 0, got {timeout}")
+        check_real("timeout", timeout, exclusive=True, error=ConfigError)
+        check_int("workers", workers, minimum=1, error=ConfigError)
         self.pool_bytes = pool_bytes
         self.dtype = dtype
         self.namespace = namespace
@@ -422,11 +423,11 @@ class EmbeddingCache:
 
         Raises:
             CacheClosedError, OwnershipError: as for :meth:`insert_batch`.
-            InvalidInputError: ``nbytes`` is negative.
+            InvalidInputError: ``nbytes`` is neither ``None`` nor an int >= 0.
         """
         self._check()
-        if nbytes is not None and nbytes < 0:
-            raise InvalidInputError(f"evict needs nbytes >= 0, got {nbytes}")
+        if nbytes is not None:
+            check_int("evict nbytes", nbytes)
         return self._pool.evict(nbytes)
 
     def lru_order(self) -> list[bytes]:

@@ -7,6 +7,12 @@ passes the hash as ``str`` or ``bytes``.  A ``str`` means its UTF-8 bytes, so ``
 process (never Python's ``hash()``), injective in practice for inputs of any length (no
 truncation, so two hashes that share a prefix never share a key), and the namespace tag is
 applied exactly once, here.
+
+The caller's hash *is* the entry's identity: the cache never sees the item itself, so it
+cannot tell two items apart that the caller hashed alike.  Use a collision-resistant content
+digest (SHA-256, BLAKE2b-256 or wider, of the item's canonical bytes); a short or fast
+non-cryptographic hash lets one client's item be served for another's.  Only the length and
+type are checked here.  The stored entry's trailer binds its key (``storage/integrity.py``).
 """
 
 from __future__ import annotations
@@ -60,4 +66,4 @@ def embedding_key(namespace: str, h: bytes) -> str:
         StorageKeyError: ``namespace`` is not a valid storage tag.
     """
     digest = hashlib.blake2b(h, digest_size=32, person=b"akv-emb").digest()
-    return storage_key(namespace, int.from_bytes(digest, "big"), COMPONENT)
+    return storage_key(namespace, digest, COMPONENT)

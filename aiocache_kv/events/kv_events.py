@@ -4,7 +4,9 @@
 for the host pool, ``STORAGE`` for L3 (vLLM's ``MEDIUM_GPU``/``MEDIUM_CPU``/``MEDIUM_STORAGE``).
 One :class:`BlockStored` per stored run of pages, ``block_hashes`` one per page,
 ``parent_block_hash`` the hash of the page before the run (``None`` for a run that starts the
-sequence).
+sequence).  A block hash is the page's full identity: 32 ``bytes``, the chained BLAKE2b-256 of
+:mod:`aiocache_kv.tree.hashing` (vLLM's ``ExternalBlockHash`` is ``bytes | int``; its SHA-256
+hashes are bytes too), so a consumer keyed on it never merges two prefixes.
 
 The namespace of the pages rides on :class:`BlockStored`: ``lora_name`` is the namespace's LoRA
 adapter, ``lora_id`` the int :func:`lora_id_of` derives from that name, and ``cache_salt`` the
@@ -51,8 +53,8 @@ def namespace_fields(ns: Namespace) -> dict[str, Any]:
 class BlockStored:
     """A run of pages became resident in ``medium``."""
 
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
     token_ids: list[int]
     block_size: int
     medium: str
@@ -67,7 +69,7 @@ class BlockStored:
 class BlockRemoved:
     """Pages left ``medium``."""
 
-    block_hashes: list[int]
+    block_hashes: list[bytes]
     medium: str
 
 

@@ -52,7 +52,11 @@ current protocol (``"map"``, the default) and the one before vllm-project/vllm#4
   snapshot source (:meth:`ZmqEventPublisher.run` sets the cache as one) answers the end marker
   alone with an empty last frame.  Snapshots are built at most once per
   ``snapshot_interval`` seconds (a request sooner waits, or reuses the last one when nothing
-  was published since), so a flood of requests cannot monopolize the loop.
+  was published since), so a flood of requests cannot monopolize the loop.  Each
+  :meth:`ZmqEventPublisher.run` makes its cache the source (a publisher reused for a new
+  cache snapshots the new one), unless :meth:`ZmqEventPublisher.serve_snapshots` chose one.
+  A closed cache stays a source: its snapshot is then what the stream left claimed, its
+  storage pages.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ from aiocache_kv.errors import (
 )
 from aiocache_kv.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from aiocache_kv.logs import get_logger
+from aiocache_kv.numeric import check_int, check_real
 
 if TYPE_CHECKING:
     import zmq.asyncio
@@ -238,10 +243,17 @@ class ZmqEventPublisher:
         publish_cache_salt: bool = False,
         snapshot_interval: float = 1.0,
     ) -> None:
-        if snapshot_interval < 0:
-            raise InvalidInputError(f"snapshot_interval must be >= 0, got {snapshot_interval}")
-        if buffer_steps < 0:
-            raise InvalidInputError(f"buffer_steps must be >= 0, got {buffer_steps}")
+        """Raises:
+        InvalidInputError: ``snapshot_interval`` not a finite number of seconds >= 0,
+            ``buffer_steps`` or ``hwm`` not an int >= 0, ``data_parallel_rank`` neither
+            ``None`` nor an int >= 0, or an unknown ``event_encoding``.
+        MissingDependencyError: pyzmq or msgpack is not installed.
+        """
+        check_real("snapshot_interval", snapshot_interval)
+        check_int("buffer_steps", buffer_steps)
+        check_int("hwm", hwm)
+        if data_parallel_rank is not None:
+            check_int("data_parallel_rank", data_parallel_rank)
         if event_encoding not in ("array", "map"):
             raise InvalidInputError(
                 f"event_encoding must be 'array' or 'map', got {event_encoding!r}"
@@ -270,8 +282,10 @@ class ZmqEventPublisher:
         self.snapshot_interval = snapshot_interval
         self.snapshots_built = 0
         self._snapshot_source: SnapshotSource | None = None
-        #: the last snapshot: (monotonic time built, S, encoded messages)
-        self._last_snapshot: tuple[float, int, list[bytes]] | None = None
+        #: the source was chosen with :meth:`serve_snapshots`: ``run`` leaves it alone
+        self._source_chosen = False
+        #: the last snapshot: (monotonic time built, S, encoded messages, its source)
+        self._last_snapshot: tuple[float, int, list[bytes], SnapshotSource] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -351,7 +365,14 @@ class ZmqEventPublisher:
     # ------------------------------------------------------------------ publishing
 
     async def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> int:
-        """Send ``events`` as one batch; return its sequence number.  Never blocks the loop."""
+        """Send ``events`` as one batch; return its sequence number.  Never blocks the loop.
+
+        Raises:
+            InvalidInputError: ``ts`` is neither ``None`` nor a finite number >= 0.
+            CacheClosedError: the publisher is not started or closed.
+        """
+        if ts is not None:
+            check_real("ts", ts, maximum=float("inf"))
         payload = _pack(
             self._msgpack,
             events,
@@ -381,12 +402,18 @@ class ZmqEventPublisher:
         Every event appended to the cache's log by the time this task wakes goes into one batch
         (so a batch is what one loop tick produced).  ``on_batch`` sees each batch before it is
         sent (e.g. to count events: this task is then the log's only consumer).  Events not yet
-        taken when the publisher closes stay in the cache's log.
+        taken when the publisher closes stay in the cache's log.  ``cache`` becomes the source
+        of snapshot requests (unless :meth:`serve_snapshots` chose one), and stays it after
+        this returns.
+
+        Raises:
+            CacheClosedError: this publisher was closed before it started.
+            zmq.ZMQError: a socket could not be bound (when this call starts the publisher).
         """
         if self._pub is None:
             await self.start()
-        if self._snapshot_source is None and isinstance(cache, SnapshotSource):
-            self._snapshot_source = cache
+        if not self._source_chosen and isinstance(cache, SnapshotSource):
+            self._snapshot_source = cache  # the cache published now, even on a reused publisher
         stream = cache.events()
         closed = asyncio.ensure_future(self._closed.wait())
         try:
@@ -419,8 +446,11 @@ class ZmqEventPublisher:
     # ------------------------------------------------------------------ replay, snapshots
 
     def serve_snapshots(self, source: SnapshotSource | None) -> None:
-        """Answer snapshot requests from ``source`` (``run(cache)`` sets the cache)."""
+        """Answer snapshot requests from ``source`` from now on, whatever cache :meth:`run`
+        publishes; ``None``: from the cache ``run`` publishes (each ``run(cache)`` sets its
+        cache, so a publisher reused for a new cache snapshots the new one)."""
         self._snapshot_source = source
+        self._source_chosen = source is not None
 
     def _snapshot(self, source: SnapshotSource) -> tuple[int, list[bytes]]:
         """Build and encode a snapshot now (on the loop, no await: the state and ``S`` are
@@ -440,7 +470,7 @@ class ZmqEventPublisher:
             for i in range(0, len(events), SNAPSHOT_CHUNK)
         ]
         self.snapshots_built += 1
-        self._last_snapshot = (time.monotonic(), start, payloads)
+        self._last_snapshot = (time.monotonic(), start, payloads, source)
         log.info("kv_events_snapshot", events=len(events), messages=len(payloads), seq=start)
         return start, payloads
 
@@ -452,7 +482,7 @@ class ZmqEventPublisher:
             await sock.send_multipart((identity, b"", *end, END_SEQ, b""))
             return
         last = self._last_snapshot
-        if last is not None and last[1] == self._next_seq:
+        if last is not None and last[1] == self._next_seq and last[3] is source:
             start, payloads = last[1], last[2]  # nothing published since: still exact
         else:
             if last is not None:

@@ -9,13 +9,15 @@
  * are held (Py_buffer) for the call; the summing runs without the GIL, so a storage worker's
  * checksum overlaps the event loop and the other workers.
  *
- * seal(views, keys) and verify(views, keys, sizes) are integrity.seal_many / verify_many for
- * a whole batch in one call (the Python code there is the reference): the 40-byte trailer
- * ``<4sHHQQQII`` (magic "AKVP", version 1, algorithm 1, payload length, S1, S2, crc32 of the
- * key's UTF-8 bytes, crc32 of the 36 bytes before it) is packed / parsed here, so no Python
- * runs per page.  Keys are encoded with the GIL held; every check and checksum runs without it.
+ * seal(views, keys, identities) and verify(views, keys, identities, sizes) are
+ * integrity.seal_many / verify_many for a whole batch in one call (the Python code there is the
+ * reference): the 72-byte trailer ``<4sHHQQQ32sII`` (magic "AKVP", version 2, algorithm 1,
+ * payload length, S1, S2, the page's 32-byte identity, crc32 of the key's UTF-8 bytes, crc32 of
+ * the 68 bytes before it) is packed / parsed here, so no Python runs per page.  Keys are
+ * encoded and identities copied with the GIL held; every check and checksum runs without it.
  * verify returns one code per page, in the order the checks run in integrity._check_trailer:
- * 0 OK, 1 BAD_LENGTH, 2 BAD_MAGIC, 3 BAD_TRAILER, 4 BAD_VERSION, 5 BAD_KEY, 6 BAD_CHECKSUM.
+ * 0 OK, 1 BAD_LENGTH, 2 BAD_MAGIC, 3 BAD_TRAILER, 4 BAD_VERSION, 5 BAD_KEY, 6 BAD_CHECKSUM,
+ * 7 BAD_IDENTITY (checked after the key, before the checksum).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -132,12 +134,22 @@ done:
 
 /* ------------------------------------------------------------------ framing (seal / verify) */
 
-#define TRAILER 40
-#define HEAD 36
-#define FORMAT_VERSION 1
+#define TRAILER 72
+#define HEAD 68
+#define IDENT 32
+#define FORMAT_VERSION 2
 #define ALGO 1
 
-enum { V_OK, V_BAD_LENGTH, V_BAD_MAGIC, V_BAD_TRAILER, V_BAD_VERSION, V_BAD_KEY, V_BAD_CHECKSUM };
+enum {
+    V_OK,
+    V_BAD_LENGTH,
+    V_BAD_MAGIC,
+    V_BAD_TRAILER,
+    V_BAD_VERSION,
+    V_BAD_KEY,
+    V_BAD_CHECKSUM,
+    V_BAD_IDENTITY,
+};
 
 static uint32_t crc_table[256];
 
@@ -250,7 +262,28 @@ static uint32_t *key_crcs(PyObject *keys, Py_ssize_t count)
     return crcs;
 }
 
-static void write_trailer(uint8_t *t, uint64_t n, uint64_t s1, uint64_t s2, uint32_t kcrc)
+/* every identity (IDENT bytes each) copied into one block; NULL (error set) on failure */
+static uint8_t *copy_identities(PyObject *identities, Py_ssize_t count)
+{
+    uint8_t *out = PyMem_Malloc((size_t)(count ? count : 1) * IDENT);
+    if (out == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *ident = PySequence_Fast_GET_ITEM(identities, i);
+        if (!PyBytes_CheckExact(ident) || PyBytes_GET_SIZE(ident) != IDENT) {
+            PyErr_Format(PyExc_ValueError, "identity %zd must be %d bytes", i, IDENT);
+            PyMem_Free(out);
+            return NULL;
+        }
+        memcpy(out + (size_t)i * IDENT, PyBytes_AS_STRING(ident), IDENT);
+    }
+    return out;
+}
+
+static void write_trailer(uint8_t *t, uint64_t n, uint64_t s1, uint64_t s2,
+                          const uint8_t *ident, uint32_t kcrc)
 {
     memcpy(t, "AKVP", 4);
     store_le(t + 4, FORMAT_VERSION, 2);
@@ -258,11 +291,13 @@ static void write_trailer(uint8_t *t, uint64_t n, uint64_t s1, uint64_t s2, uint
     store_le(t + 8, n, 8);
     store_le(t + 16, s1, 8);
     store_le(t + 24, s2, 8);
-    store_le(t + 32, kcrc, 4);
-    store_le(t + 36, crc32_bytes(t, HEAD), 4);
+    memcpy(t + 32, ident, IDENT);
+    store_le(t + 64, kcrc, 4);
+    store_le(t + 68, crc32_bytes(t, HEAD), 4);
 }
 
-static int check_frame(const uint8_t *p, Py_ssize_t len, Py_ssize_t got, uint32_t kcrc)
+static int check_frame(const uint8_t *p, Py_ssize_t len, Py_ssize_t got, const uint8_t *ident,
+                       uint32_t kcrc)
 {
     if (got != len || len <= TRAILER) {
         return V_BAD_LENGTH;
@@ -272,7 +307,7 @@ static int check_frame(const uint8_t *p, Py_ssize_t len, Py_ssize_t got, uint32_
     if (memcmp(t, "AKVP", 4) != 0) {
         return V_BAD_MAGIC;
     }
-    if (crc32_bytes(t, HEAD) != (uint32_t)load_le(t + 36, 4)) {
+    if (crc32_bytes(t, HEAD) != (uint32_t)load_le(t + 68, 4)) {
         return V_BAD_TRAILER;
     }
     if (load_le(t + 4, 2) != FORMAT_VERSION || load_le(t + 6, 2) != ALGO) {
@@ -281,8 +316,11 @@ static int check_frame(const uint8_t *p, Py_ssize_t len, Py_ssize_t got, uint32_
     if (load_le(t + 8, 8) != (uint64_t)n) {
         return V_BAD_LENGTH;
     }
-    if ((uint32_t)load_le(t + 32, 4) != kcrc) {
+    if ((uint32_t)load_le(t + 64, 4) != kcrc) {
         return V_BAD_KEY;
+    }
+    if (memcmp(t + 32, ident, IDENT) != 0) {
+        return V_BAD_IDENTITY;
     }
     uint64_t s1, s2;
     block_fletcher(p, n, &s1, &s2);
@@ -295,8 +333,8 @@ static int check_frame(const uint8_t *p, Py_ssize_t len, Py_ssize_t got, uint32_
 static PyObject *seal(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *seq, *keyseq;
-    if (!PyArg_ParseTuple(args, "OO", &seq, &keyseq)) {
+    PyObject *seq, *keyseq, *identseq;
+    if (!PyArg_ParseTuple(args, "OOO", &seq, &keyseq, &identseq)) {
         return NULL;
     }
     PyObject *fast = PySequence_Fast(seq, "seal needs a sequence of buffers");
@@ -308,15 +346,22 @@ static PyObject *seal(PyObject *self, PyObject *args)
         Py_DECREF(fast);
         return NULL;
     }
+    PyObject *idents = PySequence_Fast(identseq, "seal needs a sequence of identities");
+    if (idents == NULL) {
+        Py_DECREF(keys);
+        Py_DECREF(fast);
+        return NULL;
+    }
     PyObject *result = NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
     Py_buffer *views = NULL;
     uint32_t *crcs = NULL;
-    if (PySequence_Fast_GET_SIZE(keys) != count) {
-        PyErr_SetString(PyExc_ValueError, "seal needs one key per buffer");
+    uint8_t *ids = NULL;
+    if (PySequence_Fast_GET_SIZE(keys) != count || PySequence_Fast_GET_SIZE(idents) != count) {
+        PyErr_SetString(PyExc_ValueError, "seal needs one key and one identity per buffer");
         goto done;
     }
-    if ((crcs = key_crcs(keys, count)) == NULL) {
+    if ((crcs = key_crcs(keys, count)) == NULL || (ids = copy_identities(idents, count)) == NULL) {
         goto done;
     }
     if ((views = hold_all(fast, count, PyBUF_WRITABLE)) == NULL) {
@@ -335,7 +380,7 @@ static PyObject *seal(PyObject *self, PyObject *args)
         Py_ssize_t n = views[i].len - TRAILER;
         uint64_t s1, s2;
         block_fletcher(p, n, &s1, &s2);
-        write_trailer(p + n, (uint64_t)n, s1, s2, crcs[i]);
+        write_trailer(p + n, (uint64_t)n, s1, s2, ids + (size_t)i * IDENT, crcs[i]);
     }
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
@@ -344,6 +389,8 @@ done:
         release_all(views, count);
     }
     PyMem_Free(crcs);
+    PyMem_Free(ids);
+    Py_DECREF(idents);
     Py_DECREF(keys);
     Py_DECREF(fast);
     return result;
@@ -352,8 +399,8 @@ done:
 static PyObject *verify(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *seq, *keyseq, *sizeseq;
-    if (!PyArg_ParseTuple(args, "OOO", &seq, &keyseq, &sizeseq)) {
+    PyObject *seq, *keyseq, *identseq, *sizeseq;
+    if (!PyArg_ParseTuple(args, "OOOO", &seq, &keyseq, &identseq, &sizeseq)) {
         return NULL;
     }
     PyObject *fast = PySequence_Fast(seq, "verify needs a sequence of buffers");
@@ -365,8 +412,15 @@ static PyObject *verify(PyObject *self, PyObject *args)
         Py_DECREF(fast);
         return NULL;
     }
+    PyObject *idents = PySequence_Fast(identseq, "verify needs a sequence of identities");
+    if (idents == NULL) {
+        Py_DECREF(keys);
+        Py_DECREF(fast);
+        return NULL;
+    }
     PyObject *sizes = PySequence_Fast(sizeseq, "verify needs a sequence of sizes");
     if (sizes == NULL) {
+        Py_DECREF(idents);
         Py_DECREF(keys);
         Py_DECREF(fast);
         return NULL;
@@ -375,10 +429,13 @@ static PyObject *verify(PyObject *self, PyObject *args)
     Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
     Py_buffer *views = NULL;
     uint32_t *crcs = NULL;
+    uint8_t *ids = NULL;
     Py_ssize_t *got = NULL;
     int *codes = NULL;
-    if (PySequence_Fast_GET_SIZE(keys) != count || PySequence_Fast_GET_SIZE(sizes) != count) {
-        PyErr_SetString(PyExc_ValueError, "verify needs one key and one size per buffer");
+    if (PySequence_Fast_GET_SIZE(keys) != count || PySequence_Fast_GET_SIZE(sizes) != count ||
+        PySequence_Fast_GET_SIZE(idents) != count) {
+        PyErr_SetString(PyExc_ValueError,
+                        "verify needs one key, one identity and one size per buffer");
         goto done;
     }
     got = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Py_ssize_t));
@@ -387,7 +444,7 @@ static PyObject *verify(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    if ((crcs = key_crcs(keys, count)) == NULL) {
+    if ((crcs = key_crcs(keys, count)) == NULL || (ids = copy_identities(idents, count)) == NULL) {
         goto done;
     }
     if ((views = hold_all(fast, count, PyBUF_SIMPLE)) == NULL) {
@@ -410,7 +467,8 @@ static PyObject *verify(PyObject *self, PyObject *args)
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
-        codes[i] = check_frame((const uint8_t *)views[i].buf, views[i].len, got[i], crcs[i]);
+        codes[i] = check_frame((const uint8_t *)views[i].buf, views[i].len, got[i],
+                               ids + (size_t)i * IDENT, crcs[i]);
     }
     Py_END_ALLOW_THREADS
     result = PyList_New(count);
@@ -427,9 +485,11 @@ done:
         release_all(views, count);
     }
     PyMem_Free(crcs);
+    PyMem_Free(ids);
     PyMem_Free(got);
     PyMem_Free(codes);
     Py_DECREF(sizes);
+    Py_DECREF(idents);
     Py_DECREF(keys);
     Py_DECREF(fast);
     return result;

@@ -4,7 +4,13 @@ from collections.abc import Sequence
 from typing import Any
 
 def sums(buffers: Sequence[Any], nbytes: int, /) -> list[tuple[int, int]]: ...
-def seal(buffers: Sequence[Any], keys: Sequence[str], /) -> None: ...
+def seal(
+    buffers: Sequence[Any], keys: Sequence[str], identities: Sequence[bytes], /
+) -> None: ...
 def verify(
-    buffers: Sequence[Any], keys: Sequence[str], sizes: Sequence[int | None], /
+    buffers: Sequence[Any],
+    keys: Sequence[str],
+    identities: Sequence[bytes],
+    sizes: Sequence[int | None],
+    /,
 ) -> list[int]: ...

@@ -192,20 +192,36 @@ class StorageBackend(Protocol):
         """Number of leading keys present (the usable prefix of a chained-hash run)."""
         ...
 
-    def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
-        """Store each slot under its key; write the integrity trailer into the slot first.
+    def put(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """Store each slot under its key; write the integrity trailer into the slot first,
+        binding ``identities[i]`` (32 bytes: what the page was computed from; the cache passes
+        the page's chained hash) or, where ``None``, the digest of the key
+        (:func:`~aiocache_kv.storage.integrity.key_identity`).
 
         A key already present is not re-sent and reports ``True``.
 
         Raises:
             StorageKeyError: a key is malformed.
-            InvalidInputError: lengths differ or a buffer is smaller than the frame overhead.
+            InvalidInputError: lengths differ, a buffer is smaller than the frame overhead, or
+                an identity is not 32 bytes.
             StorageUnavailableError: the store was unreachable for every key of the batch.
         """
         ...
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
-        """Read each key into its slot; ``True`` only for a present page that passes integrity.
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """Read each key into its slot; ``True`` only for a present page that passes integrity
+        and whose trailer binds ``identities[i]`` (as :meth:`put`; a page bound to another
+        identity is a miss, counted as corrupt, never data).
 
         On ``False`` the slot's content is unspecified.
 
@@ -246,6 +262,7 @@ class ChainAwareStorage(Protocol):
         keys: Sequence[str],
         buffers: Sequence[PageBuffer],
         parents: Sequence[str | None],
+        identities: Sequence[bytes] | None = None,
     ) -> list[bool]:
         """:meth:`StorageBackend.put`, with ``parents[i]`` the key page ``i`` depends on
         (``None``: a chain start).  A page evicted again before the call returns reports

@@ -28,13 +28,9 @@ returns once no unfinished call holds any of them, ``io.holds(buffers)`` tells i
 waiting, and ``await io.drain()`` waits for every call.  The cache should free the host pages of
 an abandoned prefetch from a task that awaits ``wait_released`` first.
 
-Threads.  Each worker caps torch's intra-op threads at ``intra_op_threads`` (default 1; OpenMP
-keeps the setting per thread, so the caller's threads are untouched).  The workers' torch work is
-the integrity checksum (the per-page path; batches use numpy, single-threaded); with two workers
-on a two-core machine each already has a core, and an OpenMP team of two inside each worker
-oversubscribes the cores: on a loaded machine a reduction then waits for a descheduled team
-thread (measured with torch: a batched checksum fell from 6-19 GB/s with one thread to
-0.6-5 GB/s with two while other processes ran).
+Threads.  Each worker caps torch's intra-op threads at ``intra_op_threads`` (default 1, per
+thread): with two workers on two cores an OpenMP team inside each oversubscribes the cores (a
+batched checksum fell from 6-19 GB/s to 0.6-5 GB/s with teams of two under load).
 
 Timers (not ``asyncio.wait_for``) implement the deadline and the slot wait, so a grant that
 races with a cancellation is handed back (``except BaseException: ... raise``).
@@ -47,6 +43,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -64,6 +61,7 @@ from aiocache_kv.errors import (
     StorageUnavailableError,
 )
 from aiocache_kv.logs import get_logger
+from aiocache_kv.numeric import check_int, check_real
 from aiocache_kv.storage.base import ChainAwareStorage, PageBuffer, StorageBackend, StorageStats
 
 __all__ = ["BatchReports", "StorageIO", "StorageIOStats"]
@@ -150,19 +148,16 @@ class StorageIO:
         intra_op_threads: int | None = 1,
     ) -> None:
         """Raises:
-        ConfigError: ``workers`` < 1, ``max_pending`` < ``workers``, ``default_timeout`` <= 0,
-            ``intra_op_threads`` < 1 (``None`` keeps torch's default in the workers).
+        ConfigError: ``workers`` < 1, ``max_pending`` < ``workers``, ``intra_op_threads`` < 1
+            (``None`` keeps torch's default in the workers), one of them not an int, or
+            ``default_timeout`` not a finite number > 0.
         """
-        if workers < 1:
-            raise ConfigError(f"workers must be >= 1, got {workers}")
-        if max_pending is None:
-            max_pending = 4 * workers
-        if max_pending < workers:
-            raise ConfigError(f"max_pending ({max_pending}) must be >= workers ({workers})")
-        if not default_timeout > 0:
-            raise ConfigError(f"default_timeout must be > 0, got {default_timeout}")
-        if intra_op_threads is not None and intra_op_threads < 1:
-            raise ConfigError(f"intra_op_threads must be >= 1 or None, got {intra_op_threads}")
+        check_int("workers", workers, minimum=1, error=ConfigError)
+        max_pending = 4 * workers if max_pending is None else max_pending
+        check_int("max_pending (at least workers)", max_pending, minimum=workers, error=ConfigError)
+        check_real("default_timeout", default_timeout, exclusive=True, error=ConfigError)
+        if intra_op_threads is not None:
+            check_int("intra_op_threads", intra_op_threads, minimum=1, error=ConfigError)
         self.backend = backend
         self.workers = workers
         self.max_pending = max_pending
@@ -219,17 +214,20 @@ class StorageIO:
         timeout: float | None = None,
         on_release: Callable[[], None] | None = None,
         parents: Sequence[str | None] | None = None,
+        identities: Sequence[bytes] | None = None,
     ) -> list[bool]:
         """``backend.put`` off the loop (``put_chain`` with ``parents``, the key each page
-        depends on, where the backend is a :class:`ChainAwareStorage`).  On timeout/cancel the
+        depends on, where the backend is a :class:`ChainAwareStorage`; ``identities``, what
+        each page was computed from, go to the backend as they are).  On timeout/cancel the
         slots stay in use until :meth:`wait_released` (``on_release`` runs on the loop then,
         exactly once).  Raises the backend's errors or ``StorageTimeoutError``."""
         bufs = list(buffers)
         backend = self.backend
+        idents = None if identities is None else list(identities)
         if parents is not None and isinstance(backend, ChainAwareStorage):
             return await self.call(
                 "put",
-                backend.put_chain,
+                functools.partial(backend.put_chain, identities=idents),
                 list(keys),
                 bufs,
                 list(parents),
@@ -239,7 +237,7 @@ class StorageIO:
             )
         return await self.call(
             "put",
-            backend.put,
+            functools.partial(backend.put, identities=idents),
             list(keys),
             bufs,
             timeout=timeout,
@@ -254,14 +252,17 @@ class StorageIO:
         *,
         timeout: float | None = None,
         on_release: Callable[[], None] | None = None,
+        identities: Sequence[bytes] | None = None,
     ) -> list[bool]:
-        """``backend.get_into`` off the loop.  On timeout/cancel the slots stay in use until
-        :meth:`wait_released` (``on_release`` runs on the loop then, exactly once).
+        """``backend.get_into`` off the loop (``identities``: what each page must have been
+        computed from).  On timeout/cancel the slots stay in use until :meth:`wait_released`
+        (``on_release`` runs on the loop then, exactly once).
         Raises the backend's errors or ``StorageTimeoutError``."""
         bufs = list(buffers)
+        idents = None if identities is None else list(identities)
         return await self.call(
             "get_into",
-            self.backend.get_into,
+            functools.partial(self.backend.get_into, identities=idents),
             list(keys),
             bufs,
             timeout=timeout,
@@ -271,26 +272,24 @@ class StorageIO:
 
     async def get_into_batches(
         self,
-        batches: Sequence[tuple[Sequence[str], Sequence[PageBuffer]]],
+        batches: Sequence[tuple[Sequence[str], Sequence[PageBuffer], Sequence[bytes] | None]],
         on_batch: Callable[[int, list[bool] | BaseException], None] | BatchReports,
         *,
         timeout: float | None = None,
         on_release: Callable[[], None] | None = None,
         report_gap: float = 0.0,
     ) -> None:
-        """``backend.get_into`` of each ``(keys, buffers)`` batch in turn, on one worker: one
-        hand-off for all of them, each batch still one backend call of its own size.
+        """``backend.get_into`` of each ``(keys, buffers, identities)`` batch in turn, on one
+        worker: one hand-off for all, each batch one backend call of its own size.
         ``on_batch(i, flags or the exception)`` runs on the loop for each batch that ended,
         in order, before this returns; a batch's exception does not stop the next.  Batches
         not started by the deadline are skipped.  Buffers stay in use until every batch ended,
         late ones included (``on_release`` runs on the loop then, exactly once).
 
-        Reports and loop wake-ups.  The worker wakes the loop for a report at most every
-        ``report_gap`` seconds (0: after every batch; a wake-up costs ~40 us of CPU between
-        the loop and the worker, measured with 16-page batches) and once when it is done;
-        batches that end in between wait in ``on_batch``'s :class:`BatchReports` (pass one to
-        :meth:`BatchReports.drain` them yourself, e.g. at a deadline).  This call drains them
-        when it ends, however it ends.
+        The worker wakes the loop for a report at most every ``report_gap`` seconds (0: after
+        every batch; a wake-up costs ~40 us) and once at the end; batches that end in between
+        wait in ``on_batch``'s :class:`BatchReports` (:meth:`BatchReports.drain` them
+        yourself, e.g. at a deadline).  This call drains them when it ends, however it ends.
 
         Raises:
             StorageTimeoutError: the batches did not all end in ``timeout`` seconds (those
@@ -301,19 +300,22 @@ class StorageIO:
         limit = self.default_timeout if timeout is None else timeout
         stop = time.monotonic() + limit  # the worker starts no batch after this
         get_into = self.backend.get_into
-        jobs = [(list(keys), list(bufs)) for keys, bufs in batches]
+        jobs = [
+            (list(keys), list(bufs), None if ids is None else list(ids))
+            for keys, bufs, ids in batches
+        ]
         reports = on_batch if isinstance(on_batch, BatchReports) else BatchReports(on_batch)
 
         def run() -> None:  # worker thread: results go back through the loop only
             last = -float("inf")  # the first batch is reported at once
             unposted = False
             try:
-                for i, (keys, bufs) in enumerate(jobs):
+                for i, (keys, bufs, ids) in enumerate(jobs):
                     if time.monotonic() >= stop:
                         return
                     res: list[bool] | BaseException
                     try:
-                        res = get_into(keys, bufs)
+                        res = get_into(keys, bufs, identities=ids)
                     except Exception as exc:  # reported per batch; the next one still runs
                         res = exc
                     reports.put(i, res)
@@ -334,7 +336,7 @@ class StorageIO:
                 "get_into",
                 run,
                 timeout=timeout,
-                buffers=[b for _, bufs in jobs for b in bufs],
+                buffers=[b for _, bufs, _ in jobs for b in bufs],
                 on_release=on_release,
             )
         finally:
@@ -378,10 +380,11 @@ class StorageIO:
         while holders := self._holders(buffers):
             await asyncio.wait([asyncio.shield(c.finished) for c in holders])
 
-    async def drain(self) -> None:
-        """Wait until every call handed to a worker has finished (late ones included)."""
-        while self._inflight:
-            await asyncio.wait([asyncio.shield(c.finished) for c in self._inflight.values()])
+    async def drain(self, *, later: bool = True) -> None:
+        """Wait until every call handed to a worker (``later=False``: by now) has finished."""
+        last = float("inf") if later else max(self._inflight, default=-1)
+        while calls := [c.finished for i, c in self._inflight.items() if i <= last]:
+            await asyncio.wait([asyncio.shield(f) for f in calls])
 
     async def aclose(self, *, timeout: float | None = None) -> None:
         """Refuse new calls, drain (up to ``timeout``), close the backend, stop the workers.
@@ -474,6 +477,7 @@ class StorageIO:
             StorageTimeoutError: no result within ``timeout`` (default ``default_timeout``)
                 seconds, counting the wait for a slot.
             StorageUnavailableError: the executor is closed.
+            InvalidInputError: ``timeout`` is not a finite number.
             StorageError: ``fn`` raised an exception outside the ``KVCacheError`` hierarchy
                 (chained); ``KVCacheError``s propagate unchanged.
         """
@@ -481,8 +485,8 @@ class StorageIO:
             loop = self._bind_loop()
             if self._closed:
                 raise StorageUnavailableError(f"StorageIO is closed ({what})")
-            if timeout is None:
-                timeout = self.default_timeout
+            timeout = self.default_timeout if timeout is None else timeout
+            check_real("timeout", timeout, minimum=None)  # a NaN deadline breaks the loop
             deadline = loop.time() + timeout
             await self._acquire(loop, deadline, what, timeout)
         except BaseException:

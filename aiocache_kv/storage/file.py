@@ -401,19 +401,29 @@ class FileStorage(FileWrites):
 
     # -- reads -------------------------------------------------------------------------------
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
-        """Read each present key into its slot and verify it; corrupt pages are deleted.
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """Read each present key into its slot and verify it (against ``identities``, see
+        :mod:`.integrity`); corrupt pages and pages of another identity are deleted.
 
         Raises:
             StorageKeyError: a malformed key.
-            InvalidInputError: ``len(keys) != len(buffers)`` or a slot <= ``FRAME_OVERHEAD``.
+            InvalidInputError: ``len(keys) != len(buffers)``, a slot <= ``FRAME_OVERHEAD``, or
+                a malformed identity.
             StorageUnavailableError: closed or unusable directory.
         """
         integrity.check_batch(keys, buffers)
+        idents = integrity.identities_for(keys, identities)
         with self._in_use():
-            return self._get_into(keys, buffers)
+            return self._get_into(keys, buffers, idents)
 
-    def _get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def _get_into(
+        self, keys: Sequence[str], buffers: Sequence[PageBuffer], idents: list[bytes]
+    ) -> list[bool]:
         n = len(keys)
         results = [False] * n
         names = [file_name(k) for k in keys]
@@ -424,7 +434,7 @@ class FileStorage(FileWrites):
         corrupt: list[tuple[str, integrity.Verdict]] = []
         io_errors: list[str] = []
         for chunk in chunks(todo, buffers):
-            got = page_file.read_chunk(self._dirs.get, keys, names, buffers, chunk)
+            got = page_file.read_chunk(self._dirs.get, keys, names, buffers, idents, chunk)
             for i in got.gone:  # deleted behind our back: nothing left to unlink
                 self._forget(names[i], unlinking=False)
             for i in got.junk:  # not a page: forgotten and deleted, not counted as removed

@@ -60,24 +60,33 @@ class FileWrites:
 
     # -- writes ------------------------------------------------------------------------------
 
-    def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
-        """Seal and store each slot; present keys are not rewritten (``True``, counted skipped).
-        Pages stored this way record no parent: see :meth:`put_chain`.
+    def put(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """Seal (binding ``identities``, see :mod:`.integrity`) and store each slot; present
+        keys are not rewritten (``True``, counted skipped).  Pages stored this way record no
+        parent: see :meth:`put_chain`.
 
         Raises:
             StorageKeyError: a malformed key.
-            InvalidInputError: ``len(keys) != len(buffers)`` or a slot <= ``FRAME_OVERHEAD``.
+            InvalidInputError: ``len(keys) != len(buffers)``, a slot <= ``FRAME_OVERHEAD``, or
+                a malformed identity.
             StorageUnavailableError: closed or unusable directory.
         """
         integrity.check_batch(keys, buffers)
+        idents = integrity.identities_for(keys, identities)
         with self._in_use():
-            return self._put(keys, buffers, [None] * len(keys))
+            return self._put(keys, buffers, [None] * len(keys), idents)
 
     def put_chain(
         self,
         keys: Sequence[str],
         buffers: Sequence[PageBuffer],
         parents: Sequence[str | None],
+        identities: Sequence[bytes] | None = None,
     ) -> list[bool]:
         """:meth:`put`, with ``parents[i]`` the key page ``i`` depends on (``None``: a chain
         start), recorded in the file and used by eviction (chain ends first).  A page the same
@@ -85,18 +94,26 @@ class FileWrites:
 
         Raises:
             StorageKeyError: a malformed key or parent.
-            InvalidInputError: lengths differ or a slot <= ``FRAME_OVERHEAD``.
+            InvalidInputError: lengths differ, a slot <= ``FRAME_OVERHEAD``, or a malformed
+                identity.
             StorageUnavailableError: closed or unusable directory.
         """
         integrity.check_batch(keys, buffers)
         if len(parents) != len(keys):
             raise InvalidInputError(f"{len(parents)} parents for {len(keys)} keys")
         check_keys([p for p in parents if p is not None])
+        idents = integrity.identities_for(keys, identities)
         with self._in_use():
-            return self._put(keys, buffers, [None if p is None else file_name(p) for p in parents])
+            return self._put(
+                keys, buffers, [None if p is None else file_name(p) for p in parents], idents
+            )
 
     def _put(
-        self, keys: Sequence[str], buffers: Sequence[PageBuffer], parents: list[str | None]
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        parents: list[str | None],
+        idents: list[bytes],
     ) -> list[bool]:
         n = len(keys)
         results = [False] * n
@@ -125,7 +142,9 @@ class FileWrites:
         nbytes = no_space = 0
         writable: bool | None = None  # what the last write said about free space
         for chunk in chunks(todo, buffers):
-            integrity.seal_many([buffers[i] for i in chunk], [keys[i] for i in chunk])
+            integrity.seal_many(
+                [buffers[i] for i in chunk], [keys[i] for i in chunk], [idents[i] for i in chunk]
+            )
             group: list[int] = []  # created in place, in one batch
             single: list[int] = []  # through a temporary file, page by page
             mine = {names[i] for i in chunk}

@@ -1,23 +1,35 @@
-"""Page framing: a trailer with magic, version, length, key binding and checksum.
+"""Page framing: a trailer with magic, version, length, identity, key binding and checksum.
 
 Slot layout (what the host pool reserves per page)::
 
-    [ payload (nbytes - FRAME_OVERHEAD) | trailer (FRAME_OVERHEAD = 40 bytes) ]
+    [ payload (nbytes - FRAME_OVERHEAD) | trailer (FRAME_OVERHEAD = 72 bytes) ]
 
-Trailer, little-endian ``<4sHHQQQII``::
+Trailer (format version 2), little-endian ``<4sHHQQQ32sII``::
 
     magic  b"AKVP" | version u16 | algorithm u16 | payload_len u64 | sum1 u64 | sum2 u64 |
-    key_crc u32 (crc32 of the UTF-8 key) | trailer_crc u32 (crc32 of the 36 bytes before it)
+    identity 32 bytes | key_crc u32 (crc32 of the UTF-8 key) |
+    trailer_crc u32 (crc32 of the 68 bytes before it)
 
 The trailer sits *after* the payload so that the whole slot is stored with one zero-copy call,
 and a truncated object cannot present a valid trailer.  ``key_crc`` binds a page to its key, so
 a valid page stored under another key (another namespace, a mixed-up file) is rejected too.
+
+``identity`` binds a page to what it was computed from.  The cache passes the page's chained
+BLAKE2b-256 hash (:mod:`aiocache_kv.tree.hashing`: the namespace and every token up to the end
+of the page), and a read is a hit only if the stored identity equals the one the reader
+computed from its own tokens (``BAD_IDENTITY`` otherwise: a miss, counted and published like a
+corrupt page).  So a page is never served for another prompt's tokens, whatever its key: not
+after a key collision, not when a store hands back another key's object.  A caller that passes
+no identity (direct backend use) binds the page to the BLAKE2b-256 of its key instead
+(:func:`key_identity`).  Version 1 pages (40-byte trailer, no identity) are misses.
 
 Checksum choice (measured on the project machine, 2 vCPU, 1 MiB pages, one thread):
 ``zlib.crc32`` 3.6 GB/s, ``zlib.adler32`` 3.0 GB/s, blake2b 0.8 GB/s, a plain torch int64 sum
 17-25 GB/s (one read pass at memory bandwidth: the ceiling), and the block-Fletcher below
 ~16 GB/s raw, 14-17 GB/s for a whole ``seal``/``verify``.  Against a 2 GB/s store crc32 would
 cost ~55% of the time; the block-Fletcher costs ~12-14% (the plain-sum ceiling ~10%).
+The checksum detects accidents; identity against forgery comes from the identity field (a
+writer with access to the store itself can write anything, and is outside this guarantee).
 
 The block-Fletcher views the payload as int64 words, sums each 16 KiB block (``s_b``) in one
 vectorised pass, and stores ``S1 = sum(s_b)`` and ``S2 = sum((b + 1) * s_b)`` (both mod 2**64;
@@ -41,7 +53,7 @@ path ~3 GB/s (~20 us of op overhead per page), a batch of 16 pages ~11 GB/s, of 
 ~17-25 GB/s.  numpy rather than torch: a batch is one heavy reduction, which releases the GIL,
 plus tiny ops that keep it; torch releases and re-takes the GIL around each of its ~10 ops, and
 a storage worker re-taking it waits behind the event loop and the other worker (measured in the
-cache path: ~560 -> ~210 us per 16-page seal).  The format is unchanged (``FORMAT_VERSION`` 1).
+cache path: ~560 -> ~210 us per 16-page seal).
 
 C.  Where the ``_blocksum`` extension is built (``pip install -e .`` with a C compiler;
 :data:`CHECKSUM_IMPL` says), :func:`checksums` and :func:`checksum` are one C pass per page
@@ -56,6 +68,7 @@ per page: ~0.6 us a page less, and no GIL held per page by a storage worker);
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 import math
 import struct
@@ -82,6 +95,7 @@ __all__ = [
     "check_batch",
     "checksum",
     "checksums",
+    "key_identity",
     "log_failures",
     "payload_nbytes",
     "py_seal_many",
@@ -93,14 +107,16 @@ __all__ = [
 ]
 
 MAGIC = b"AKVP"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ALGO_BLOCK_FLETCHER64 = 1
-_TRAILER = struct.Struct("<4sHHQQQII")
-_HEAD = struct.Struct("<4sHHQQQI")  # the trailer without its own crc
+#: Bytes of a page identity (a chained page hash, :data:`aiocache_kv.tree.hashing.HASH_BYTES`).
+IDENTITY_BYTES = 32
+_TRAILER = struct.Struct("<4sHHQQQ32sII")
+_HEAD = struct.Struct("<4sHHQQQ32sI")  # the trailer without its own crc
 _CRC = struct.Struct("<I")
 #: Bytes the host pool must reserve at the end of every page slot.
 FRAME_OVERHEAD = _TRAILER.size
-assert FRAME_OVERHEAD == 40, "trailer layout changed: FRAME_OVERHEAD is part of the contract"
+assert FRAME_OVERHEAD == 72, "trailer layout changed: FRAME_OVERHEAD is part of the contract"
 
 _BLOCK_WORDS = 2048  # 16 KiB blocks (512..8192 words measured: 2048+ is fastest)
 _WEIGHTS = torch.arange(1, (1 << 16) + 1, dtype=torch.int64)  # block weights, up to 1 GiB
@@ -133,6 +149,7 @@ class Verdict(enum.Enum):
     BAD_VERSION = "bad_version"  # written by another format version / algorithm
     BAD_KEY = "bad_key"  # a valid page of another key
     BAD_CHECKSUM = "bad_checksum"
+    BAD_IDENTITY = "bad_identity"  # a valid page computed from other tokens (another prefix)
 
 
 def payload_nbytes(slot_nbytes: int) -> int:
@@ -172,6 +189,33 @@ def check_batch(keys: Sequence[str], buffers: Sequence[PageBuffer]) -> None:
 
 def _key_crc(key: str) -> int:
     return zlib.crc32(key.encode("utf-8", "surrogatepass"))
+
+
+def key_identity(key: str) -> bytes:
+    """The identity a page put without one is bound to: the BLAKE2b-256 of its UTF-8 key."""
+    return hashlib.blake2b(
+        key.encode("utf-8", "surrogatepass"), digest_size=IDENTITY_BYTES
+    ).digest()
+
+
+def identities_for(keys: Sequence[str], identities: Sequence[bytes] | None) -> list[bytes]:
+    """Per key: ``identities[i]``, or :func:`key_identity` of the key where none was given.
+
+    Raises:
+        InvalidInputError: ``identities`` differs from ``keys`` in length, or an identity is
+            not ``bytes`` of :data:`IDENTITY_BYTES`.
+    """
+    if identities is None:
+        return [key_identity(k) for k in keys]
+    if len(identities) != len(keys):
+        raise InvalidInputError(f"{len(keys)} keys but {len(identities)} identities")
+    out = list(identities)
+    for i, ident in enumerate(out):
+        if type(ident) is not bytes or len(ident) != IDENTITY_BYTES:
+            raise InvalidInputError(
+                f"identities[{i}] must be {IDENTITY_BYTES} bytes, got {ident!r:.80}"
+            )
+    return out
 
 
 def checksum(data: torch.Tensor) -> tuple[int, int]:
@@ -349,20 +393,25 @@ def checksums(buffers: Sequence[PageBuffer], nbytes: int) -> list[tuple[int, int
     ]
 
 
-def _trailer(n: int, s1: int, s2: int, key: str) -> bytes:
-    head = _HEAD.pack(MAGIC, FORMAT_VERSION, ALGO_BLOCK_FLETCHER64, n, s1, s2, _key_crc(key))
+def _trailer(n: int, s1: int, s2: int, key: str, identity: bytes) -> bytes:
+    head = _HEAD.pack(
+        MAGIC, FORMAT_VERSION, ALGO_BLOCK_FLETCHER64, n, s1, s2, identity, _key_crc(key)
+    )
     return head + _CRC.pack(zlib.crc32(head))
 
 
-def seal(buffer: PageBuffer, key: str) -> None:
-    """Write the trailer for ``buffer``'s payload and ``key`` into the slot's last bytes.
+def seal(buffer: PageBuffer, key: str, identity: bytes | None = None) -> None:
+    """Write the trailer for ``buffer``'s payload, ``key`` and ``identity`` (default:
+    :func:`key_identity`) into the slot's last bytes.
 
     Raises:
-        InvalidInputError: the slot is not larger than :data:`FRAME_OVERHEAD`.
+        InvalidInputError: the slot is not larger than :data:`FRAME_OVERHEAD`, or
+            ``identity`` is not ``bytes`` of :data:`IDENTITY_BYTES`.
     """
     n = payload_nbytes(buffer.nbytes)
+    (ident,) = identities_for([key], None if identity is None else [identity])
     s1, s2 = checksum(buffer.tensor[:n])
-    buffer.view[n:] = _trailer(n, s1, s2, key)
+    buffer.view[n:] = _trailer(n, s1, s2, key, ident)
 
 
 def _by_size(buffers: Sequence[PageBuffer], idx: Sequence[int]) -> dict[int, list[int]]:
@@ -372,33 +421,42 @@ def _by_size(buffers: Sequence[PageBuffer], idx: Sequence[int]) -> dict[int, lis
     return groups
 
 
-def seal_many(buffers: Sequence[PageBuffer], keys: Sequence[str]) -> None:
-    """:func:`seal` every ``buffers[i]`` for ``keys[i]``, the checksums batched.
+def seal_many(
+    buffers: Sequence[PageBuffer],
+    keys: Sequence[str],
+    identities: Sequence[bytes] | None = None,
+) -> None:
+    """:func:`seal` every ``buffers[i]`` for ``keys[i]`` and ``identities[i]`` (default:
+    :func:`key_identity` of each key), the checksums batched.
 
     Raises:
-        InvalidInputError: lengths differ, or a slot is not larger than :data:`FRAME_OVERHEAD`.
+        InvalidInputError: lengths differ, a slot is not larger than :data:`FRAME_OVERHEAD`,
+            or an identity is not ``bytes`` of :data:`IDENTITY_BYTES`.
     """
     if len(buffers) != len(keys):
         raise InvalidInputError(f"{len(keys)} keys but {len(buffers)} buffers")
+    idents = identities_for(keys, identities)
     for b in buffers:
         payload_nbytes(b.nbytes)
     if _EXT is not None:  # checksums and trailers in one C call, no Python per page
-        _EXT.seal([b.view for b in buffers], keys)
+        _EXT.seal([b.view for b in buffers], keys, idents)
         return
-    py_seal_many(buffers, keys)
+    py_seal_many(buffers, keys, idents)
 
 
-def py_seal_many(buffers: Sequence[PageBuffer], keys: Sequence[str]) -> None:
+def py_seal_many(
+    buffers: Sequence[PageBuffer], keys: Sequence[str], identities: Sequence[bytes]
+) -> None:
     """:func:`seal_many` in Python (the reference of the C path; inputs already checked)."""
     for size, idx in _by_size(buffers, range(len(buffers))).items():
         n = size - FRAME_OVERHEAD
         sums = checksums([buffers[i] for i in idx], n)
         for i, (s1, s2) in zip(idx, sums, strict=True):
-            buffers[i].view[n:] = _trailer(n, s1, s2, keys[i])
+            buffers[i].view[n:] = _trailer(n, s1, s2, keys[i], identities[i])
 
 
 def _check_trailer(
-    buffer: PageBuffer, key: str, nbytes_read: int | None
+    buffer: PageBuffer, key: str, identity: bytes, nbytes_read: int | None
 ) -> Verdict | tuple[int, int]:
     """Every check but the checksum: a failing :class:`Verdict`, or the stored ``(S1, S2)``."""
     if nbytes_read is None:
@@ -407,7 +465,9 @@ def _check_trailer(
         return Verdict.BAD_LENGTH
     n = buffer.nbytes - FRAME_OVERHEAD
     view = buffer.view
-    magic, version, algo, length, s1, s2, key_crc, trailer_crc = _TRAILER.unpack_from(view, n)
+    magic, version, algo, length, s1, s2, ident, key_crc, trailer_crc = _TRAILER.unpack_from(
+        view, n
+    )
     if magic != MAGIC:
         return Verdict.BAD_MAGIC
     if zlib.crc32(view[n : n + _HEAD.size]) != trailer_crc:
@@ -418,12 +478,22 @@ def _check_trailer(
         return Verdict.BAD_LENGTH
     if key_crc != _key_crc(key):
         return Verdict.BAD_KEY
+    if ident != identity:
+        return Verdict.BAD_IDENTITY
     return s1, s2
 
 
-def verify(buffer: PageBuffer, key: str, nbytes_read: int | None = None) -> Verdict:
-    """Check the frame in ``buffer`` (``nbytes_read`` = object size, default: the slot size)."""
-    stored = _check_trailer(buffer, key, nbytes_read)
+def verify(
+    buffer: PageBuffer, key: str, nbytes_read: int | None = None, identity: bytes | None = None
+) -> Verdict:
+    """Check the frame in ``buffer`` (``nbytes_read`` = object size, default: the slot size)
+    against ``key`` and ``identity`` (default: :func:`key_identity`).
+
+    Raises:
+        InvalidInputError: ``identity`` is not ``bytes`` of :data:`IDENTITY_BYTES`.
+    """
+    (ident,) = identities_for([key], None if identity is None else [identity])
+    stored = _check_trailer(buffer, key, ident, nbytes_read)
     if isinstance(stored, Verdict):
         return stored
     if checksum(buffer.tensor[: buffer.nbytes - FRAME_OVERHEAD]) != stored:
@@ -435,11 +505,14 @@ def verify_many(
     buffers: Sequence[PageBuffer],
     keys: Sequence[str],
     nbytes_read: Sequence[int | None] | None = None,
+    identities: Sequence[bytes] | None = None,
 ) -> list[Verdict]:
-    """:func:`verify` every ``buffers[i]`` against ``keys[i]``, the checksums batched.
+    """:func:`verify` every ``buffers[i]`` against ``keys[i]`` and ``identities[i]`` (default:
+    :func:`key_identity` of each key), the checksums batched.
 
     Raises:
-        InvalidInputError: lengths differ.
+        InvalidInputError: lengths differ, or an identity is not ``bytes`` of
+            :data:`IDENTITY_BYTES`.
     """
     if nbytes_read is None:
         nbytes_read = [None] * len(buffers)
@@ -447,10 +520,11 @@ def verify_many(
         raise InvalidInputError(
             f"{len(keys)} keys, {len(buffers)} buffers, {len(nbytes_read)} sizes"
         )
+    idents = identities_for(keys, identities)
     if _EXT is not None:  # every check of every page in one C call
-        codes = _EXT.verify([b.view for b in buffers], keys, nbytes_read)
+        codes = _EXT.verify([b.view for b in buffers], keys, idents, nbytes_read)
         return [_VERDICTS[c] for c in codes]
-    return py_verify_many(buffers, keys, nbytes_read)
+    return py_verify_many(buffers, keys, nbytes_read, idents)
 
 
 #: :func:`verify_many`'s C codes, in the order of ``_blocksum.c``'s enum
@@ -462,17 +536,21 @@ _VERDICTS = (
     Verdict.BAD_VERSION,
     Verdict.BAD_KEY,
     Verdict.BAD_CHECKSUM,
+    Verdict.BAD_IDENTITY,
 )
 
 
 def py_verify_many(
-    buffers: Sequence[PageBuffer], keys: Sequence[str], nbytes_read: Sequence[int | None]
+    buffers: Sequence[PageBuffer],
+    keys: Sequence[str],
+    nbytes_read: Sequence[int | None],
+    identities: Sequence[bytes],
 ) -> list[Verdict]:
-    """:func:`verify_many` in Python (the reference of the C path; lengths already checked)."""
+    """:func:`verify_many` in Python (the reference of the C path; inputs already checked)."""
     verdicts: list[Verdict] = [Verdict.OK] * len(buffers)
     stored: dict[int, tuple[int, int]] = {}
     for i, (buf, key, got) in enumerate(zip(buffers, keys, nbytes_read, strict=True)):
-        res = _check_trailer(buf, key, got)
+        res = _check_trailer(buf, key, identities[i], got)
         if isinstance(res, Verdict):
             verdicts[i] = res
         else:

@@ -1,8 +1,12 @@
 """Storage key formatting: the one place where the namespace tag is applied.
 
-A storage key is ``"{tag}/{page_hash:016x}/{component}"``.  The cache computes page hashes that
+A storage key is ``"{tag}/{page_hash.hex()}/{component}"``: the page hash in full (32 bytes, 64
+lowercase hex digits: the chained BLAKE2b-256 of :mod:`aiocache_kv.tree.hashing`, so two
+prefixes share a key only by a 2**128-work collision).  The cache computes page hashes that
 are already seeded by the namespace; the tag is added here, exactly once, at the storage
 boundary, and a sidecar component (``"kv"``, ``"swa"``, ``"mamba"``, ...) comes after it.
+The stored page's trailer binds the same hash again (``storage/integrity.py``), so a page is
+served only for the prefix it was computed from even if two keys ever met.
 Tags and components use a restricted charset without ``/`` so that :func:`parse_storage_key`
 is unambiguous and a raw key can be checked for "exactly one tag".
 """
@@ -28,12 +32,13 @@ __all__ = [
 
 MAX_TAG_LEN = 64
 MAX_COMPONENT_LEN = 32
-MAX_HASH_BITS = 256
+#: Bytes of the page hash a key carries (64 hex digits).
+KEY_HASH_BYTES = 32
 #: Longest key a backend accepts (bytes of UTF-8); formatted keys are far shorter.
 MAX_KEY_LEN = 1024
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_HASH_RE = re.compile(r"[0-9a-f]{16,64}")
+_HASH_RE = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +46,7 @@ class ParsedKey:
     """The parts of a formatted storage key."""
 
     tag: str
-    page_hash: int
+    page_hash: bytes
     component: str
 
 
@@ -59,23 +64,28 @@ def _check_name(kind: str, value: object, max_len: int) -> str:
     return value
 
 
-def storage_key(tag: str, page_hash: int, component: str = "kv") -> str:
+def _bad_hash(page_hash: object) -> StorageKeyError:
+    return StorageKeyError(
+        f"page_hash must be {KEY_HASH_BYTES} bytes, got {page_hash!r:.80}"
+        + ("" if isinstance(page_hash, bytes) else f" ({type(page_hash).__name__})")
+    )
+
+
+def storage_key(tag: str, page_hash: bytes, component: str = "kv") -> str:
     """Format the storage key of one page component.
 
     Raises:
         StorageKeyError: ``tag``/``component`` empty, too long or outside the safe charset;
-            ``page_hash`` not a non-negative ``int`` below ``2**256``.
+            ``page_hash`` not ``bytes`` of :data:`KEY_HASH_BYTES`.
     """
     _check_name("tag", tag, MAX_TAG_LEN)
     _check_name("component", component, MAX_COMPONENT_LEN)
-    if isinstance(page_hash, bool) or not isinstance(page_hash, int):
-        raise StorageKeyError(f"page_hash must be an int, got {type(page_hash).__name__}")
-    if page_hash < 0 or page_hash >= 1 << MAX_HASH_BITS:
-        raise StorageKeyError(f"page_hash must be in [0, 2**{MAX_HASH_BITS}), got {page_hash}")
-    return f"{tag}/{page_hash:016x}/{component}"
+    if type(page_hash) is not bytes or len(page_hash) != KEY_HASH_BYTES:
+        raise _bad_hash(page_hash)
+    return f"{tag}/{page_hash.hex()}/{component}"
 
 
-def storage_keys(tag: str, page_hashes: list[int], component: str = "kv") -> list[str]:
+def storage_keys(tag: str, page_hashes: list[bytes], component: str = "kv") -> list[str]:
     """:func:`storage_key` of every hash (one call per prompt: the names are checked once).
 
     Raises:
@@ -83,14 +93,10 @@ def storage_keys(tag: str, page_hashes: list[int], component: str = "kv") -> lis
     """
     _check_name("tag", tag, MAX_TAG_LEN)
     _check_name("component", component, MAX_COMPONENT_LEN)
-    if page_hashes and not (
-        all(type(h) is int for h in page_hashes)
-        and min(page_hashes) >= 0
-        and max(page_hashes) < 1 << MAX_HASH_BITS
-    ):
-        for h in page_hashes:
-            storage_key(tag, h, component)  # raises for the first bad one
-    return [f"{tag}/{h:016x}/{component}" for h in page_hashes]
+    for h in page_hashes:
+        if type(h) is not bytes or len(h) != KEY_HASH_BYTES:
+            raise _bad_hash(h)
+    return [f"{tag}/{h.hex()}/{component}" for h in page_hashes]
 
 
 def parse_storage_key(key: str) -> ParsedKey:
@@ -108,9 +114,9 @@ def parse_storage_key(key: str) -> ParsedKey:
     tag, hex_hash, component = parts
     _check_name("tag", tag, MAX_TAG_LEN)
     _check_name("component", component, MAX_COMPONENT_LEN)
-    if _HASH_RE.fullmatch(hex_hash) is None or (len(hex_hash) > 16 and hex_hash[0] == "0"):
+    if _HASH_RE.fullmatch(hex_hash) is None:
         raise StorageKeyError(f"storage key {key!r:.120} has a malformed page hash {hex_hash!r}")
-    return ParsedKey(tag=tag, page_hash=int(hex_hash, 16), component=component)
+    return ParsedKey(tag=tag, page_hash=bytes.fromhex(hex_hash), component=component)
 
 
 def check_keys(keys: Sequence[str]) -> None:

@@ -23,27 +23,25 @@ The client's own ``MC_*`` variables are read by the C++ client at :meth:`open`:
 is an IP literal, :meth:`open` sets it to that address so a loopback deployment stays on
 loopback).  ``MC_STORE_CLIENT_SETUP_RETRIES`` bounds ``setup`` when no master answers.
 
-Semantics.  ``put`` seals every slot (trailer written into it, batched checksums) and sends it
-zero-copy with ``batch_put_from``.  A Mooncake put on a key the store already holds returns 0
-and keeps the old value without moving any bytes, so by default (``check_existing=False``) no
-existence check precedes it: a present key costs the same one master round trip as the check
-would, and the cache only backs up pages storage lacks.  The price is in the counters: a key
-the store already had counts as ``put_ok`` (and its slot in ``bytes_written``), and only a key
-repeated inside the batch as ``put_skipped``.  ``check_existing=True`` asks ``batch_is_exist``
-first (sealing the first chunk while it is in flight) and does not send present keys, which
-keeps ``put_ok`` / ``put_skipped`` / ``bytes_written`` exact.  A batch of several chunks
-(:data:`PIPELINE_BYTES`) is pipelined: chunk k is sent on a helper thread while chunk k + 1 is
-sealed; a batch of one chunk is sealed and sent on the calling thread
-(:mod:`.mooncake_pipeline`).  ``get_into`` reads the same chunks, verifying chunk k while
-chunk k + 1 is read.  Return codes:
-``-704`` = missing (a miss); ``-900``/``-901``/``-800`` = unavailable (master dead, master hung,
-data holder dead); ``-200`` = no space: the failed keys are retried once after
-``no_space_retry_delay`` seconds (the master evicts in the meantime), then reported as
-failures per key.  When *every* key of a batch fails as unavailable the call raises
-:class:`~aiocache_kv.errors.StorageUnavailableError` (the all-``False`` result would carry no
-more information); otherwise each key gets its own result.  A page that fails the integrity
-check (or whose object is larger/smaller than the slot, ``-600`` / short read) is a miss,
-counted as corrupt, and removed from the store so a later put can replace it.
+Semantics.  ``put`` seals every slot (trailer written into it, batched checksums, the page's
+identity bound) and sends it zero-copy with ``batch_put_from``.  A Mooncake put on a key the
+store already holds returns 0 and keeps the old value without moving any bytes, so by default
+(``check_existing=False``) no existence check precedes it: a present key costs the same one
+master round trip as the check would, and the cache only backs up pages storage lacks.  The
+price is in the counters: a key the store already had counts as ``put_ok`` (and its slot in
+``bytes_written``), and only a key repeated inside the batch as ``put_skipped``.
+``check_existing=True`` asks ``batch_is_exist`` first (sealing the first chunk while it is in
+flight) and does not send present keys, which keeps those counters exact.  A batch of several
+chunks (:data:`PIPELINE_BYTES`) is pipelined: chunk k is sent on a helper thread while chunk
+k + 1 is sealed (:mod:`.mooncake_pipeline`); ``get_into`` verifies chunk k while chunk k + 1
+is read.  Return codes: ``-704`` = missing (a miss); ``-900``/``-901``/``-800`` = unavailable
+(master dead, master hung, data holder dead); ``-200`` = no space: the failed keys are
+retried once after ``no_space_retry_delay`` seconds (the master evicts meanwhile), then
+reported as failures per key.  When *every* key of a batch fails as unavailable the call
+raises :class:`~aiocache_kv.errors.StorageUnavailableError`; otherwise each key gets its own
+result.  A page that fails the integrity check or was computed from other tokens
+(``BAD_IDENTITY``), or whose object is larger/smaller than the slot (``-600`` / short read),
+is a miss, counted as corrupt, and removed from the store so a later put can replace it.
 """
 
 from __future__ import annotations
@@ -65,6 +63,7 @@ from aiocache_kv.errors import (
     StorageUnavailableError,
 )
 from aiocache_kv.logs import get_logger
+from aiocache_kv.numeric import check_real
 from aiocache_kv.storage import integrity
 from aiocache_kv.storage.base import (
     PageBuffer,
@@ -130,7 +129,7 @@ class MooncakeStorage:
         check_existing: bool = False,
     ) -> None:
         """Raises:
-        ConfigError: a size or timeout is malformed or an address is empty.
+        ConfigError: a size, delay (finite, >= 0) or timeout is malformed, or an address is empty.
         """
         self.master = master or _env("MOONCAKE_MASTER") or _DEFAULT_MASTER
         self.metadata_server = (
@@ -162,8 +161,7 @@ class MooncakeStorage:
             or rpc_timeout_ms <= 0
         ):
             raise ConfigError(f"rpc_timeout_ms must be a positive int, got {rpc_timeout_ms!r}")
-        if no_space_retry_delay < 0:
-            raise ConfigError(f"no_space_retry_delay must be >= 0, got {no_space_retry_delay}")
+        check_real("no_space_retry_delay", no_space_retry_delay, error=ConfigError)
         if ":" not in self.master:
             raise ConfigError(f"master must be host:port, got {self.master!r}")
         self.rpc_timeout_ms = rpc_timeout_ms
@@ -372,9 +370,14 @@ class MooncakeStorage:
         """Count of the leading run of present keys (raises as :meth:`exists`)."""
         return leading_run(self.exists(keys))
 
-    def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
-        """Seal and store slots zero-copy; see module doc for codes, retries and
-        ``check_existing``.
+    def put(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """Seal (binding ``identities``, see :mod:`.integrity`) and store slots zero-copy; see
+        module doc for codes, retries and ``check_existing``.
 
         Raises:
             StorageKeyError, InvalidInputError: malformed batch (nothing sent).
@@ -382,6 +385,7 @@ class MooncakeStorage:
             StorageError: the client raised.
         """
         integrity.check_batch(keys, buffers)
+        idents = integrity.identities_for(keys, identities)
         n = len(keys)
         if n == 0:
             return []
@@ -400,7 +404,12 @@ class MooncakeStorage:
             if pending is not None:
                 # seal while the check is in flight: the cache backs up only what storage
                 # lacks, so the work is rarely wasted
-                integrity.seal_many([buffers[i] for i in chunks[0]], [keys[i] for i in chunks[0]])
+                first_chunk = chunks[0]
+                integrity.seal_many(
+                    [buffers[i] for i in first_chunk],
+                    [keys[i] for i in first_chunk],
+                    [idents[i] for i in first_chunk],
+                )
                 sealed = 1
                 exist = pending.result()
             else:
@@ -421,9 +430,13 @@ class MooncakeStorage:
         def send(idx: list[int]) -> list[int]:
             return self._send(store, idx, keys, buffers)
 
-        codes = pipelined_put(chunks, keys, buffers, send, self._submit, sealed=sealed, todo=todo)
+        codes = pipelined_put(
+            chunks, keys, buffers, idents, send, self._submit, sealed=sealed, todo=todo
+        )
         late = [i for i in first.values() if i not in codes]  # the check saw a repeat differently
-        integrity.seal_many([buffers[i] for i in late], [keys[i] for i in late])
+        integrity.seal_many(
+            [buffers[i] for i in late], [keys[i] for i in late], [idents[i] for i in late]
+        )
         codes.update(zip(late, send(late) if late else [], strict=True))
         if todo is None and len(first) == n and all(c == 0 for c in codes.values()):
             # every key distinct, sent and stored (the common case): the loop below in short
@@ -492,8 +505,14 @@ class MooncakeStorage:
             [buffers[i].nbytes for i in idx],
         )
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
-        """Read slots zero-copy and verify them; corrupt pages are misses and are removed.
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """Read slots zero-copy and verify them (against ``identities``, see :mod:`.integrity`);
+        corrupt pages and pages of another identity are misses and are removed.
 
         Raises:
             StorageKeyError, InvalidInputError: malformed batch (nothing read).
@@ -501,6 +520,7 @@ class MooncakeStorage:
             StorageError: the client raised.
         """
         integrity.check_batch(keys, buffers)
+        idents = integrity.identities_for(keys, identities)
         n = len(keys)
         if n == 0:
             return []
@@ -511,7 +531,7 @@ class MooncakeStorage:
         def get(idx: list[int]) -> list[int]:
             return self._get(store, idx, keys, buffers)
 
-        codes, read, verdicts = pipelined_get(chunks, keys, buffers, get, self._submit)
+        codes, read, verdicts = pipelined_get(chunks, keys, buffers, idents, get, self._submit)
         ok = integrity.Verdict.OK
         if len(read) == n and all(v is ok for v in verdicts):  # every page read and intact
             self._stats.add(gets=n, hits=n, bytes_read=sum(codes))

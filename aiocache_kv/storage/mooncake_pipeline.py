@@ -52,20 +52,24 @@ def pipelined_put(
     chunks: list[list[int]],
     keys: Sequence[str],
     buffers: Sequence[PageBuffer],
+    idents: Sequence[bytes],
     send: Call,
     submit: Submit,
     *,
     sealed: int = 0,
     todo: set[int] | None = None,
 ) -> dict[int, int]:
-    """Seal every chunk and send its members that are in ``todo`` (all: ``None``); the
-    first ``sealed`` chunks are sealed already.  Returns index -> put code."""
+    """Seal every chunk (``idents[i]``: what page ``i`` was computed from) and send its
+    members that are in ``todo`` (all: ``None``); the first ``sealed`` chunks are sealed
+    already.  Returns index -> put code."""
     codes: dict[int, int] = {}
 
     def seal(k: int) -> list[int]:
         chunk = chunks[k]
         if k >= sealed:
-            integrity.seal_many([buffers[i] for i in chunk], [keys[i] for i in chunk])
+            integrity.seal_many(
+                [buffers[i] for i in chunk], [keys[i] for i in chunk], [idents[i] for i in chunk]
+            )
         return chunk if todo is None else [i for i in chunk if i in todo]
 
     if len(chunks) == 1:  # no pipeline: no hand-off
@@ -96,11 +100,13 @@ def pipelined_get(
     chunks: list[list[int]],
     keys: Sequence[str],
     buffers: Sequence[PageBuffer],
+    idents: Sequence[bytes],
     get: Call,
     submit: Submit,
 ) -> tuple[list[int], list[int], list[integrity.Verdict]]:
-    """Read every chunk (chunk k + 1 on a helper while chunk k is verified).  Returns the
-    codes of every index in order, the indices read (code > 0) and their verdicts."""
+    """Read every chunk (chunk k + 1 on a helper while chunk k is verified against
+    ``idents``).  Returns the codes of every index in order, the indices read (code > 0) and
+    their verdicts."""
     codes: list[int] = []
     read: list[int] = []
     verdicts: list[integrity.Verdict] = []
@@ -116,12 +122,15 @@ def pipelined_get(
             # every page was read, verify the caller's lists as they are
             if len(chunks) == 1 and len(chunk) == len(buffers) and all(c > 0 for c in got):
                 read += chunk
-                verdicts += integrity.verify_many(buffers, keys, got)
+                verdicts += integrity.verify_many(buffers, keys, got, idents)
                 continue
             done = [i for i, code in zip(chunk, got, strict=True) if code > 0]
             read += done
             verdicts += integrity.verify_many(
-                [buffers[i] for i in done], [keys[i] for i in done], [codes[i] for i in done]
+                [buffers[i] for i in done],
+                [keys[i] for i in done],
+                [codes[i] for i in done],
+                [idents[i] for i in done],
             )
     finally:
         settle(ahead)  # the buffers are the caller's again only once no read is writing

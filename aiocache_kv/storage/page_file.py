@@ -1,10 +1,12 @@
 """One page file of ``FileStorage``: its format, writing a new one, reading one back.
 
-A file is ``b"AKV2" | u32 key_len | parent (20 bytes) | key | slot`` (the slot being the
-sealed page, see :mod:`.integrity`).  ``parent`` is the 20-byte name digest of the page this one
-depends on (all zero: none), so the index can rebuild chains at start-up
-(:func:`read_header`).  Files of the first format (``b"AKVF"``, no parent) read as
-``BAD_MAGIC``: a miss, deleted at first read.  Both directions take a directory descriptor and
+A file is ``b"AKV3" | u32 key_len | parent (20 bytes) | key | slot`` (the slot being the
+sealed page, see :mod:`.integrity`: its trailer binds the page's identity).  ``parent`` is the
+20-byte name digest of the page this one depends on (all zero: none), so the index can
+rebuild chains at start-up
+(:func:`read_header`).  Files of earlier formats (``b"AKVF"``: no parent; ``b"AKV2"``: a
+trailer without the page identity, keys with 64-bit page hashes) read as ``BAD_MAGIC``: a
+miss, deleted at first read.  Both directions take a directory descriptor and
 one name component and go through :mod:`.safe_fs`: a new file is created with
 ``O_EXCL | O_NOFOLLOW`` (never an existing name), a read opens a regular file only, without
 following a link or blocking.
@@ -77,7 +79,7 @@ _NAME_LEN = 40  # hex digits of BLAKE2b-160
 #: files are written / right after they are read, so the checksum reads bytes still in cache
 CHUNK_BYTES = 4 << 20
 HEADER = struct.Struct("<4sI20s")
-MAGIC = b"AKV2"
+MAGIC = b"AKV3"
 NO_PARENT = bytes(20)
 
 
@@ -295,10 +297,12 @@ def read_chunk(
     keys: Sequence[str],
     names: Sequence[str],
     buffers: Sequence[PageBuffer],
+    idents: Sequence[bytes],
     chunk: list[int],
 ) -> ChunkRead:
-    """Read pages ``chunk`` (indices into ``keys`` / ``names`` / ``buffers``) and verify the
-    ones read in full in one pass; ``shard_fd(shard)`` gives a shard's directory descriptor.
+    """Read pages ``chunk`` (indices into ``keys`` / ``names`` / ``buffers`` / ``idents``) and
+    verify the ones read in full in one pass, each against its identity (see
+    :mod:`.integrity`); ``shard_fd(shard)`` gives a shard's directory descriptor.
     Nothing here touches an index: the caller applies the outcome."""
     out = ChunkRead()
     read: list[int] = []  # read in full with the right header and size: checksum them
@@ -317,7 +321,11 @@ def read_chunk(
                 read.append(i)
             else:
                 out.corrupt.append((i, verdict))
-    verdicts = integrity.verify_many([buffers[i] for i in read], [keys[i] for i in read])
+    verdicts = integrity.verify_many(
+        [buffers[i] for i in read],
+        [keys[i] for i in read],
+        identities=[idents[i] for i in read],
+    )
     for i, verdict in zip(read, verdicts, strict=True):
         if verdict is integrity.Verdict.OK:
             out.good.append(i)

@@ -85,7 +85,7 @@ class _Prefetch:
     anchor: Node
     pages: torch.Tensor  #: reserved host pages (their slots in every pool)
     keys: list[list[str]]  #: per pool, one key per page after ``cached``
-    hashes: list[int]
+    hashes: list[bytes]
     deadline: float
     #: per trailing component: pages before ``cached`` that count for its window, and how
     #: many of those the tree holds (consecutive, ending at ``cached``)
@@ -100,7 +100,7 @@ class _Prefetch:
     vanished: list[int] = field(default_factory=list)
     #: hashes of pages storage does not have that an earlier ``BlockStored(STORAGE)`` of a node
     #: no longer in the tree claimed (evicted silently, e.g. by a Mooncake master)
-    unclaimed: list[int] = field(default_factory=list)
+    unclaimed: list[bytes] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -364,7 +364,8 @@ class PrefetchingTier(StorageTierBase):
                 for part in mine:
                     keys = [job.keys[pool][j] for pool, j in part]
                     bufs = [self._buffers[pool][rows[j]] for pool, j in part]
-                    batches.append((keys, bufs))
+                    # every component of page j is bound to the page's own chain hash
+                    batches.append((keys, bufs, [job.hashes[j] for _, j in part]))
                 leased = torch.from_numpy(reserved[[j for part in mine for _, j in part]])
                 alloc.lease(leased)  # a late read must never land in a reused page
                 remaining = max(job.deadline - time.monotonic(), 0.001)
@@ -404,8 +405,10 @@ class PrefetchingTier(StorageTierBase):
             core.latencies.prefetch.observe(time.monotonic() - job.started)
             # per-rank facts about a rank's own store: not published where ranks must agree
             if (job.vanished or job.unclaimed) and not core.coordinator.deferred:
-                gone = job.unclaimed + [job.hashes[j] for j in sorted(job.vanished)]
-                core.emit(BlockRemoved(gone, Tier.STORAGE.medium))
+                vanished = [job.hashes[j] for j in sorted(job.vanished)]
+                for h in vanished:  # no claim of it is left to announce again
+                    self.lose_stored(h)
+                core.emit(BlockRemoved(job.unclaimed + vanished, Tier.STORAGE.medium))
         finally:
             self.core.tree.unpin(job.anchor)
             del self._jobs[job.rid]

@@ -16,16 +16,44 @@ caused, and no node is left to retract the claim when the backend drops them sil
 Mooncake master evicts without telling anyone).  With ``orphan_limit`` > 0 those hashes are
 kept as *orphaned claims* (the newest ``orphan_limit``); a prefetch that finds one of them
 missing takes it back with :meth:`take_missing` and retracts it.
+
+Each claim keeps what announced it (the node's tokens, the hash before its first page, its
+namespace and where it starts in its sequence; references to what the node already holds),
+so that :meth:`StoredPages.claims` can announce every page still claimed again: a snapshot
+for a consumer that joined late carries the claims of nodes that left the tree too.
 """
 
 from __future__ import annotations
 
 import collections
 import weakref
+from typing import Any
 
 from aiocache_kv.tree import Node
 
-__all__ = ["StoredPages"]
+__all__ = ["StoredPages", "StoredRun"]
+
+
+class StoredRun:
+    """The pages one :meth:`StoredPages.remember` was given, with what announced them."""
+
+    __slots__ = ("hashes", "ns", "parent", "ref", "start", "tokens")
+
+    def __init__(
+        self,
+        ref: weakref.ref[Node],
+        hashes: list[bytes],
+        tokens: list[int],
+        parent: bytes | None,
+        ns: Any,
+        start: int,
+    ) -> None:
+        self.ref = ref
+        self.hashes = hashes  #: the page hashes, in order
+        self.tokens = tokens  #: the node's tokens (``page_size`` per page)
+        self.parent = parent  #: the hash of the page before the first (``None``: none)
+        self.ns = ns  #: the node's namespace
+        self.start = start  #: pages before the first one in its sequence
 
 
 class StoredPages:
@@ -33,23 +61,27 @@ class StoredPages:
 
     def __init__(self, orphan_limit: int = 0) -> None:
         """``orphan_limit``: how many orphaned claims to keep (0: none, events are off)."""
-        self._by_hash: dict[int, weakref.ref[Node]] = {}
+        self._by_hash: dict[bytes, weakref.ref[Node]] = {}
         self._orphan_limit = orphan_limit
-        #: hashes of pages stored by nodes that died since, oldest first
-        self._orphans: collections.OrderedDict[int, None] = collections.OrderedDict()
-        #: id of each live reference -> (the reference, the hashes it was given for)
-        self._given: dict[int, tuple[weakref.ref[Node], list[int]]] = {}
+        #: hashes of pages stored by nodes that died since, oldest first -> their run
+        self._orphans: collections.OrderedDict[bytes, StoredRun] = collections.OrderedDict()
+        #: id of each live reference -> the run it was given for
+        self._given: dict[int, StoredRun] = {}
         self._dead: collections.deque[weakref.ref[Node]] = collections.deque()  # any thread
 
     def __len__(self) -> int:
         self._sweep()
         return len(self._by_hash)
 
-    def remember(self, node: Node, hashes: list[int]) -> None:
-        """The pages ``hashes`` of ``node`` are in storage now (a later call for a hash wins)."""
+    def remember(
+        self, node: Node, hashes: list[bytes], parent: bytes | None = None, start: int = 0
+    ) -> None:
+        """The pages ``hashes`` of ``node`` are in storage now (a later call for a hash wins);
+        ``parent``: the hash of the page before them, ``start``: how many pages precede them
+        in their sequence (what :meth:`claims` announces them with)."""
         self._sweep()
         ref = weakref.ref(node, self._dead.append)  # deque.append: safe from any thread
-        self._given[id(ref)] = (ref, hashes)
+        self._given[id(ref)] = StoredRun(ref, hashes, node.key, parent, node.ns, start)
         self._by_hash.update(dict.fromkeys(hashes, ref))
 
     @property
@@ -58,14 +90,14 @@ class StoredPages:
         self._sweep()
         return len(self._orphans)
 
-    def pop(self, page_hash: int) -> Node | None:
+    def pop(self, page_hash: bytes) -> Node | None:
         """Forget ``page_hash`` (its orphaned claim too); the node that held it, if alive."""
         self._sweep()
         self._orphans.pop(page_hash, None)
         ref = self._by_hash.pop(page_hash, None)
         return None if ref is None else ref()
 
-    def take_missing(self, hashes: list[int], present: list[bool]) -> list[int]:
+    def take_missing(self, hashes: list[bytes], present: list[bool]) -> list[bytes]:
         """The orphaned claims among ``hashes`` whose ``present`` flag is false, in order;
         they are forgotten (so retracted once).  A page whose node left the tree but was not
         collected yet (nodes sit in reference cycles) counts as orphaned too."""
@@ -89,22 +121,41 @@ class StoredPages:
                 out.append(h)
         return out
 
+    def claims(self) -> list[tuple[StoredRun, list[int]]]:
+        """Every page still claimed stored, each once: per run, the indices of its pages
+        still claimed (by a node in the tree, one that left it, or an orphaned claim)."""
+        self._sweep()
+        by_hash = self._by_hash
+        out: list[tuple[StoredRun, list[int]]] = []
+        for run in self._given.values():
+            ref = run.ref
+            held = [i for i, h in enumerate(run.hashes) if by_hash.get(h) is ref]
+            if held:
+                out.append((run, held))
+        orphaned: dict[int, tuple[StoredRun, set[bytes]]] = {}
+        for h, run in self._orphans.items():
+            if h not in by_hash:  # else a later node's claim carries it
+                orphaned.setdefault(id(run), (run, set()))[1].add(h)
+        for run, hashes in orphaned.values():
+            out.append((run, [i for i, h in enumerate(run.hashes) if h in hashes]))
+        return out
+
     def _sweep(self) -> None:
         dead = self._dead
         while dead:
             ref = dead.popleft()
-            _, hashes = self._given.pop(id(ref))
+            run = self._given.pop(id(ref))
             by_hash = self._by_hash
             orphaned = []
-            for h in hashes:
+            for h in run.hashes:
                 if by_hash.get(h) is ref:  # (once: a hash may repeat)
                     del by_hash[h]
                     orphaned.append(h)
             if self._orphan_limit:
-                self._orphan(orphaned)
+                self._orphan(orphaned, run)
 
-    def _orphan(self, hashes: list[int]) -> None:
+    def _orphan(self, hashes: list[bytes], run: StoredRun) -> None:
         orphans = self._orphans
-        orphans.update(dict.fromkeys(hashes))
+        orphans.update(dict.fromkeys(hashes, run))
         for _ in range(len(orphans) - self._orphan_limit):
             orphans.popitem(last=False)  # the oldest claim is forgotten

@@ -47,7 +47,7 @@ import functools
 import itertools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -89,7 +89,9 @@ class BackupOp:
         "entry_pages",
         "error",
         "future",
+        "idents",
         "keys",
+        "lost",
         "nbytes",
         "parents",
         "release",
@@ -104,11 +106,14 @@ class BackupOp:
         #: per stored key (KV and sidecars), the index of its page in the op's page order
         self.entry_pages: list[int] = []
         self.results: list[bool] = []
+        #: indices in ``keys`` of pages evicted before the op landed (by any put): not stored
+        self.lost: set[int] = set()
         self.error: str | None = None
         self.started = time.monotonic()
-        #: what the put sends (set by ``backup``): keys, parents, slots, their bytes
+        #: what the put sends (set by ``backup``): keys, parents, identities, slots, their bytes
         self.keys: list[str] = []
         self.parents: list[str | None] = []
+        self.idents: list[bytes] = []
         self.bufs: list[PageBuffer] = []
         self.nbytes = 0
         self.release: Callable[[], None] | None = None  #: ends the lease (once)
@@ -128,18 +133,36 @@ class StorageTier(PrefetchingTier):
         self._sending = 0  # backup puts handed to StorageIO and not yet answered
         self._pump_scheduled = False
 
-    async def settle(self, *, drain: bool = True) -> None:
-        """Wait for every backup and background prefetch (each bounded by its deadline), then
-        up to ``storage_timeout`` for late workers to hand their pages back.  Workers still
-        stuck after that keep their pages quarantined (``statistics().host.quarantined_pages``)
-        and release them when they return."""
-        while self._backups or self._tasks:
-            waits: list[asyncio.Future[None]] = [op.future for op in self._backups.values()]
-            waits += list(self._tasks)
+    def pending_work(self, *, prefetches: bool = True) -> list[asyncio.Future[Any]]:
+        """The backups queued or running and (with ``prefetches``) the background
+        prefetches, as of now: what a flush called now waits for."""
+        waits: list[asyncio.Future[Any]] = [op.future for op in self._backups.values()]
+        return waits + list(self._tasks) if prefetches else waits
+
+    @staticmethod
+    def backups_of(nodes: list[Node]) -> list[asyncio.Future[None]]:
+        """The backups reading ``nodes`` now (one started when a node's host copy landed)."""
+        ops = {id(n.backup): n.backup for n in nodes if n.backup is not None}
+        return [op.future for op in ops.values()]
+
+    async def settle(
+        self, waits: list[asyncio.Future[Any]] | None = None, *, drain: bool = True
+    ) -> None:
+        """Wait for ``waits`` (from :meth:`pending_work` and :meth:`backups_of`; ``None``:
+        every backup and background prefetch, until none is left), each bounded by its
+        deadline, then up to ``storage_timeout`` for the workers busy at that point to hand
+        their pages back (with ``waits``, not for calls handed over later: new work does not
+        hold a flush up).  Workers still stuck after that keep their pages quarantined
+        (``statistics().host.quarantined_pages``) and release them when they return."""
+        if waits is None:
+            while self._backups or self._tasks:
+                await asyncio.wait(self.pending_work())
+        elif waits:
             await asyncio.wait(waits)
         if drain and self.io.io_statistics().in_flight:
             try:
-                await asyncio.wait_for(self.io.drain(), self.core.config.storage_timeout)
+                drained = self.io.drain(later=waits is None)
+                await asyncio.wait_for(drained, self.core.config.storage_timeout)
             except asyncio.TimeoutError:
                 log.warning(
                     "storage_workers_stuck",
@@ -184,6 +207,7 @@ class StorageTier(PrefetchingTier):
         op = BackupOp(todo, loop.create_future())
         keys: list[str] = []
         parents: list[str | None] = []  # the key each page depends on (chain-aware eviction)
+        idents: list[bytes] = []  # what each page was computed from (its trailer binds it)
         bufs: list[PageBuffer] = []
         base = 0
         for node in todo:
@@ -195,6 +219,7 @@ class StorageTier(PrefetchingTier):
                 if pool and core.config.components[pool - 1].name in node.invalid:
                     continue  # never store a page this node does not have
                 keys += self._keys(node.ns, hashes, pool)
+                idents += hashes
                 chain = self._keys(node.ns, ([] if prev is None else [prev]) + hashes[:-1], pool)
                 if prev is None:
                     parents.append(None)
@@ -210,7 +235,7 @@ class StorageTier(PrefetchingTier):
         alloc = core.host_alloc
         assert alloc is not None
         alloc.lease(leased)  # until the worker is done with the bytes, whatever the verdict
-        op.keys, op.parents, op.bufs = keys, parents, bufs
+        op.keys, op.parents, op.bufs, op.idents = keys, parents, bufs, idents
         op.nbytes = sum(b.nbytes for b in bufs)
         op.release = functools.partial(alloc.unlease, leased)
         op.deadline = loop.time() + core.config.storage_timeout
@@ -256,6 +281,7 @@ class StorageTier(PrefetchingTier):
         of every op ends when the workers are done."""
         keys = [k for op in group for k in op.keys]
         parents = [p for op in group for p in op.parents]
+        idents = [h for op in group for h in op.idents]
         bufs = [b for op in group for b in op.bufs]
         releases = [op.release for op in group if op.release is not None]
         for op in group:
@@ -277,7 +303,9 @@ class StorageTier(PrefetchingTier):
                     if timeout <= 0:  # queued past its deadline behind busy workers
                         release()
                         raise StorageTimeoutError("storage put did not start in time")
-                    results = await self._put_parts(keys, bufs, parents, timeout, release, parts)
+                    results = await self._put_parts(
+                        keys, bufs, parents, idents, timeout, release, parts
+                    )
                 except KVCacheError as exc:
                     error = repr(exc)
                     if self.core.coordinator.deferred:  # every rank frees at the agreed point
@@ -306,6 +334,7 @@ class StorageTier(PrefetchingTier):
         keys: list[str],
         bufs: list[PageBuffer],
         parents: list[str | None],
+        idents: list[bytes],
         timeout: float,
         release: Callable[[], None],
         parts: int,
@@ -319,7 +348,7 @@ class StorageTier(PrefetchingTier):
         """
         if parts <= 1:
             return await self.io.put(
-                keys, bufs, timeout=timeout, on_release=release, parents=parents
+                keys, bufs, timeout=timeout, on_release=release, parents=parents, identities=idents
             )
         n = len(keys)
         cuts = [n * i // parts for i in range(parts + 1)]
@@ -338,6 +367,7 @@ class StorageTier(PrefetchingTier):
                     timeout=timeout,
                     on_release=one_released,
                     parents=parents[a:b],
+                    identities=idents[a:b],
                 )
                 for a, b in itertools.pairwise(cuts)
             ),
@@ -361,8 +391,8 @@ class StorageTier(PrefetchingTier):
 
         ``ok=False`` (agreed across ranks) fails every page whatever this rank saw.
         """
-        del self._backups[id(op)]
         self.reconcile_evictions()  # what this put (or another) evicted: never announced
+        del self._backups[id(op)]
         core = self.core
         tree = core.tree
         p = core.config.page_size
@@ -371,13 +401,13 @@ class StorageTier(PrefetchingTier):
         for j, good in zip(op.entry_pages, op.results, strict=True):
             if not good:
                 page_ok[j] = False
+        for k in op.lost:  # stored, then evicted before this landed: not in the store now
+            page_ok[op.entry_pages[k]] = False
         i = 0
         ok_pages = 0
         for node in op.targets:  # split heads were inserted in path order: pages line up
             k = len(node.key) // p
             node_ok = all(page_ok[i : i + k])
-            if self.take_doubt(node):  # another put evicted one of its pages meanwhile
-                node_ok = False
             i += k
             tree.end_backup(node, node_ok)
             if node_ok:
@@ -396,6 +426,12 @@ class StorageTier(PrefetchingTier):
             log.warning("backup_incomplete", pages=pages, failed=failed, error=op.error)
         if not op.future.done():
             op.future.set_result(None)
+
+    def _evicted_in_flight(self, keys: set[str]) -> None:
+        """Fail the pages of ``keys`` in every backup not yet landed (on the loop)."""
+        for op in self._backups.values():
+            if not keys.isdisjoint(op.keys):
+                op.lost.update(i for i, key in enumerate(op.keys) if key in keys)
 
     def retarget(self, head: Node, tail: Node) -> None:
         """A node under backup was split: the backup now covers both parts, head first."""

@@ -9,7 +9,6 @@ shard).  The prefetch path (:mod:`.prefetch`) and the backup path (:mod:`.tier`)
 from __future__ import annotations
 
 import asyncio
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,8 +21,8 @@ from aiocache_kv.storage.base import ChainAwareStorage, PageBuffer, StorageBacke
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
 from aiocache_kv.storage.keys import parse_storage_key, storage_keys
-from aiocache_kv.storage.stored_pages import StoredPages
-from aiocache_kv.tree.node import FILLING, Node, Tier
+from aiocache_kv.storage.stored_pages import StoredPages, StoredRun
+from aiocache_kv.tree.node import RESIDENT, Node, Tier
 
 if TYPE_CHECKING:
     from aiocache_kv.core import CacheCore
@@ -34,8 +33,8 @@ log = get_logger(__name__)
 COMPONENT = "kv"
 
 
-#: STORAGE claims of pages whose nodes left the tree kept for retraction (the newest;
-#: ~100 bytes each, only with KV events on)
+#: STORAGE claims of pages whose nodes left the tree kept for retraction and snapshots (the
+#: newest; ~100 bytes each plus their node's tokens, only with KV events on)
 ORPHAN_CLAIMS = 1 << 18
 
 
@@ -69,8 +68,7 @@ class StorageTierBase:
         #: namespace, so the hash alone names the page; a collision would only mark a node
         #: absent (backed up again), never present.
         self._stored = StoredPages(ORPHAN_CLAIMS if core.events.enabled else 0)
-        #: nodes under backup whose page another call evicted meanwhile: their backup fails
-        self._doubted: weakref.WeakSet[Node] = weakref.WeakSet()
+        core.on_split(self._split_stored)
 
     async def start(self) -> None:
         """Open the backend, register the host pool once, build per-page buffer views.
@@ -100,9 +98,35 @@ class StorageTierBase:
 
     def remember_stored(self, node: Node) -> None:
         """``node``'s pages are in storage now (a backup landed, or they came from there)."""
-        self._stored.remember(node, self.core.tree.block_hashes(node))
+        tree = self.core.tree
+        start = sum(len(n.key) for n in tree.path(node)) - len(node.key)
+        self._stored.remember(
+            node,
+            tree.block_hashes(node),
+            tree.parent_hash(node),
+            start // self.core.config.page_size,
+        )
 
-    def _holder(self, node: Node, page_hash: int) -> Node | None:
+    def _split_stored(self, head: Node, tail: Node) -> None:
+        """A split's new prefix node holds some of ``tail``'s stored pages now: index them
+        under it, so that an eviction finds it even after ``tail`` left the tree."""
+        if head.storage is RESIDENT:
+            self.remember_stored(head)
+
+    def storage_claims(self) -> list[tuple[StoredRun, list[int]]]:
+        """Every page this cache still claims in storage, each once, per run of pages it
+        remembered (see :meth:`StoredPages.claims`); on the loop."""
+        return self._stored.claims()
+
+    def lose_stored(self, page_hash: bytes) -> bool:
+        """Storage no longer has the page ``page_hash``: its claim is forgotten and the node
+        holding it becomes storage-ABSENT (the caller publishes the ``BlockRemoved``).
+        Whether a node was storage-RESIDENT."""
+        node = self._stored.pop(page_hash)
+        holder = None if node is None else self._holder(node, page_hash)
+        return holder is not None and self.core.tree.lose_storage(holder)
+
+    def _holder(self, node: Node, page_hash: bytes) -> Node | None:
         """The live node holding ``page_hash`` now: ``node`` or, after splits, an ancestor."""
         tree = self.core.tree
         cur: Node | None = node
@@ -115,9 +139,11 @@ class StorageTierBase:
     def reconcile_evictions(self) -> int:
         """Apply what a :class:`ChainAwareStorage` backend evicted since it was last asked (on
         the loop): one ``BlockRemoved(STORAGE)`` for those pages, and every node that held one
-        becomes storage-ABSENT, so a later hit backs it up again (a node whose backup is in
-        flight fails it).  With TP nothing changes but the counter: each rank's store is its
-        own, and the tree must stay the same on every rank.  Returns the pages reported."""
+        becomes storage-ABSENT, so a later hit backs it up again.  A backup in flight that
+        puts one of them fails that page, even if its own put already reported it stored
+        (another put, or another slice of the same backup, evicted it meanwhile).  With TP
+        nothing changes but the counter: each rank's store is its own, and the tree must stay
+        the same on every rank.  Returns the pages reported."""
         backend = self.io.backend
         if not isinstance(backend, ChainAwareStorage):
             return 0
@@ -128,8 +154,7 @@ class StorageTierBase:
         core = self.core
         if core.coordinator.deferred:
             return len(keys)
-        tree = core.tree
-        gone: dict[int, None] = {}  # ordered, once each
+        gone: dict[bytes, None] = {}  # ordered, once each
         nodes = 0
         for key in keys:
             try:
@@ -137,27 +162,19 @@ class StorageTierBase:
             except StorageKeyError:
                 continue  # not one of this cache's keys
             gone[parsed.page_hash] = None
-            node = self._stored.pop(parsed.page_hash)
-            holder = None if node is None else self._holder(node, parsed.page_hash)
-            if holder is None:
-                continue
-            if holder.storage is FILLING:
-                self._doubted.add(holder)
-            elif tree.lose_storage(holder):
+            if self.lose_stored(parsed.page_hash):
                 nodes += 1
+        self._evicted_in_flight(set(keys))
         if gone:
             core.emit(BlockRemoved(list(gone), Tier.STORAGE.medium))
         log.info("storage_evicted", pages=len(keys), nodes=nodes)
         return len(keys)
 
-    def take_doubt(self, node: Node) -> bool:
-        """Whether a page of ``node`` was evicted while its backup ran (asked once)."""
-        if node in self._doubted:
-            self._doubted.discard(node)
-            return True
-        return False
+    def _evicted_in_flight(self, keys: set[str]) -> None:
+        """``keys`` were evicted: a backup in flight that puts one of them must not report
+        its page stored (the backup path overrides this; on the loop)."""
 
-    def _keys(self, ns: Namespace, hashes: list[int], pool: int = 0) -> list[str]:
+    def _keys(self, ns: Namespace, hashes: list[bytes], pool: int = 0) -> list[str]:
         return storage_keys(ns.tag, hashes, self._suffixes[pool])
 
     def _bufs(self, pages: torch.Tensor, pool: int = 0) -> list[PageBuffer]:

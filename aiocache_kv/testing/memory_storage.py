@@ -198,9 +198,16 @@ class MemoryStorage:
         """Leading run of present keys."""
         return leading_run(self.exists(keys))
 
-    def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
-        """Seal and store each slot (after the delay); present keys are skipped."""
+    def put(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """Seal (binding ``identities``) and store each slot (after the delay); present keys
+        are skipped."""
         integrity.check_batch(keys, buffers)
+        idents = integrity.identities_for(keys, identities)
         self._ensure_open()
         self._pause("put")
         n = len(keys)
@@ -220,7 +227,9 @@ class MemoryStorage:
                 else:
                     first[key] = i
                     todo.append(i)
-        integrity.seal_many([buffers[i] for i in todo], [keys[i] for i in todo])
+        integrity.seal_many(
+            [buffers[i] for i in todo], [keys[i] for i in todo], [idents[i] for i in todo]
+        )
         written = 0
         evicted = 0
         with self._lock:
@@ -259,9 +268,16 @@ class MemoryStorage:
         )
         return results
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
-        """Copy each present key into its slot (after the delay) and verify it."""
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """Copy each present key into its slot (after the delay) and verify it (against
+        ``identities``)."""
         integrity.check_batch(keys, buffers)
+        idents = integrity.identities_for(keys, identities)
         self._ensure_open()
         self._pause("get_into")
         self._vanish_one()
@@ -285,7 +301,10 @@ class MemoryStorage:
             read.append(i)
             sizes.append(len(raw))
         verdicts = integrity.verify_many(
-            [buffers[i] for i in read], [keys[i] for i in read], list(sizes)
+            [buffers[i] for i in read],
+            [keys[i] for i in read],
+            list(sizes),
+            [idents[i] for i in read],
         )
         corrupt: list[tuple[str, integrity.Verdict]] = []
         nbytes = 0

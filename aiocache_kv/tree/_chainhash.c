@@ -1,8 +1,8 @@
 /* Chained page hashes in C: the optional fast path of aiocache_kv/tree/hashing.py.
  *
- * h_i = BLAKE2b-64(h_{i-1} as 8 little-endian bytes || tokens of page i as int64 little-endian)
+ * h_i = BLAKE2b-256(h_{i-1} (32 bytes) || tokens of page i as int64 little-endian)
  *
- * BLAKE2b (unkeyed, 8-byte digest, one-shot) is written here from its specification,
+ * BLAKE2b (unkeyed, 32-byte digest, one-shot) is written here from its specification,
  * RFC 7693; no outside code is vendored.  The pure-Python path (hashlib) computes the same values
  * and tests/test_tree.py checks that both agree (and this BLAKE2b against hashlib at block edges).
  */
@@ -93,14 +93,16 @@ static void compress(uint64_t h[8], const uint8_t block[128], uint64_t t, int la
     }
 }
 
-/* Unkeyed BLAKE2b with an 8-byte digest of msg[0:len), returned as a little-endian integer. */
-static uint64_t blake2b_64(const uint8_t *msg, size_t len)
+#define DIGEST 32
+
+/* Unkeyed BLAKE2b with a 32-byte digest of msg[0:len), written to out. */
+static void blake2b_256(const uint8_t *msg, size_t len, uint8_t out[DIGEST])
 {
     uint64_t h[8];
     uint8_t tail[128];
     size_t off = 0;
     memcpy(h, IV, sizeof h);
-    h[0] ^= 0x01010000ULL ^ 8; /* depth 1, fanout 1, no key, digest length 8 */
+    h[0] ^= 0x01010000ULL ^ DIGEST; /* depth 1, fanout 1, no key, digest length 32 */
     while (len - off > 128) {
         compress(h, msg + off, (uint64_t)(off + 128), 0);
         off += 128;
@@ -108,20 +110,22 @@ static uint64_t blake2b_64(const uint8_t *msg, size_t len)
     memset(tail, 0, sizeof tail);
     memcpy(tail, msg + off, len - off);
     compress(h, tail, (uint64_t)len, 1);
-    return h[0]; /* the digest's 8 bytes are h[0] in little-endian order */
+    for (int i = 0; i < DIGEST / 8; i++) {
+        store64(out + 8 * i, h[i]); /* the digest is h[0..3] in little-endian order */
+    }
 }
 
-static PyObject *raw_blake2b_64(PyObject *self, PyObject *arg)
+static PyObject *raw_blake2b_256(PyObject *self, PyObject *arg)
 {
     Py_buffer view;
-    uint64_t digest;
+    uint8_t digest[DIGEST];
     (void)self;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) {
         return NULL;
     }
-    digest = blake2b_64((const uint8_t *)view.buf, (size_t)view.len);
+    blake2b_256((const uint8_t *)view.buf, (size_t)view.len, digest);
     PyBuffer_Release(&view);
-    return PyLong_FromUnsignedLongLong(digest);
+    return PyBytes_FromStringAndSize((const char *)digest, DIGEST);
 }
 
 /* Arguments by keyword, or a wrong count (rare): the slow, general parser. */
@@ -157,7 +161,7 @@ static PyObject *chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t 
                               PyObject *kwnames)
 {
     PyObject *prev_obj, *tokens, *page_obj;
-    unsigned long long prev;
+    uint8_t prev[DIGEST];
     Py_ssize_t page_size, n, npages, i, j;
     PyObject *seq, *out = NULL;
     PyObject **items;
@@ -172,15 +176,16 @@ static PyObject *chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t 
     else if (!parse_keywords(args, nargs, kwnames, &prev_obj, &tokens, &page_obj)) {
         return NULL;
     }
-    prev = PyLong_AsUnsignedLongLong(prev_obj);
-    if (prev == (unsigned long long)-1 && PyErr_Occurred()) {
+    if (!PyBytes_CheckExact(prev_obj) || PyBytes_GET_SIZE(prev_obj) != DIGEST) {
+        PyErr_Format(PyExc_ValueError, "prev must be %d bytes", DIGEST);
         return NULL;
     }
+    memcpy(prev, PyBytes_AS_STRING(prev_obj), DIGEST);
     page_size = PyNumber_AsSsize_t(page_obj, PyExc_OverflowError);
     if (page_size == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    if (page_size < 1 || page_size > (PY_SSIZE_T_MAX - 8) / 8) {
+    if (page_size < 1 || page_size > (PY_SSIZE_T_MAX - DIGEST) / 8) {
         PyErr_Format(PyExc_ValueError, "page_size must be >= 1, got %zd", page_size);
         return NULL;
     }
@@ -191,7 +196,7 @@ static PyObject *chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t 
     n = PySequence_Fast_GET_SIZE(seq);
     items = PySequence_Fast_ITEMS(seq);
     npages = n / page_size + (n % page_size != 0); /* a short last page is hashed as it is */
-    buf = PyMem_Malloc(8 + 8 * (size_t)page_size);
+    buf = PyMem_Malloc(DIGEST + 8 * (size_t)page_size);
     out = PyList_New(npages);
     if (buf == NULL || out == NULL) {
         if (buf == NULL) {
@@ -203,16 +208,16 @@ static PyObject *chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t 
         Py_ssize_t start = i * page_size;
         Py_ssize_t count = n - start < page_size ? n - start : page_size;
         PyObject *value;
-        store64(buf, (uint64_t)prev);
+        memcpy(buf, prev, DIGEST);
         for (j = 0; j < count; j++) {
             long long tok = PyLong_AsLongLong(items[start + j]);
             if (tok == -1 && PyErr_Occurred()) {
                 goto fail;
             }
-            store64(buf + 8 + 8 * j, (uint64_t)tok);
+            store64(buf + DIGEST + 8 * j, (uint64_t)tok);
         }
-        prev = blake2b_64(buf, 8 + 8 * (size_t)count);
-        value = PyLong_FromUnsignedLongLong(prev);
+        blake2b_256(buf, DIGEST + 8 * (size_t)count, prev);
+        value = PyBytes_FromStringAndSize((const char *)prev, DIGEST);
         if (value == NULL) {
             goto fail;
         }
@@ -232,12 +237,12 @@ fail:
 static PyMethodDef methods[] = {
     {"chain_hashes", (PyCFunction)(void (*)(void))chain_hashes, METH_FASTCALL | METH_KEYWORDS,
      "chain_hashes(prev, tokens, page_size)\n--\n\n"
-     "Hashes of the pages of ``tokens`` (a whole number of pages), chained from ``prev``.\n\n"
+     "32-byte hashes of the pages of ``tokens``, chained from ``prev`` (32 bytes).\n\n"
      "Token ids must be in ``[0, MAX_TOKEN_ID]`` (the cache validates them first).  A short\n"
      "last page, if any, is hashed as it is.  See :mod:`aiocache_kv.tree.hashing`."},
-    {"blake2b_64", raw_blake2b_64, METH_O,
-     "blake2b_64(data) -> int\n\n"
-     "Unkeyed BLAKE2b with an 8-byte digest of a bytes-like object, as a little-endian int."},
+    {"blake2b_256", raw_blake2b_256, METH_O,
+     "blake2b_256(data) -> bytes\n\n"
+     "Unkeyed BLAKE2b with a 32-byte digest of a bytes-like object."},
     {NULL, NULL, 0, NULL},
 };
 

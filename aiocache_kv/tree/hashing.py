@@ -1,10 +1,15 @@
-"""Chained page hashes.
+"""Chained page hashes: a page's identity.
 
 ``h_i = H(h_{i-1} || tokens of page i)`` with ``h_{-1}`` the namespace seed.  ``H`` is BLAKE2b
-with an 8-byte digest, so hashes are stable across processes and Python versions (Python's
-``hash()`` is salted per process and must never be used for keys: FAILURES.md).  Byte layout:
-``h_{i-1}`` as 8 little-endian bytes, then each token id as a signed 64-bit little-endian word;
-the digest's 8 bytes read as a little-endian unsigned integer are ``h_i``.
+with a 32-byte digest (BLAKE2b-256), so hashes are stable across processes and Python versions
+(Python's ``hash()`` is salted per process and must never be used for keys: FAILURES.md).  Byte
+layout: ``h_{i-1}`` (32 bytes), then each token id as a signed 64-bit little-endian word; the
+digest's 32 bytes (a ``bytes`` object) are ``h_i``.
+
+``h_i`` names exactly the namespace and every token up to the end of page ``i``: finding two
+prefixes with one hash takes about 2**128 work (a 64-bit hash fell to a birthday search in
+about a minute).  Storage keys carry it in full, stored pages carry it in their trailer, KV
+events publish it (``docs/ARCHITECTURE.md``, "Page identity").
 
 Two implementations compute the same values: a C extension (``_chainhash``, built by
 ``pip install -e .`` where a C compiler is at hand) and a pure-Python one over :mod:`hashlib`,
@@ -21,7 +26,9 @@ from collections.abc import Callable, Sequence
 from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.extensions import optional_extension
 
-_DIGEST = 8
+_DIGEST = 32
+#: Bytes of a page hash (and of a namespace seed).
+HASH_BYTES = _DIGEST
 #: Largest token id a page hash encodes (ids are hashed as signed 64-bit words); the cache
 #: rejects larger ids before any state changes.
 MAX_TOKEN_ID = (1 << 63) - 1
@@ -29,19 +36,30 @@ MAX_TOKEN_ID = (1 << 63) - 1
 _EMPTY = hashlib.blake2b(digest_size=_DIGEST)
 
 
-def namespace_seed(tag: str) -> int:
-    """The 64-bit seed of a namespace tag (the hash chain's ``h_{-1}``)."""
-    return int.from_bytes(hashlib.blake2b(tag.encode(), digest_size=_DIGEST).digest(), "little")
+def namespace_seed(tag: str) -> bytes:
+    """The 32-byte seed of a namespace tag (the hash chain's ``h_{-1}``)."""
+    return hashlib.blake2b(tag.encode(), digest_size=_DIGEST).digest()
 
 
-def py_chain_hashes(prev: int, tokens: Sequence[int], page_size: int) -> list[int]:
+def _check_prev(prev: object) -> None:
+    if type(prev) is not bytes or len(prev) != _DIGEST:
+        raise InvalidInputError(
+            f"prev must be {_DIGEST} bytes (a page hash or namespace seed), got {prev!r:.80}"
+        )
+
+
+def py_chain_hashes(prev: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
     """:func:`chain_hashes` in pure Python (the fallback, and the reference tests compare with)."""
     if page_size < 1:
         raise InvalidInputError(f"page_size must be >= 1, got {page_size}")
-    raw = array("q", tokens).tobytes()
+    _check_prev(prev)
+    words = array("q", tokens)
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
+        words.byteswap()
+    raw = words.tobytes()
     step = page_size * 8
     copy = _EMPTY.copy
-    digest = prev.to_bytes(_DIGEST, "little")
+    digest = prev
     digests: list[bytes] = []
     append = digests.append
     for off in range(0, len(raw), step):
@@ -49,32 +67,30 @@ def py_chain_hashes(prev: int, tokens: Sequence[int], page_size: int) -> list[in
         h.update(digest + raw[off : off + step])
         digest = h.digest()
         append(digest)
-    # one conversion at the end instead of an int.from_bytes per page
-    out = array("Q", b"".join(digests))
-    if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
-        out.byteswap()
-    return out.tolist()
+    return digests
 
 
 _EXT = optional_extension("aiocache_kv.tree._chainhash")
 #: ``"c"`` where the C extension computes the hashes, else ``"python"``.
 HASH_IMPL = "python" if _EXT is None else "c"
 
-_impl: Callable[[int, Sequence[int], int], list[int]] = (
+_impl: Callable[[bytes, Sequence[int], int], list[bytes]] = (
     py_chain_hashes if _EXT is None else _EXT.chain_hashes
 )
 
 
-def chain_hashes(prev: int, tokens: Sequence[int], page_size: int) -> list[int]:
-    """Hashes of the pages of ``tokens`` (a whole number of pages), chained from ``prev``.
+def chain_hashes(prev: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """Hashes (32 bytes each) of the pages of ``tokens``, chained from ``prev``.
 
-    Token ids must be in ``[0, MAX_TOKEN_ID]`` (the cache validates them first).  A short last
-    page, if any, is hashed as it is.  The C function where the extension is built, else
+    ``prev`` is the hash of the page before (or the namespace seed).  Token ids must be in
+    ``[0, MAX_TOKEN_ID]`` (the cache validates them first).  A short last page, if any, is
+    hashed as it is.  The C function where the extension is built, else
     :func:`py_chain_hashes`; both compute the same values.
 
     Raises:
-        InvalidInputError: ``page_size`` below 1.
+        InvalidInputError: ``page_size`` below 1, or ``prev`` not 32 ``bytes``.
     """
     if page_size < 1:
         raise InvalidInputError(f"page_size must be >= 1, got {page_size}")
+    _check_prev(prev)
     return _impl(prev, tokens, page_size)

@@ -94,7 +94,7 @@ class Node:
         self.last_access = 0
         self.hit_count = 0
         self.n_dev_children = 0
-        self.hashes: list[int] | None = None
+        self.hashes: list[bytes] | None = None
         self.op: Any = None  # the in-flight device<->host transfer touching this node
         self.storage = ABSENT  # presence in L3 as far as this cache wrote or read it
         self.backup: Any = None  # the in-flight host->storage backup reading this node

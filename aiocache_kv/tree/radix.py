@@ -11,7 +11,8 @@ Each namespace has its own root, so namespaces never share nodes.  A node holds 
 ``match`` and ``insert`` split nodes at page boundaries.  A split keeps the *suffix* in the
 original node object and creates a new parent for the prefix, so anything that refers to the
 original node (a handle's pin, a pending transfer) keeps pointing at the same tokens' tail, and
-the split itself registers the new prefix node with the pending transfer (``on_split``).
+the split itself registers the new prefix node with the pending transfer (``on_split``; it
+runs for a storage-resident node too, whose stored pages the storage tier indexes by node).
 
 Per node and tier the state is a :class:`TierState`.  Invariants (see ``check_invariants``):
 
@@ -58,7 +59,7 @@ class RadixTree(TierBook):
             raise InvalidInputError(f"page_size must be an int >= 1, got {page_size!r}")
         super().__init__(page_size)
         self._roots: dict[Hashable, Node] = {}
-        self._seeds: dict[Hashable, int] = {}
+        self._seeds: dict[Hashable, bytes] = {}
         self._on_split = on_split
         self.num_nodes = 0
 
@@ -80,7 +81,7 @@ class RadixTree(TierBook):
         """All namespace roots."""
         return iter(self._roots.values())
 
-    def seed(self, ns: Hashable) -> int:
+    def seed(self, ns: Hashable) -> bytes:
         """The hash-chain seed of namespace ``ns`` (its root must exist)."""
         return self._seeds[ns]
 
@@ -310,7 +311,9 @@ class RadixTree(TierBook):
         self.num_nodes += 1
         head.op = child.op
         head.backup = child.backup
-        if (child.op is not None or child.backup is not None) and self._on_split is not None:
+        if self._on_split is not None and (
+            child.op is not None or child.backup is not None or child.storage is RESIDENT
+        ):  # work in flight, or the storage tier's index of stored pages
             self._on_split(head, child)
         # page totals and classes are unchanged: head has child's state, pages were divided
         return head
@@ -440,8 +443,8 @@ class RadixTree(TierBook):
 
     # ---------------------------------------------------------------- hashes
 
-    def block_hashes(self, node: Node) -> list[int]:
-        """Chained page hashes of ``node`` (computed on first use, then kept)."""
+    def block_hashes(self, node: Node) -> list[bytes]:
+        """Chained page hashes (32 bytes each) of ``node`` (computed on first use, then kept)."""
         if node.hashes is None:
             parent = node.parent
             assert parent is not None, "roots have no block hashes"
@@ -449,7 +452,7 @@ class RadixTree(TierBook):
             node.hashes = keep(chain_hashes(prev, node.key, self.page_size))
         return node.hashes
 
-    def parent_hash(self, node: Node) -> int | None:
+    def parent_hash(self, node: Node) -> bytes | None:
         """Hash of the page before ``node`` (``None`` when its parent is a root)."""
         parent = node.parent
         assert parent is not None, "roots have no parent hash"

@@ -53,16 +53,25 @@ class FlakyFileStorage(akv.FileStorage):
             return (0.4 if stall else self._rng.uniform(0, 0.004)), self._rng.random()
 
     def put_chain(
-        self, keys: Sequence[str], buffers: Sequence[PageBuffer], parents: Sequence[str | None]
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        parents: Sequence[str | None],
+        identities: Sequence[bytes] | None = None,
     ) -> list[bool]:
         delay, _ = self._roll()
         time.sleep(delay)
-        return super().put_chain(keys, buffers, parents)
+        return super().put_chain(keys, buffers, parents, identities)
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         delay, roll = self._roll()
         time.sleep(delay)
-        got = super().get_into(keys, buffers)
+        got = super().get_into(keys, buffers, identities)
         if roll < 0.15 and got:  # this rank lost a page of the batch
             with self._fault_lock:
                 got[self._rng.randrange(len(got))] = False

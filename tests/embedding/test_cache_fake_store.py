@@ -134,7 +134,7 @@ async def test_cancelled_insert_keeps_its_entries_pinned_until_the_worker_is_don
     ns: str,
 ) -> None:
     client = FakeClient()
-    per = 512  # one 4x16 float32 entry: 64 + 256 + 40 -> 384, two fit in 1024 - 256
+    per = 512  # one 4x16 float32 entry: 64 + 256 + 72 -> 448 (64-aligned), two fit in 1024
     async with node(client, ns, pool=2 * per) as a:
         client.gates["batch_put_from"].clear()
         t = asyncio.create_task(a.insert_batch(["a", "b"], [emb(1), emb(2)]))
@@ -157,7 +157,8 @@ async def test_cancelled_insert_keeps_its_entries_pinned_until_the_worker_is_don
 
 async def test_a_pinned_entry_is_not_evicted_for_a_newcomer(ns: str) -> None:
     client = FakeClient()
-    async with node(client, ns, pool=2 * 384) as a:
+    # one 4x16 float32 entry: header 64 + data 256 + trailer 72 -> 448 bytes, 64-aligned
+    async with node(client, ns, pool=2 * 448) as a:
         await a.insert_batch(["old"], [emb(0)])
         client.gates["batch_put_from"].clear()
         t1 = asyncio.create_task(a.insert_batch(["p"], [emb(1)]))

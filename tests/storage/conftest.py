@@ -13,10 +13,14 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from aiocache_kv.testing.mooncake_master import LoopbackMaster
+
+if TYPE_CHECKING:
+    from aiocache_kv.storage.mooncake import MooncakeStorage
 
 LOOPBACK = "127.0.0.1"
 RPC_TIMEOUT_MS = 1500
@@ -81,20 +85,26 @@ def fault_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterPro
     master.terminate()
 
 
-@pytest.fixture(scope="session")
-def mc_storage(mooncake_master: MasterProc) -> Iterator[object]:
-    """A session-scoped ``MooncakeStorage`` client (close costs ~2 s and drops its segment)."""
+def loopback_client(master: MasterProc, segment_bytes: int) -> MooncakeStorage:
+    """A ``MooncakeStorage`` client of ``master`` over TCP on loopback, mounting
+    ``segment_bytes`` of its own memory (not opened yet)."""
     from aiocache_kv.storage.mooncake import MooncakeStorage
 
-    storage = MooncakeStorage(
-        master=mooncake_master.rpc_addr,
-        metadata_server=mooncake_master.metadata_url,
+    return MooncakeStorage(
+        master=master.rpc_addr,
+        metadata_server=master.metadata_url,
         local_hostname=LOOPBACK,
         protocol="tcp",
         device_name="",
-        global_segment_size=64 << 20,
+        global_segment_size=segment_bytes,
         local_buffer_size=16 << 20,
     )
+
+
+@pytest.fixture(scope="session")
+def mc_storage(mooncake_master: MasterProc) -> Iterator[object]:
+    """A session-scoped ``MooncakeStorage`` client (close costs ~2 s and drops its segment)."""
+    storage = loopback_client(mooncake_master, 64 << 20)
     storage.open()
     yield storage
     storage.close()

@@ -38,10 +38,17 @@ from tests.test_storage_tier import PROMPT, StallSecondBatch, _seed, cfg, stored
 from .test_executor import ScriptedBackend, _batches
 
 BLOCK = 16384
-TRAILER = struct.Struct("<4sHHQQQII")
+TRAILER = struct.Struct("<4sHHQQQ32sII")
+T = FRAME_OVERHEAD
 #: slot sizes: under one word, under one block, whole blocks, a word tail, a byte tail
-SLOTS = [41, 47, 48, 100, 4096 + 40, BLOCK + 40, 3 * BLOCK + 8 + 40, 2 * BLOCK + 13 + 40]
-KEYS = ["t/0000000000000001/kv", "ns-é/ü", "k\udcff", "鍵/" + "x" * 30, "a"]
+SLOTS = [T + 1, T + 7, T + 8, T + 60, 4096 + T, BLOCK + T, 3 * BLOCK + 8 + T, 2 * BLOCK + 13 + T]
+KEYS = ["t/" + "0" * 63 + "1/kv", "ns-é/ü", "k\udcff", "鍵/" + "x" * 30, "a"]
+
+
+def idents(n: int, seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(32) for _ in range(n)]
+
 
 needs_c = pytest.mark.skipif(integrity._EXT is None, reason="_blocksum not built")
 
@@ -67,19 +74,25 @@ def reference(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_c_seal_writes_the_reference_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     sizes = SLOTS + SLOTS[::-1]
     keys = [KEYS[i % len(KEYS)] + str(i) for i in range(len(sizes))]
+    ids = idents(len(sizes), seed=1)
     fast = slots(sizes, seed=1)
     ref = twin(fast)
-    seal_many(fast, keys)
+    seal_many(fast, keys, ids)
     reference(monkeypatch)
-    py_seal_many(ref, keys)
+    py_seal_many(ref, keys, ids)
     for a, b in zip(fast, ref, strict=True):
         assert bytes(a.view) == bytes(b.view)
-    assert verify_many(fast, keys) == [Verdict.OK] * len(fast)  # read back by Python
+    assert verify_many(fast, keys, identities=ids) == [Verdict.OK] * len(fast)  # by Python
+    # the identity is bound: the same pages read for other tokens are not theirs
+    assert verify_many(fast, keys, identities=ids[1:] + ids[:1]) == [Verdict.BAD_IDENTITY] * len(
+        fast
+    )
+    assert verify_many(fast, keys) == [Verdict.BAD_IDENTITY] * len(fast)  # key-bound default
 
 
 @needs_c
 def test_c_seal_of_one_slot_twice_keeps_the_last_key() -> None:
-    (buf,) = slots([BLOCK + 40], seed=2)
+    (buf,) = slots([BLOCK + T], seed=2)
     seal_many([buf, buf], ["first", "second"])
     assert integrity.verify(buf, "second") is Verdict.OK
     assert integrity.verify(buf, "first") is Verdict.BAD_KEY
@@ -89,24 +102,31 @@ def _frame(buf: PageBuffer, **fields: int | bytes) -> None:
     """Rewrite ``buf``'s trailer with ``fields`` changed and a *valid* trailer crc (so the
     checks after the trailer's own crc are reached)."""
     n = buf.nbytes - FRAME_OVERHEAD
-    names = ("magic", "version", "algo", "length", "s1", "s2", "key_crc", "crc")
+    names = ("magic", "version", "algo", "length", "s1", "s2", "ident", "key_crc", "crc")
     values = dict(zip(names, TRAILER.unpack_from(buf.view, n), strict=True))
     values.update(fields)
-    head = TRAILER.pack(*[values[k] for k in names])[:36]
+    head = TRAILER.pack(*[values[k] for k in names])[:68]
     buf.view[n:] = head + struct.pack("<I", zlib.crc32(head))
 
 
-def _damaged(seed: int) -> tuple[list[PageBuffer], list[str], list[int | None]]:
-    """Sealed slots, most of them damaged one way or another, and the sizes 'read'."""
-    sizes = [SLOTS[i % len(SLOTS)] for i in range(3 * len(SLOTS))]
+KINDS = 13  # the ways _damaged treats a slot (0 and 10: intact)
+
+
+def _damaged(
+    seed: int,
+) -> tuple[list[PageBuffer], list[str], list[int | None], list[bytes]]:
+    """Sealed slots, most of them damaged one way or another, the sizes 'read' and the
+    identities the reader expects."""
+    sizes = [SLOTS[i % len(SLOTS)] for i in range(3 * len(SLOTS) + 2)]
     keys = [KEYS[i % len(KEYS)] + f"/{i}" for i in range(len(sizes))]
+    ids = idents(len(sizes), seed)
     bufs = slots(sizes, seed=seed)
-    py_seal_many(bufs, keys)
+    py_seal_many(bufs, keys, ids)
     got: list[int | None] = [b.nbytes for b in bufs]
     rng = random.Random(seed)
     for i, buf in enumerate(bufs):
         n = buf.nbytes - FRAME_OVERHEAD
-        kind = i % 12
+        kind = i % KINDS
         if kind == 1:
             buf.view[rng.randrange(n)] ^= 1 << rng.randrange(8)  # payload bit flip
         elif kind == 2:
@@ -114,7 +134,7 @@ def _damaged(seed: int) -> tuple[list[PageBuffer], list[str], list[int | None]]:
         elif kind == 3:
             _frame(buf, magic=b"AKVQ")
         elif kind == 4:
-            _frame(buf, version=2)
+            _frame(buf, version=1)  # the format before page identities
         elif kind == 5:
             _frame(buf, algo=7)
         elif kind == 6:
@@ -129,21 +149,26 @@ def _damaged(seed: int) -> tuple[list[PageBuffer], list[str], list[int | None]]:
             got[i] = None  # "the slot size"
         elif kind == 11:
             got[i] = buf.nbytes + 8  # a longer object
-    return bufs, keys, got
+        elif kind == 12:
+            ids[i] = rng.randbytes(32)  # a valid page computed from other tokens
+    return bufs, keys, got, ids
 
 
 @needs_c
 @pytest.mark.parametrize("seed", range(4))
 def test_c_verify_gives_the_reference_verdicts(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    bufs, keys, got = _damaged(seed)
-    fast = verify_many(bufs, keys, got)
+    bufs, keys, got, ids = _damaged(seed)
+    fast = verify_many(bufs, keys, got, ids)
     reference(monkeypatch)
-    slow = py_verify_many(bufs, keys, got)
+    slow = py_verify_many(bufs, keys, got, ids)
     assert fast == slow
-    assert fast == [integrity.verify(b, k, n) for b, k, n in zip(bufs, keys, got, strict=True)]
+    assert fast == [
+        integrity.verify(b, k, n, ident)
+        for b, k, n, ident in zip(bufs, keys, got, ids, strict=True)
+    ]
     assert set(fast) == set(Verdict)  # every verdict was reached
     assert [v is Verdict.OK for v in fast].count(True) == sum(
-        1 for i in range(len(bufs)) if i % 12 in (0, 10)
+        1 for i in range(len(bufs)) if i % KINDS in (0, 10)
     )
 
 
@@ -159,14 +184,15 @@ def test_any_flipped_bit_is_caught_the_same_way(
     size: int, where: float, bit: int, key: str
 ) -> None:
     (buf,) = slots([size], seed=size)
-    seal_many([buf], [key])
-    assert verify_many([buf], [key]) == [Verdict.OK]
+    ident = random.Random(size).randbytes(32)
+    seal_many([buf], [key], [ident])
+    assert verify_many([buf], [key], identities=[ident]) == [Verdict.OK]
     buf.view[int(where * size)] ^= 1 << bit
-    fast = verify_many([buf], [key])
+    fast = verify_many([buf], [key], identities=[ident])
     saved = integrity._EXT
     integrity._EXT = None
     try:
-        slow = verify_many([buf], [key])
+        slow = verify_many([buf], [key], identities=[ident])
     finally:
         integrity._EXT = saved
     assert fast == slow and fast != [Verdict.OK]
@@ -176,22 +202,34 @@ def test_any_flipped_bit_is_caught_the_same_way(
 def test_c_calls_check_their_inputs() -> None:
     ext = integrity._EXT
     assert ext is not None
-    (buf,) = slots([BLOCK + 40], seed=3)
-    with pytest.raises(ValueError, match="one key per buffer"):
-        ext.seal([buf.view], [])
+    (buf,) = slots([BLOCK + T], seed=3)
+    i32 = [bytes(32)]
+    with pytest.raises(ValueError, match="one key and one identity per buffer"):
+        ext.seal([buf.view], [], i32)
+    with pytest.raises(ValueError, match="one key and one identity per buffer"):
+        ext.seal([buf.view], ["k"], [])
     with pytest.raises(TypeError):
-        ext.seal([buf.view], [b"bytes"])
+        ext.seal([buf.view], [b"bytes"], i32)
+    for bad in (bytes(31), bytes(33), bytearray(32), "x" * 32, None):
+        with pytest.raises(ValueError, match="must be 32 bytes"):
+            ext.seal([buf.view], ["k"], [bad])
+        with pytest.raises(ValueError, match="must be 32 bytes"):
+            ext.verify([buf.view], ["k"], [bad], [None])
     with pytest.raises(ValueError, match="no room"):
-        ext.seal([memoryview(bytearray(40))], ["k"])
+        ext.seal([memoryview(bytearray(T))], ["k"], i32)
     with pytest.raises(BufferError):
-        ext.seal([bytes(100)], ["k"])  # read-only: nothing to seal into
-    with pytest.raises(ValueError, match="one key and one size"):
-        ext.verify([buf.view], ["k"], [])
+        ext.seal([bytes(100)], ["k"], i32)  # read-only: nothing to seal into
+    with pytest.raises(ValueError, match="one key, one identity and one size"):
+        ext.verify([buf.view], ["k"], i32, [])
     with pytest.raises(TypeError):
-        ext.verify([buf.view], ["k"], ["100"])
-    assert ext.verify([memoryview(bytearray(40))], ["k"], [None]) == [1]  # BAD_LENGTH
-    assert ext.verify([buf.view], ["k"], [1 << 80]) == [1]  # not the slot's size
-    assert ext.verify([], [], []) == [] and ext.seal([], []) is None
+        ext.verify([buf.view], ["k"], i32, ["100"])
+    assert ext.verify([memoryview(bytearray(T))], ["k"], i32, [None]) == [1]  # BAD_LENGTH
+    assert ext.verify([buf.view], ["k"], i32, [1 << 80]) == [1]  # not the slot's size
+    assert ext.verify([], [], [], []) == [] and ext.seal([], [], []) is None
+    with pytest.raises(InvalidInputError, match="must be 32 bytes"):  # the Python entry too
+        seal_many([buf], ["k"], [bytes(8)])
+    with pytest.raises(InvalidInputError, match="1 keys but 2 identities"):
+        verify_many([buf], ["k"], identities=[bytes(32)] * 2)
 
 
 def test_check_batch_fast_path_rejects_what_check_keys_rejects() -> None:
@@ -226,7 +264,7 @@ def test_mooncake_all_good_batches_keep_exact_counters() -> None:
     dst, dbufs = _pool(6, slot, seed=5)
     s.register_buffer(src)
     s.register_buffer(dst)
-    keys = [storage_key("t", 0x10 + i) for i in range(6)]
+    keys = [storage_key("t", (0x10 + i).to_bytes(32, "big")) for i in range(6)]
     assert s.put(keys, sbufs) == [True] * 6
     assert s.get_into(keys, dbufs) == [True] * 6
     assert torch.equal(src, dst)
@@ -251,7 +289,7 @@ def test_mooncake_counts_buffers_outside_registered_memory() -> None:
     s.open()
     pool, bufs = _pool(4, slot, seed=6)
     s.register_buffer(pool[: 2 * slot])  # the first two slots only
-    keys = [storage_key("t", 0x20 + i) for i in range(4)]
+    keys = [storage_key("t", (0x20 + i).to_bytes(32, "big")) for i in range(4)]
     assert s.put(keys[:2], bufs[:2]) == [True] * 2
     assert s.statistics().unregistered_buffers == 0
     assert s.put(keys, bufs) == [True] * 4
@@ -279,10 +317,15 @@ class HeldSecondBatch(ScriptedBackend):
         super().__init__(block_at=block_at)
         self.release = threading.Event()
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         if self.calls == 1:
             self.release.wait(10)
-        return super().get_into(keys, buffers)
+        return super().get_into(keys, buffers, identities)
 
 
 async def _until(cond: Callable[[], bool]) -> None:

@@ -48,11 +48,21 @@ class GatedBackend:
     def leading_hits(self, keys: Sequence[str]) -> int:
         return sum(self.exists(keys))
 
-    def put(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def put(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         self._block()
         return [True for _ in keys]
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         self._block()
         for b in buffers:
             b.view[0] = 0x5A  # the worker writes into the caller's slot
@@ -261,7 +271,12 @@ class ScriptedBackend(GatedBackend):
         self.fail_at, self.block_at = fail_at, block_at
         self.threads: set[int] = set()
 
-    def get_into(self, keys: Sequence[str], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         i = self.calls
         self.calls += 1
         self.threads.add(threading.get_ident())
@@ -274,9 +289,13 @@ class ScriptedBackend(GatedBackend):
         return [True for _ in keys]
 
 
-def _batches(n: int, size: int) -> list[tuple[list[str], list[PageBuffer]]]:
+def _batches(n: int, size: int) -> list[tuple[list[str], list[PageBuffer], None]]:
     return [
-        ([f"k{i}-{j}" for j in range(size)], [PageBuffer.allocate(SLOT) for _ in range(size)])
+        (
+            [f"k{i}-{j}" for j in range(size)],
+            [PageBuffer.allocate(SLOT) for _ in range(size)],
+            None,  # no identities: the backend binds each page to its key
+        )
         for i in range(n)
     ]
 
@@ -298,8 +317,8 @@ async def test_batches_report_in_order_on_the_loop_and_survive_a_failure() -> No
     assert isinstance(seen[2][1], OSError) and "batch 2" in str(seen[2][1])
     assert [res for i, res, _ in seen if i != 2] == [[True] * 3] * 4
     assert len(backend.threads) == 1  # one hand-off: every batch on one worker
-    assert released == [True] and not io.holds([b for _, bufs in batches for b in bufs])
-    assert [bufs[0].view[0] for _, bufs in batches] == [0, 1, 0, 3, 4]  # 2 wrote nothing
+    assert released == [True] and not io.holds([b for _, bufs, _ in batches for b in bufs])
+    assert [bufs[0].view[0] for _, bufs, _ in batches] == [0, 1, 0, 3, 4]  # 2 wrote nothing
     await io.aclose()
 
 
@@ -312,7 +331,7 @@ async def test_batches_past_the_deadline_are_skipped_and_buffers_held() -> None:
     seen: list[int] = []
     released: list[bool] = []
     batches = _batches(4, 2)
-    bufs = [b for _, bs in batches for b in bs]
+    bufs = [b for _, bs, _ in batches for b in bs]
     with pytest.raises(StorageTimeoutError):
         await io.get_into_batches(
             batches,

@@ -43,7 +43,7 @@ def payload(buf: PageBuffer) -> bytes:
 
 
 def keys_for(tag: str, n: int, start: int = 0) -> list[str]:
-    return [storage_key(tag, 0x1000 + i) for i in range(start, start + n)]
+    return [storage_key(tag, (0x1000 + i).to_bytes(32, "big")) for i in range(start, start + n)]
 
 
 def stored_keys(root: Path) -> list[str]:
@@ -52,7 +52,7 @@ def stored_keys(root: Path) -> list[str]:
     for path in sorted(root.rglob("*.kv")):
         with open(path, "rb") as f:
             magic, n, _parent = struct.unpack("<4sI20s", f.read(28))
-            assert magic == b"AKV2"
+            assert magic == b"AKV3"
             out.append(f.read(n).decode("utf-8", "surrogatepass"))
     return out
 
@@ -302,7 +302,7 @@ def test_bad_config(tmp_path: Path, kwargs: dict[str, object]) -> None:
 
 
 def test_concurrent_workers_keep_the_index_consistent(tmp_path: Path) -> None:
-    cap = 20 * file_size(storage_key("a", 0))
+    cap = 20 * file_size(storage_key("a", bytes(32)))
     fs = FileStorage(tmp_path, capacity_bytes=cap)
 
     def work(w: int) -> None:
@@ -326,7 +326,7 @@ def test_racing_puts_and_evictions_keep_index_and_disk_equal(tmp_path: Path, fsy
     disk with its size, and nothing else is.  (Timing-dependent: without the put's wait for
     names being written or unlinked it fails about one run in three.)"""
     seed = 99
-    cap = 12 * file_size(storage_key("a", 0))
+    cap = 12 * file_size(storage_key("a", bytes(32)))
     fs = FileStorage(tmp_path, capacity_bytes=cap, fsync=fsync)  # type: ignore[arg-type]
     universe = keys_for("a", 40)
 
@@ -417,7 +417,7 @@ def test_link_planted_before_open_is_a_miss_and_never_followed(tmp_path: Path) -
     assert again.exists(["k"]) == [False]
     assert again.get_into(["k"], empty(1)) == [False]
     assert again.remove(["k"]) == [False]
-    assert victim.read_bytes()[:4] == b"AKV2"
+    assert victim.read_bytes()[:4] == b"AKV3"
 
 
 def test_shard_replaced_by_a_symlink_after_open(tmp_path: Path) -> None:

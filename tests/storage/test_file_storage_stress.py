@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from aiocache_kv.storage import FileStorage, PageBuffer
+from aiocache_kv.storage import FileStorage, PageBuffer, integrity
 from tests.storage.test_file_storage import SLOT, empty, file_size, keys_for
 
+PAYLOAD = SLOT - integrity.FRAME_OVERHEAD
 SEEDS = [1, 2] + (
     [int(os.environ["AKV_FILE_STRESS_SEED"])] if os.environ.get("AKV_FILE_STRESS_SEED") else []
 )
@@ -57,7 +58,7 @@ def test_concurrent_churn_keeps_disk_index_and_bytes_agreeing(
                 dst = empty(len(ks))
                 for k, ok, b in zip(ks, fs.get_into(ks, dst), dst, strict=True):
                     want = page_of(k)
-                    n = SLOT - 40
+                    n = PAYLOAD
                     if ok and bytes(b.view[:n]) != bytes(want.view[:n]):
                         mismatches.append(f"seed {seed}: {k} read other bytes")
             else:
@@ -75,7 +76,7 @@ def test_concurrent_churn_keeps_disk_index_and_bytes_agreeing(
     dst = empty(len(stored))
     assert fs.get_into(stored, dst) == [True] * len(stored), f"seed {seed}"
     for k, b in zip(stored, dst, strict=True):
-        assert bytes(b.view[: SLOT - 40]) == bytes(page_of(k).view[: SLOT - 40]), f"seed {seed}"
+        assert bytes(b.view[:PAYLOAD]) == bytes(page_of(k).view[:PAYLOAD]), f"seed {seed}"
     assert fs.statistics().corrupt == 0, f"seed {seed}"
 
 
@@ -106,7 +107,7 @@ def test_two_instances_sharing_a_directory_never_serve_wrong_bytes(
                 elif op < 0.9:
                     dst = empty(len(ks))
                     for k, ok, b in zip(ks, fs.get_into(ks, dst), dst, strict=True):
-                        n = SLOT - 40
+                        n = PAYLOAD
                         if ok and bytes(b.view[:n]) != bytes(page_of(k).view[:n]):
                             mismatches.append(f"seed {seed}: {k} read other bytes")
                 else:
@@ -129,5 +130,5 @@ def test_two_instances_sharing_a_directory_never_serve_wrong_bytes(
     dst = empty(len(stored))
     assert third.get_into(stored, dst) == [True] * len(stored), f"seed {seed}"
     for k, b in zip(stored, dst, strict=True):
-        assert bytes(b.view[: SLOT - 40]) == bytes(page_of(k).view[: SLOT - 40]), f"seed {seed}"
+        assert bytes(b.view[:PAYLOAD]) == bytes(page_of(k).view[:PAYLOAD]), f"seed {seed}"
     assert not list(tmp_path.rglob("*.tmp")), f"seed {seed}"

@@ -27,17 +27,28 @@ def sealed(nbytes: int, key: str = KEY, seed: int = 0) -> PageBuffer:
 
 
 def test_overhead_and_layout() -> None:
-    assert FRAME_OVERHEAD == 40
+    assert FRAME_OVERHEAD == 72
     buf = sealed(4096 + FRAME_OVERHEAD)
     trailer = bytes(buf.view[4096:])
     assert trailer[:4] == b"AKVP"
+    assert struct.unpack_from("<H", trailer, 4)[0] == integrity.FORMAT_VERSION == 2
     assert struct.unpack_from("<Q", trailer, 8)[0] == 4096  # payload length
+    assert trailer[32:64] == integrity.key_identity(KEY)  # no identity given: the key's
+    ident = bytes(range(32))
+    seal(buf, KEY, ident)
+    assert bytes(buf.view[4096 + 32 : 4096 + 64]) == ident
+    assert verify(buf, KEY, identity=ident) is Verdict.OK
+    assert verify(buf, KEY, identity=bytes(32)) is Verdict.BAD_IDENTITY
+    assert verify(buf, KEY) is Verdict.BAD_IDENTITY
     assert integrity.payload_nbytes(100) == 100 - FRAME_OVERHEAD
     with pytest.raises(InvalidInputError):
         integrity.payload_nbytes(FRAME_OVERHEAD)
 
 
-@pytest.mark.parametrize("nbytes", [41, 48, 4128, 4129, 4096 * 7 + 5, (1 << 20) + 32])
+@pytest.mark.parametrize(
+    "nbytes",
+    [FRAME_OVERHEAD + 1, FRAME_OVERHEAD + 8, 4128, 4129, 4096 * 7 + 5, (1 << 20) + 32],
+)
 def test_round_trip_sizes(nbytes: int) -> None:
     assert verify(sealed(nbytes), KEY) is Verdict.OK
 
@@ -81,14 +92,16 @@ def test_other_version_is_rejected() -> None:
     buf = sealed(n + FRAME_OVERHEAD)
     trailer = bytearray(buf.view[n:])
     struct.pack_into("<H", trailer, 4, integrity.FORMAT_VERSION + 1)
-    struct.pack_into("<I", trailer, 36, zlib.crc32(bytes(trailer[:36])))
+    struct.pack_into("<I", trailer, 68, zlib.crc32(bytes(trailer[:68])))
     buf.view[n:] = bytes(trailer)
     assert verify(buf, KEY) is Verdict.BAD_VERSION
 
 
 def test_page_of_another_key_is_rejected() -> None:
-    buf = sealed(4096 + FRAME_OVERHEAD, key="tagA/00000000000000ab/kv")
-    assert verify(buf, "tagB/00000000000000ab/kv") is Verdict.BAD_KEY
+    h = "0" * 62 + "ab"
+    buf = sealed(4096 + FRAME_OVERHEAD, key=f"tagA/{h}/kv")
+    ident = integrity.key_identity(f"tagA/{h}/kv")
+    assert verify(buf, f"tagB/{h}/kv", identity=ident) is Verdict.BAD_KEY
 
 
 def test_wrong_length_is_rejected() -> None:

@@ -154,7 +154,7 @@ def _damage(buf: PageBuffer, how: str) -> None:
     elif how == "version":
         trailer = bytearray(buf.view[n:])
         struct.pack_into("<H", trailer, 4, integrity.FORMAT_VERSION + 1)
-        struct.pack_into("<I", trailer, 36, zlib.crc32(bytes(trailer[:36])))
+        struct.pack_into("<I", trailer, 68, zlib.crc32(bytes(trailer[:68])))
         buf.view[n:] = bytes(trailer)
     elif how == "swap":
         a = bytes(buf.view[0:BLOCK])

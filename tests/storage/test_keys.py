@@ -15,20 +15,26 @@ from aiocache_kv.storage.keys import (
     check_keys,
     parse_storage_key,
     storage_key,
+    storage_keys,
 )
 
 names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True)
 
 
+H = bytes(31) + b"\xab"  # a 32-byte page hash
+HEX = "0" * 62 + "ab"
+
+
 def test_format_is_tag_hash_component() -> None:
-    assert storage_key("llama-3-8b", 0xAB) == "llama-3-8b/00000000000000ab/kv"
-    assert storage_key("m", 0xAB, "swa") == "m/00000000000000ab/swa"
-    assert storage_key("m", (1 << 64) - 1) == "m/ffffffffffffffff/kv"
-    assert storage_key("m", 1 << 64) == "m/10000000000000000/kv"
+    """The page hash in full: 64 hex digits (a 64-bit key fell to a birthday search)."""
+    assert storage_key("llama-3-8b", H) == f"llama-3-8b/{HEX}/kv"
+    assert storage_key("m", H, "swa") == f"m/{HEX}/swa"
+    assert storage_key("m", b"\xff" * 32) == "m/" + "f" * 64 + "/kv"
+    assert storage_keys("m", [H, bytes(32)], "kv") == [f"m/{HEX}/kv", "m/" + "0" * 64 + "/kv"]
 
 
-@given(tag=names, component=names, page_hash=st.integers(0, (1 << 256) - 1))
-def test_parse_round_trips(tag: str, component: str, page_hash: int) -> None:
+@given(tag=names, component=names, page_hash=st.binary(min_size=32, max_size=32))
+def test_parse_round_trips(tag: str, component: str, page_hash: bytes) -> None:
     key = storage_key(tag, page_hash, component)
     assert parse_storage_key(key) == ParsedKey(tag, page_hash, component)
     assert key.count("/") == 2  # the tag is applied exactly once
@@ -40,35 +46,42 @@ def test_parse_round_trips(tag: str, component: str, page_hash: int) -> None:
 )
 def test_bad_tags_are_rejected(tag: str) -> None:
     with pytest.raises(StorageKeyError):
-        storage_key(tag, 1)
+        storage_key(tag, H)
 
 
 @pytest.mark.parametrize("component", ["", "kv/x", "x" * (MAX_COMPONENT_LEN + 1), "k v"])
 def test_bad_components_are_rejected(component: str) -> None:
     with pytest.raises(StorageKeyError):
-        storage_key("tag", 1, component)
+        storage_key("tag", H, component)
 
 
-@pytest.mark.parametrize("page_hash", [-1, 1 << 256, True, 1.0, "ab", None])
+@pytest.mark.parametrize(
+    "page_hash",
+    [-1, 0xAB, 1 << 255, True, 1.0, "ab", None, bytes(8), bytes(31), bytes(33), bytearray(32)],
+)
 def test_bad_hashes_are_rejected(page_hash: object) -> None:
+    """Only a full-width hash makes a key: a 64-bit int (the old format) is refused."""
     with pytest.raises(StorageKeyError):
         storage_key("tag", page_hash)  # type: ignore[arg-type]
+    with pytest.raises(StorageKeyError):
+        storage_keys("tag", [bytes(32), page_hash])  # type: ignore[list-item]
 
 
 def test_storage_key_error_is_an_input_error() -> None:
     with pytest.raises(InvalidInputError):
-        storage_key("", 1)
+        storage_key("", H)
 
 
 @pytest.mark.parametrize(
     "key",
     [
-        "tagA/tagA/00000000000000ab/kv",  # tagged twice
-        "00000000000000ab/kv",  # untagged
+        f"tagA/tagA/{HEX}/kv",  # tagged twice
+        f"{HEX}/kv",  # untagged
         "tag/ab/kv",  # short hash
-        "tag/00000000000000AB/kv",  # upper-case hex is not what storage_key makes
-        "tag/000000000000000001/kv",  # non-canonical leading zeros
-        "tag/00000000000000ab/",
+        "tag/00000000000000ab/kv",  # a 64-bit hash: the old format
+        f"tag/{HEX.upper()}/kv",  # upper-case hex is not what storage_key makes
+        f"tag/0{HEX}/kv",  # 65 digits
+        f"tag/{HEX}/",
         "",
     ],
 )

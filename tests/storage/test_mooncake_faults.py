@@ -54,7 +54,7 @@ async def test_sigkill_during_batches_then_restart(fault_master: MasterProc, tag
     for it in range(4):  # 3 healthy rounds, then one put + get with the master dead
         if it == 3:
             await asyncio.to_thread(fault_master.kill)
-        keys = [storage_key(tag, it * 100 + j) for j in range(BATCH)]
+        keys = [storage_key(tag, (it * 100 + j).to_bytes(32, "big")) for j in range(BATCH)]
         for op in ("put", "get"):
             t0 = loop.time()
             try:
@@ -87,7 +87,9 @@ async def test_sigkill_during_batches_then_restart(fault_master: MasterProc, tag
     recovered_after = None
     t0 = loop.time()
     for attempt in range(100):
-        keys = [storage_key(tag, 10_000 + attempt * 10 + j) for j in range(BATCH)]
+        keys = [
+            storage_key(tag, (10_000 + attempt * 10 + j).to_bytes(32, "big")) for j in range(BATCH)
+        ]
         try:
             if await io.put(keys, src, timeout=deadline) == [True] * BATCH:
                 recovered_after = loop.time() - t0
@@ -112,7 +114,7 @@ async def test_sigstop_is_bounded_by_rpc_timeout(fault_master: MasterProc, tag: 
     dst_t = torch.zeros_like(src_t)
     await io.register_buffer(src_t)
     await io.register_buffer(dst_t)
-    keys = [storage_key(tag, j) for j in range(BATCH)]
+    keys = [storage_key(tag, j.to_bytes(32, "big")) for j in range(BATCH)]
     assert await io.put(keys, slots(src_t)) == [True] * BATCH
     loop = asyncio.get_running_loop()
     await asyncio.to_thread(fault_master.stop)  # waits (off the loop) until it is stopped

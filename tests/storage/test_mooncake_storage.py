@@ -43,7 +43,7 @@ class HostPool:
 
 
 def keys_for(tag: str, n: int) -> list[str]:
-    return [storage_key(tag, 0xABC000 + i) for i in range(n)]
+    return [storage_key(tag, (0xABC000 + i).to_bytes(32, "big")) for i in range(n)]
 
 
 pytestmark = pytest.mark.mooncake
@@ -63,8 +63,15 @@ def test_round_trip_zero_copy(mc_storage: MooncakeStorage, tag: str) -> None:
     assert after.unregistered_buffers == before.unregistered_buffers  # all zero-copy
     assert after.bytes_written - before.bytes_written == 8 * SLOT
     assert after.hits - before.hits == 8
-    assert mc_storage.exists([*keys, storage_key(tag, 1)]) == [True] * 8 + [False]
-    assert mc_storage.leading_hits([keys[0], keys[1], storage_key(tag, 1), keys[2]]) == 2
+    assert mc_storage.exists([*keys, storage_key(tag, (1).to_bytes(32, "big"))]) == [True] * 8 + [
+        False
+    ]
+    assert (
+        mc_storage.leading_hits(
+            [keys[0], keys[1], storage_key(tag, (1).to_bytes(32, "big")), keys[2]]
+        )
+        == 2
+    )
 
 
 def test_existing_keys_are_not_resent(mc_storage: MooncakeStorage, tag: str) -> None:
@@ -325,7 +332,7 @@ def test_pipelined_put_chunks_skip_present_and_seal_everything(small_chunks: int
     client = FakeMooncakeClient()
     s = scripted(client)
     src = HostPool(8, seed=5)
-    keys = [storage_key("t", 0x100 + i) for i in range(7)]
+    keys = [storage_key("t", (0x100 + i).to_bytes(32, "big")) for i in range(7)]
     keys.insert(3, keys[1])  # a repeated key rides along with its first copy
     assert s.put([keys[2]], [src.slots[2]]) == [True]  # present before: not re-sent
     assert s.put(keys, src.slots) == [True] * 8
@@ -358,7 +365,7 @@ def test_pipelined_put_seals_the_next_chunk_while_one_is_in_flight(small_chunks:
     client = FakeMooncakeClient()
     s = scripted(client)
     src = HostPool(4, seed=6)
-    keys = [storage_key("t", 0x200 + i) for i in range(4)]
+    keys = [storage_key("t", (0x200 + i).to_bytes(32, "big")) for i in range(4)]
     client.gates["batch_put_from"].clear()  # the first chunk's send hangs
     result: list[list[bool]] = []
     t = threading.Thread(target=lambda: result.append(s.put(keys, src.slots)))
@@ -402,7 +409,7 @@ def test_pipelined_get_verifies_every_chunk_and_drops_the_corrupt(small_chunks: 
     client = FakeMooncakeClient()
     s = scripted(client)
     src, dst = HostPool(5, seed=8), HostPool(5)
-    keys = [storage_key("t", 0x300 + i) for i in range(5)]
+    keys = [storage_key("t", (0x300 + i).to_bytes(32, "big")) for i in range(5)]
     assert s.put(keys, src.slots) == [True] * 5
     raw = bytearray(client.objects[keys[3]])
     raw[7] ^= 0xFF  # one flipped payload byte in the second chunk
@@ -449,7 +456,7 @@ def test_a_failure_mid_pipeline_returns_only_after_the_helper_is_done(
     client = FakeMooncakeClient()
     s = scripted(client)
     src = HostPool(4, seed=9)
-    keys = [storage_key("t", 0x400 + i) for i in range(4)]
+    keys = [storage_key("t", (0x400 + i).to_bytes(32, "big")) for i in range(4)]
     if call == "batch_get_into":
         assert s.put(keys, src.slots) == [True] * 4
     # get: chunk 0 is read inline, chunk 1 on the helper; put: every chunk on the helper

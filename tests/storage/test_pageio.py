@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from aiocache_kv.storage import FileStorage, PageBuffer, page_file, safe_fs
+from aiocache_kv.storage import FileStorage, PageBuffer, integrity, page_file, safe_fs
 from aiocache_kv.storage.page_file import SUFFIX, file_name, read_chunk
 from tests.storage.test_file_storage import SLOT, empty, keys_for, pages, payload
 
@@ -51,7 +51,8 @@ def _hostile_store(tmp_path: Path) -> tuple[FileStorage, list[str]]:
 
 def _read(fs: FileStorage, keys: list[str], bufs: list[PageBuffer]) -> page_file.ChunkRead:
     names = [file_name(k) for k in keys]
-    return read_chunk(fs._dirs.get, keys, names, bufs, list(range(len(keys))))
+    idents = [integrity.key_identity(k) for k in keys]  # as put bound them (no identity given)
+    return read_chunk(fs._dirs.get, keys, names, bufs, idents, list(range(len(keys))))
 
 
 def test_batched_reads_agree_with_page_by_page_reads(
@@ -114,7 +115,8 @@ def test_a_shard_that_cannot_be_opened_reads_alike(
         return fs._dirs.get(shard)
 
     def read() -> page_file.ChunkRead:
-        return read_chunk(shard_fd, keys, names, empty(6), list(range(6)))
+        idents = [integrity.key_identity(k) for k in keys]
+        return read_chunk(shard_fd, keys, names, empty(6), idents, list(range(6)))
 
     got_c = read()
     monkeypatch.setattr(page_file, "PAGEIO", None)
