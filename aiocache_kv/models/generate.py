@@ -31,8 +31,8 @@ from aiocache_kv.cache import HiCache
 from aiocache_kv.errors import CacheClosedError, ConfigError, InvalidInputError
 from aiocache_kv.handles import MatchResult
 from aiocache_kv.logs import get_logger
+from aiocache_kv.models.arch import check_request, is_hybrid, kv_shape, max_positions
 from aiocache_kv.models.compat import cache_kwargs
-from aiocache_kv.models.gpt2 import kv_shape
 from aiocache_kv.models.paged import PagedKV
 from aiocache_kv.telemetry import PromptAttribution, PromptCounters, attribute
 
@@ -152,35 +152,22 @@ class _RowLease:
             return self._state is _Lease.RUNNING
 
 
-def _check_request(prompt: Sequence[int], max_new_tokens: int, limit: int) -> list[int]:
-    toks = list(prompt)
-    if not toks:
-        raise InvalidInputError("prompt must not be empty")
-    if type(max_new_tokens) is not int or max_new_tokens < 1:
-        raise InvalidInputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if len(toks) + max_new_tokens > limit:
-        raise InvalidInputError(
-            f"prompt ({len(toks)}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"{limit} positions"
-        )
-    return toks
-
-
-def max_positions(model: Any) -> int:
-    """Positions the model can attend over (GPT-2 ``n_positions``, others
-    ``max_position_embeddings``)."""
-    cfg = model.config
-    return int(getattr(cfg, "max_position_embeddings", None) or cfg.n_positions)
-
-
 def reference_generate(
     model: Any, prompt: Sequence[int], max_new_tokens: int, *, keep_logits: bool = False
 ) -> Generation:
     """Greedy generation with ``transformers``' own ``DynamicCache`` (sliding layers keep
-    their window) and no prefix cache: the baseline of every identity check."""
+    their window) and no prefix cache: the baseline of every identity check.
+
+    Raises:
+        InvalidTypeError: the prompt is not a sequence of ints.
+        InvalidInputError: empty prompt, a token id outside the model's vocabulary, bad
+            ``max_new_tokens``, or too long for the model (see
+            :func:`~aiocache_kv.models.arch.check_request`).
+        ConfigError: the model's config gives no vocabulary size or positions.
+    """
     from transformers import DynamicCache
 
-    toks = _check_request(prompt, max_new_tokens, max_positions(model))
+    toks = check_request(model, prompt, max_new_tokens)
     t0 = time.perf_counter()
     kv = DynamicCache(config=model.config)
     out: list[int] = []
@@ -217,7 +204,9 @@ class CachedLM:
     :attr:`Generation.attribution` (export it with ``aiocache_kv.metrics.CacheCollector``).
 
     Raises:
-        ConfigError: the cache's KV shape does not match the model.
+        ConfigError: an unsupported model (:data:`~aiocache_kv.models.arch.SUPPORTED_MODEL_TYPES`)
+            or a hybrid one (serve it with ``HybridLM``), the cache's KV shape does not match
+            the model, or ``yield_every`` is not an int (values below 1 mean 1).
     """
 
     def __init__(
@@ -231,6 +220,8 @@ class CachedLM:
         yield_every: int = 1,
     ) -> None:
         self._check_model(model, cache)
+        if isinstance(yield_every, bool) or not isinstance(yield_every, int):
+            raise ConfigError(f"yield_every must be an int, got {yield_every!r}")
         self.model = model
         self.cache = cache
         self.runner: Runner = runner if runner is not None else run_inline
@@ -243,6 +234,11 @@ class CachedLM:
 
     def _check_model(self, model: Any, cache: HiCache) -> None:
         """Raise ``ConfigError`` unless ``cache`` is laid out for ``model``."""
+        if is_hybrid(model):
+            raise ConfigError(
+                f"{type(model).__name__} has sliding-window layers kept in a sidecar: serve "
+                "it with aiocache_kv.models.HybridLM over hybrid_cache_config(model)"
+            )
         shape = kv_shape(model)
         cfg = cache.config
         got = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
@@ -270,12 +266,18 @@ class CachedLM:
         same request already committed to host (a server that prefetches on arrival and
         generates on admission); they are attributed to storage, not host.
 
+        Everything about the request is checked before the cache is touched: a bad request
+        leaves the cache as it was.
+
         Raises:
-            InvalidInputError: empty prompt, bad ``max_new_tokens`` or ``prefetched_tokens``,
-                too long for the model.
+            InvalidTypeError: the prompt is not a sequence of ints.
+            InvalidInputError: empty prompt, a token id outside the model's vocabulary (the
+                message names it and the vocabulary size), bad ``max_new_tokens`` or
+                ``prefetched_tokens``, or prompt + ``max_new_tokens`` past the model's
+                positions.
             CapacityError: the device pool cannot hold the request (nothing leaks).
         """
-        toks = _check_request(prompt, max_new_tokens, self.max_positions)
+        toks = check_request(self.model, prompt, max_new_tokens)
         if type(prefetched_tokens) is not int or not 0 <= prefetched_tokens <= len(toks):
             raise InvalidInputError(
                 f"prefetched_tokens must be an int in [0, {len(toks)}], got {prefetched_tokens!r}"

@@ -2,7 +2,8 @@
 
 Nothing is downloaded: the model is built from a ``GPT2Config`` under ``torch.manual_seed``,
 so two processes with the same :class:`GPT2Spec` get bit-identical weights (which is what
-lets a second node reuse KV that the first one stored).
+lets a second node reuse KV that the first one stored).  ``KVShape``, ``kv_shape`` and
+``cache_config_for`` are :mod:`aiocache_kv.models.arch`'s, kept here under their old names.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import Any
 
 import torch
 
-from aiocache_kv.config import CacheConfig
 from aiocache_kv.errors import ConfigError
+from aiocache_kv.models.arch import KVShape, cache_config_for, kv_shape
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,6 @@ class GPT2Spec:
             f"gpt2-random-L{self.n_layer}-H{self.n_head}-D{self.n_embd}-V{self.vocab_size}"
             f"-P{self.n_positions}-i{self.initializer_range}-s{self.seed}"
         )
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """What a model's attention KV looks like per token."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
 
 
 def build_gpt2(spec: GPT2Spec | None = None) -> Any:
@@ -93,37 +84,6 @@ def build_gpt2(spec: GPT2Spec | None = None) -> Any:
     model.eval()  # type: ignore[no-untyped-call]
     model.requires_grad_(False)
     return model
-
-
-def kv_shape(model: Any) -> KVShape:
-    """The per-token KV shape of a GPT-2-like ``transformers`` model."""
-    cfg = model.config
-    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.n_head)
-    return KVShape(
-        num_layers=int(cfg.n_layer),
-        num_kv_heads=heads,
-        head_dim=int(cfg.n_embd) // int(cfg.n_head),
-        dtype=next(model.parameters()).dtype,
-    )
-
-
-def cache_config_for(model: Any, **options: Any) -> CacheConfig:
-    """A :class:`CacheConfig` whose KV shape matches ``model``; ``options`` set the rest.
-
-    Raises:
-        ConfigError: an option contradicts the model's shape, or is invalid.
-    """
-    shape = kv_shape(model)
-    fixed = {
-        "num_layers": shape.num_layers,
-        "num_kv_heads": shape.num_kv_heads,
-        "head_dim": shape.head_dim,
-        "dtype": shape.dtype,
-    }
-    for key, value in fixed.items():
-        if key in options and options[key] != value:
-            raise ConfigError(f"{key}={options[key]!r} does not match the model ({value!r})")
-    return CacheConfig(**{**options, **fixed})
 
 
 __all__ = ["GPT2Spec", "KVShape", "build_gpt2", "cache_config_for", "kv_shape"]

@@ -16,7 +16,12 @@ exactly what ``insert`` caches and what a later request reads back.
 
 Positions and masks: ``get_seq_length()`` is the number of filled rows, so HF's GPT-2 derives
 position ids and the causal mask offset from it; :meth:`forward` passes position ids
-explicitly anyway.
+explicitly anyway.  Rotary models (Llama, Qwen2, Mistral) hand ``update`` their K already
+rotated for its position; a cached page is only ever reused at the positions it was computed
+at (the tree's key is the whole prefix), so nothing is rotated again.  Every layer reports
+offset 0 and the whole sequence, so a sliding-window layer (Mistral's ``sliding_window``) gets
+every row and the model's sliding mask hides those before its window: the same attention as
+``transformers``' own cache, without the memory saving of a window sidecar.
 """
 
 from __future__ import annotations
