@@ -30,6 +30,7 @@ from aiocache_kv.models.arch import (
     model_type,
     vocab_size,
 )
+from aiocache_kv.models.batched import PagedBatch, SeqChunk
 from aiocache_kv.models.generate import CachedLM, Generation, reference_generate
 from aiocache_kv.models.gpt2 import GPT2Spec, build_gpt2
 from aiocache_kv.models.hybrid import (
@@ -55,8 +56,10 @@ __all__ = [
     "HybridSpec",
     "KVShape",
     "LlamaSpec",
+    "PagedBatch",
     "PagedHybridKV",
     "PagedKV",
+    "SeqChunk",
     "build_gemma3",
     "build_gpt2",
     "build_llama",
