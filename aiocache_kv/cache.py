@@ -19,13 +19,15 @@ from collections.abc import AsyncIterator, Sequence
 import torch
 
 from aiocache_kv.blocks import BlockInfo
+from aiocache_kv.capacity import CapacityWaiters
 from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
 from aiocache_kv.core import CacheCore
 from aiocache_kv.distributed import SingleRank, TPGroup
 from aiocache_kv.errors import CacheClosedError, CapacityError, InvalidInputError, InvalidTypeError
 from aiocache_kv.events import BlockStored, KVEvent
 from aiocache_kv.flush import settle_work
-from aiocache_kv.handles import Handle, InsertResult, MatchResult, WriteAck, check_handle
+from aiocache_kv.handles import Handle, InsertResult, MatchResult, check_handle
+from aiocache_kv.inserts import insert_tokens
 from aiocache_kv.introspection import blocks, check_all, describe, snapshot, snapshot_events
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
@@ -39,7 +41,7 @@ from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
 from aiocache_kv.transfer import CopyEngine, default_engine
 from aiocache_kv.transfer.ops import OpKind, Transfers
 from aiocache_kv.tree import Node, Tier
-from aiocache_kv.validate import check_names, check_tokens, slot_array, slots_to_pages
+from aiocache_kv.validate import check_names, check_tokens, slots_to_pages
 
 log = get_logger(__name__)
 _get_ident = threading.get_ident
@@ -82,6 +84,7 @@ class HiCache:
         self._handles = HandleTable(self._core)
         self._l3: StorageTier | None = None
         self._transfers = Transfers(self._core, self._engine, self._backup_to_storage)
+        self._waiters = CapacityWaiters(self._core)
         if config.write_policy is WritePolicy.WRITE_BACK:
             self._core.stager = self._transfers.stage
 
@@ -140,6 +143,7 @@ class HiCache:
             return
         self._state = Lifecycle.CLOSING
         core = self._core
+        self._waiters.close()
         try:
             if core.coordinator.deferred:  # every rank closes at the same point of its loop
                 await settle_work(core, self._transfers, self._l3, until_idle=True)
@@ -178,6 +182,20 @@ class HiCache:
         return namespace_of(self.config.namespace, *check_names(tenant, lora))
 
     # ------------------------------------------------------------------ match / load back
+
+    def cached_len(
+        self, tokens: Sequence[int], *, tenant: str | None = None, lora: str | None = None
+    ) -> int:
+        """Leading tokens of ``tokens`` the tree holds now (device or host, whole pages): a
+        look that changes nothing - no pin, no recency, no hit counted.
+
+        Raises:
+            As :meth:`match_prefix`.
+        """
+        self._check()
+        toks = check_tokens(tokens)
+        p = self.config.page_size
+        return self._core.tree.peek(self._ns(tenant, lora), toks, len(toks) // p * p)
 
     def match_prefix(
         self,
@@ -256,16 +274,22 @@ class HiCache:
         self._core.tree.root(ns, ns.tag)
         return await self._l3.prefetch(ns, toks, len(toks) // p * p, pol)
 
-    async def load_back(self, m: MatchResult) -> MatchResult:
+    async def load_back(self, m: MatchResult, *, timeout: float | None = None) -> MatchResult:
         """Copy the host-resident part of ``m`` to device; ``m`` then reports it on device.
 
         Cancelling the await does not cancel the copy: it lands (the pages become
         device-resident, owned by the tree) and nothing leaks.  ``m`` stays pinned either way.
         Nodes another load is filling are waited for before their children are loaded, so a
-        child's copy never outlives a failed parent.
+        child's copy never outlives a failed parent.  With ``timeout`` (seconds, finite,
+        >= 0), too few device pages is not an error at once: the load waits in line, as
+        :meth:`alloc_wait` does, for pages to come back, up to ``timeout`` in all (copies it
+        started are awaited as without it).
 
         Raises:
-            CapacityError: not enough device pages even after eviction (nothing changed).
+            CapacityError: not enough device pages even after eviction (nothing changed;
+                with ``timeout``: still not enough when it passed).
+            InvalidInputError: ``timeout`` is not a finite number >= 0, or given with
+                tensor parallelism.
             TransferError: the copy failed; the nodes stay host-only.
             HandleError: ``m`` was released or belongs to another cache (or was released
                 while waiting: its nodes are no longer held, so nothing more is loaded).
@@ -277,7 +301,12 @@ class HiCache:
             check_handle(m, MatchResult, self._core)
 
         check()
-        await self._transfers.load_path(m.parts, check)
+        wait = None
+        if timeout is not None:
+            p = self.config.page_size
+            need = lambda: sum(len(n.key) for n in m.parts()[1]) // p  # noqa: E731
+            wait = self._waiters.loads(self._waiters.check_timeout(timeout), need)
+        await self._transfers.load_path(m.parts, check, wait)
         return m
 
     # ------------------------------------------------------------------ alloc / insert
@@ -300,14 +329,26 @@ class HiCache:
         p = self.config.page_size
         return self._core.alloc_device(-(-n // p), PageState.HELD, slots_of=p)
 
-    async def alloc_wait(self, n: int) -> torch.Tensor:
-        """Like :meth:`alloc`, but when pages are only held back by copies in flight
-        (write-through acks, write-back staging), wait for those copies and retry.
+    async def alloc_wait(self, n: int, *, timeout: float | None = None) -> torch.Tensor:
+        """Like :meth:`alloc`, but waits for pages.  Without ``timeout``: only for pages held
+        back by copies in flight (write-through acks, write-back staging), then retries.
+        With ``timeout`` (seconds, finite, >= 0): in line (first come, first served) for any
+        pages to come back (a release, free, eviction or copy that landed), up to
+        ``timeout``.  Cancelled or timed out, it takes nothing.
 
         Raises:
-            InvalidInputError: ``n`` is not an int >= 0.
-            CapacityError: too few pages even with no copy in flight (pinned by handles).
+            InvalidInputError: ``n`` is not an int >= 0, ``timeout`` not a finite number >= 0,
+                or a ``timeout`` with tensor parallelism.
+            CapacityError: too few pages even with no copy in flight (pinned by handles);
+                with ``timeout``: still too few when it passed, or more than the pool holds.
+            CacheClosedError: the cache is not running (or closed while waiting).
         """
+        if timeout is not None:
+            self._check()
+            if type(n) is not int or n < 0:
+                raise InvalidInputError(f"alloc_wait needs an int >= 0, got {n!r}")
+            t = self._waiters.check_timeout(timeout)
+            return await self._waiters.alloc(n, t) if n else torch.empty(0, dtype=torch.int64)
         while True:
             try:
                 return self.alloc(n)
@@ -386,23 +427,28 @@ class HiCache:
         tokens: Sequence[int] | torch.Tensor,
         kv_indices: torch.Tensor,
         *,
-        prefix: MatchResult | None = None,
+        prefix: MatchResult | InsertResult | None = None,
         tenant: str | None = None,
         lora: str | None = None,
     ) -> InsertResult:
         """Cache ``tokens`` (whole pages; an unaligned tail is not cached) with their KV.
 
         ``kv_indices[i]`` is the device slot of token ``i``.  Slots of new pages must come from
-        :meth:`alloc`; the cache takes them.  Where the tree already has the prefix on device,
-        the caller's own duplicate pages are freed (passing the tree's slots back, e.g. from
-        ``m.device_indices``, is fine).  Slots of the unaligned tail stay the caller's.
+        :meth:`alloc`; the cache takes them.  Where the tree already has a page on device, the
+        caller's own copy is *retained* by the result, not freed: it stays the caller's to
+        read until :meth:`release` of the result (``r.retained_pages``; ``r.device_indices``
+        are the tree's rows, to switch to if it likes).  So are its pages after a node still
+        loading back.  Passing the tree's slots back (e.g. ``m.device_indices``), or rows an
+        earlier result retains, is fine.  Slots of the unaligned tail stay the caller's.
 
-        With ``prefix=m`` (a pinned match of these tokens, same tenant/lora), ``kv_indices``
-        may hold only the slots of the tokens after ``m``'s device run: of
-        ``tokens[len(tokens) - len(kv_indices):]``, which must start on a page boundary at or
-        before ``m.device_len`` (read when the slots were allocated: if a load-back grew
-        ``m`` since, the caller's copies of those pages are freed).  The tree's own pages serve
-        the rest, and nothing has to be concatenated on the request path.
+        With ``prefix=`` a pinned handle of these tokens' leading part (same tenant/lora), a
+        match ``m`` or the result ``r`` of the previous insert of this sequence,
+        ``kv_indices`` may hold only the slots of ``tokens[len(tokens) - len(kv_indices):]``,
+        which must start on a page boundary at or before ``m.device_len`` (read when the
+        slots were allocated: if a load-back grew ``m`` since, the caller's copies of those
+        pages are retained), or at or before ``r.inserted_len``.  The tree's own pages serve
+        the rest.  The result of ``prefix=r`` retains ``r``'s rows as well, so ``r`` may be
+        released right after.
 
         Returns an :class:`InsertResult` pinning the path; ``.write_through`` is awaitable.
 
@@ -414,45 +460,9 @@ class HiCache:
         """
         self._check()
         toks = check_tokens(tokens)
-        core = self._core
-        p = self.config.page_size
-        n = len(toks) // p * p
         ns = self._ns(tenant, lora)
-        skip = 0
-        if isinstance(kv_indices, torch.Tensor) and kv_indices.dim() == 1:
-            skip = len(toks) - kv_indices.numel()
-            if prefix is not None:
-                self._check_prefix(prefix, ns, skip)
-            elif skip:
-                raise InvalidInputError(
-                    f"kv_indices has {kv_indices.numel()} slots for {len(toks)} tokens"
-                )
-        anchor = None if prefix is None else prefix.node
-        out = core.insert_device(ns, toks, n, slot_array(kv_indices, n - skip), skip // p, anchor)
-        ack = None
-        if self.config.write_policy is WritePolicy.WRITE_THROUGH and n and core.host_pool:
-            op = self._transfers.backup(core.tree.path(out.node), OpKind.WRITE_THROUGH)
-            if op is not None:
-                ack = WriteAck(op.future)
-        got = out.inserted_tokens
-        r = InsertResult(core, out.node, out.prefix_tokens, got, ack, self.release, len(toks) - got)
-        self._handles.add(r)
-        return r
-
-    def _check_prefix(self, m: MatchResult, ns: Namespace, skip: int) -> None:
-        """Raise unless an insert in ``ns`` whose slots start at token ``skip`` may lean on
-        the match ``m``: a page boundary within ``m``'s device run, in ``m``'s namespace."""
-        check_handle(m, MatchResult, self._core)
-        if m.node.ns is not ns and m.node.ns != ns:
-            raise InvalidInputError(
-                f"insert prefix is a match in namespace {m.node.ns!r}, not {ns!r}"
-            )
-        dev = m.device_len
-        if skip < 0 or skip % self.config.page_size or skip > dev:
-            raise InvalidInputError(
-                f"kv_indices must hold the slots of the tokens from a page boundary at or "
-                f"before the prefix match's {dev} device tokens; they start at token {skip}"
-            )
+        core, trs, handles = self._core, self._transfers, self._handles
+        return insert_tokens(core, trs, handles, self.release, toks, kv_indices, prefix, ns)
 
     def release(self, handle: MatchResult | InsertResult) -> None:
         """Drop the pin of a handle from :meth:`match_prefix` or :meth:`insert`.
@@ -575,7 +585,8 @@ class HiCache:
         Raises:
             AssertionError: naming the broken invariant.
         """
-        check_all(self._core, self._handles.nodes(), self._transfers, self._l3)
+        handles = self._handles
+        check_all(self._core, handles.nodes(), self._transfers, self._l3, handles.retained())
 
     def __repr__(self) -> str:
         return describe(self._core, self._transfers, self._state.name)

@@ -25,6 +25,7 @@ from aiocache_kv.distributed.group import TPGroup
 from aiocache_kv.errors import CapacityError, InvalidInputError, OwnershipError
 from aiocache_kv.events import BlockRemoved, BlockStored, EventLog, KVEvent
 from aiocache_kv.events.kv_events import namespace_fields
+from aiocache_kv.fastcheck import INSERT_NOT_HELD
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
 from aiocache_kv.pools.sidecar import SidecarPools
@@ -92,6 +93,10 @@ class CacheCore:
         ]
         #: write-back: starts staging an eviction victim to host (set by the transfers)
         self.stager: Callable[[Node], bool] | None = None
+        #: called on the loop when device pages may have become free or evictable (set by
+        #: the capacity waiters; see :meth:`capacity_changed`)
+        self.on_capacity: Callable[[], None] | None = None
+        self.tree.on_unpinned = self.capacity_changed
         self._split_hooks: list[SplitHook] = []
 
     # ------------------------------------------------------------------ binding
@@ -107,6 +112,7 @@ class CacheCore:
         cfg = self.config
         self.device_pool, self.host_pool, self.sidecars = device_pool, host_pool, sidecars
         self.dev_alloc = PageAllocator(cfg.device_pages, "device")
+        self.dev_alloc.on_free = self.capacity_changed
         self.host_alloc = PageAllocator(cfg.host_pages, "host") if cfg.host_pages else None
         self.loop = loop
         self.owner = threading.get_ident()
@@ -153,14 +159,32 @@ class CacheCore:
             if n <= alloc.num_free + self.tree.dev_evictable:  # a hopeless ask flushes nothing
                 self.evict_device(n - alloc.num_free)
             if alloc.num_free < n:
-                raise CapacityError(
-                    f"device pool: need {n} pages, {alloc.num_free} free of {alloc.num_pages}, "
-                    f"{self.tree.dev_evictable} evictable, {self.tree.dev_protected} pinned "
-                    f"or in flight (unreleased handles and copies), "
-                    f"{alloc.count(PageState.HELD)} allocated and not inserted, "
-                    f"{alloc.quarantined} held by workers"
-                )
+                raise CapacityError(self.capacity_report(n))
         return alloc.alloc(n, state, slots_of=slots_of)
+
+    def capacity_report(self, n: int) -> str:
+        """Why ``n`` device pages cannot be had now: what is free, evictable and held."""
+        alloc = self.dev_alloc
+        assert alloc is not None
+        return (
+            f"device pool: need {n} pages, {alloc.num_free} free of {alloc.num_pages}, "
+            f"{self.tree.dev_evictable} evictable, {self.tree.dev_protected} pinned "
+            f"or in flight (unreleased handles and copies), "
+            f"{alloc.count(PageState.HELD)} allocated and not inserted, "
+            f"{alloc.retained} retained by insert results, "
+            f"{alloc.quarantined} held by workers"
+        )
+
+    def capacity_changed(self) -> None:
+        """Device pages may have become free or evictable (a free, an unpin, a copy that
+        landed): tell whoever waits for them (``on_capacity``)."""
+        if self.on_capacity is not None:
+            self.on_capacity()
+
+    def unretain(self, pages: np.ndarray) -> None:
+        """An insert result that retained the device ``pages`` was released."""
+        assert self.dev_alloc is not None
+        self.dev_alloc.unretain(pages)
 
     def insert_device(
         self,
@@ -170,13 +194,18 @@ class CacheCore:
         slots: np.ndarray,
         skip: int = 0,
         anchor: Node | None = None,
-    ) -> InsertOutcome:
+        inherit: np.ndarray = _NO_IDS,
+    ) -> tuple[InsertOutcome, np.ndarray]:
         """Insert ``tokens[:n]`` (page-aligned) whose token slots after the first ``skip``
-        pages are ``slots`` (C-contiguous int64, checked here): where the tree already has a
-        page on device the caller's copy is freed, the rest become the tree's.  The skipped
-        pages must be on the path to ``anchor`` (the caller's match), the path whose KV the
-        new pages were computed against.  Emits the device ``BlockStored`` events; returns
-        the tree's outcome (pinned at its node).
+        pages are ``slots`` (C-contiguous int64, checked here): pages the tree does not hold on
+        device become the tree's; the caller's other pages (its copies of pages the tree has,
+        and those after a node still loading, which the tree does not take) are *retained*,
+        not freed: they stay allocated for the caller until the insert's result is released.
+        ``inherit`` (pages an earlier result retained, for ``prefix=`` that result) is
+        retained once more.  The skipped pages must be on the path to ``anchor`` (the caller's
+        prefix handle), the path whose KV the new pages were computed against.  Emits the
+        device ``BlockStored`` events; returns the tree's outcome (pinned at its node) and the
+        distinct page ids the result retains (one reference each).
 
         Raises:
             InvalidInputError: the first ``skip`` pages of ``tokens`` are not on device on the
@@ -191,34 +220,39 @@ class CacheCore:
         plan = tree.plan_insert(ns, tokens, n, skip=skip)  # the walk, once
         if plan.existing_pages < skip or (skip and not _on_path(plan, skip * p, anchor)):
             raise InvalidInputError(
-                f"insert: the {skip * p} tokens skipped are not the prefix match's on "
+                f"insert: the {skip * p} tokens skipped are not the prefix's on "
                 f"device (the tree holds {plan.existing_pages * p} leading tokens of these "
-                "tokens on device): the tokens do not extend that match"
+                "tokens on device): the tokens do not extend that prefix"
             )
         existing = plan.device_pages().numpy() if plan.existing else _NO_IDS
         d = existing.size
         code, at, differing, ids = alloc.check_insert(slots, p, existing)
+        if code == INSERT_NOT_HELD and alloc.retained:  # retained rows are the caller's too
+            code, at, differing = alloc.recheck_insert(ids, existing)
         if code:
             raise_for_insert(code, at, ids, slots, p, alloc.num_pages)
-        if differing:  # the caller's own copies of pages the tree has: freed below
+        keep = [inherit]
+        if differing:  # the caller's own copies of pages the tree has: retained below
             lead = ids[:d]
-            dupes = torch.from_numpy(lead[lead != existing])
+            keep.append(lead[lead != existing])
         # the tree keeps only the pages after its own (ids is scratch, reused next insert)
         own = torch.from_numpy(ids[d:].copy())
         tree.root(ns, ns.tag)
         out = tree.insert(ns, tokens, n, own, plan=plan, first_page=skip + d)
         kept = out.inserted_tokens // p - skip - d  # the walk stops below a loading node
-        if differing:
-            alloc.free([dupes])
         if kept > 0:
             alloc.take(ids[d : d + kept])
         if own.numel() > kept:
-            alloc.free([own[max(kept, 0) :]])
+            keep.append(own.numpy()[max(kept, 0) :])
+        retained = _NO_IDS
+        if len(keep) > 1 or inherit.size:
+            retained = np.unique(np.concatenate(keep)) if len(keep) > 1 else inherit
+            alloc.retain(retained)
         self.counters.inserted_tokens += out.inserted_tokens - out.prefix_tokens
         if self.events.enabled:
             for node in out.adopted + out.created:
                 self.emit_stored(node, Tier.DEVICE)
-        return out
+        return out, retained
 
     def alloc_host(self, n: int) -> torch.Tensor | None:
         """``n`` host pages (evicting host-only leaves if that can succeed), else ``None``."""

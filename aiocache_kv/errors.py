@@ -39,6 +39,11 @@ class CacheClosedError(KVCacheError, RuntimeError):
     """The cache is not started or was closed; the call did nothing."""
 
 
+class EngineClosedError(KVCacheError, RuntimeError):
+    """The serving engine is not running, was closed, or aborted the request (its caller
+    went away); nothing of the request is left in the engine."""
+
+
 class OwnershipError(KVCacheError, RuntimeError):
     """Loop-owned state was touched from a thread that is not the owning event loop's."""
 

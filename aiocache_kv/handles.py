@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 H = TypeVar("H", bound="Handle")
 
+_NO_PAGES = torch.empty(0, dtype=torch.int64)
 # segments of a path seen from below (``MatchResult.lens``)
 _ON_DEVICE, _HOST_ONLY, _NEITHER = object(), object(), object()
 
@@ -205,11 +206,19 @@ class InsertResult(Handle):
 
     ``inserted_len`` is normally every whole page of the tokens.  It is shorter when the insert
     met a node whose ``load_back`` was still in flight: nothing may hang below such a node on
-    device (a failed load turns it back into host-only), so the insert stops right after it,
-    pins only that far and frees the caller's pages beyond it: that KV is not cached.
+    device (a failed load turns it back into host-only), so the insert stops right after it
+    and pins only that far: the KV of the pages after it is not cached.
+
+    The caller's rows stay valid until the result is released: the rows it passed that the tree
+    did not take (its own copies of pages the tree already held, the pages after a loading
+    node) are *retained* (``retained_pages``), not freed: never evicted or reallocated, and
+    freed when the last result retaining them is released.  ``device_indices`` are the tree's
+    rows for the inserted path, which a caller may switch to (it never has to).  Passed as
+    ``insert(..., prefix=r)``, the new result retains ``r``'s rows too, so ``r`` may be
+    released right after.
     """
 
-    __slots__ = ("inserted_len", "prefix_len", "uncached_len", "write_through")
+    __slots__ = ("inserted_len", "prefix_len", "retained_pages", "uncached_len", "write_through")
 
     def __init__(
         self,
@@ -220,6 +229,7 @@ class InsertResult(Handle):
         write_through: WriteAck | None,
         releaser: Callable[[Any], None] | None = None,
         uncached_len: int = 0,
+        retained_pages: torch.Tensor = _NO_PAGES,
     ) -> None:
         super().__init__(core, node, releaser)
         #: tokens of the insert that are not cached: the unaligned tail (its slots stay the
@@ -228,11 +238,42 @@ class InsertResult(Handle):
         self.prefix_len = prefix_len  #: tokens that were already cached (any tier)
         self.inserted_len = inserted_len  #: page-aligned tokens now cached and pinned
         self.write_through = write_through  #: awaitable host backup, or None
+        #: device page ids of the caller's rows this result keeps allocated until released
+        #: (rows the tree did not take, and those of a ``prefix=`` insert result)
+        self.retained_pages = retained_pages
+
+    def _device_part(self) -> list[Node]:
+        path = self._path()
+        i = 0
+        while i < len(path) and path[i].device is RESIDENT:
+            i += 1
+        return self.core.usable_path(path[:i])
+
+    @property
+    def device_len(self) -> int:
+        """Tokens of the leading device-resident part of the inserted path (normally
+        ``inserted_len``; less while a node it ends on is still loading back)."""
+        return sum(len(n.key) for n in self._device_part())
+
+    @property
+    def device_pages(self) -> torch.Tensor:
+        """The tree's device page ids of the device-resident part (the canonical rows)."""
+        pages = [n.device_pages for n in self._device_part()]
+        if not pages:
+            return _NO_PAGES
+        return torch.cat(pages) if len(pages) > 1 else pages[0]  # type: ignore[arg-type,return-value]
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        """The tree's token slots for the device-resident part: rows of ``device_kv`` views
+        holding the same KV as the caller's own (retained) rows for those tokens."""
+        return page_slots(self.device_pages, self.core.page_size)
 
     def __repr__(self) -> str:
         return (
             f"<InsertResult prefix_len={self.prefix_len} inserted_len={self.inserted_len} "
-            f"uncached_len={self.uncached_len} {self.state.name}>"
+            f"uncached_len={self.uncached_len} retained={self.retained_pages.numel()} "
+            f"{self.state.name}>"
         )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from aiocache_kv.blocks import BlockInfo
 from aiocache_kv.core import CacheCore
 from aiocache_kv.events.kv_events import BlockStored, namespace_fields
@@ -26,6 +28,7 @@ def _tier(alloc: PageAllocator | None, evictable: int, protected: int) -> TierSt
         evictable,
         protected,
         alloc.quarantined,
+        alloc.retained,
     )
 
 
@@ -50,9 +53,14 @@ def snapshot(core: CacheCore, transfers: Transfers, l3: StorageTier | None) -> C
 
 
 def check_all(
-    core: CacheCore, pinned: list[Node], transfers: Transfers, l3: StorageTier | None
+    core: CacheCore,
+    pinned: list[Node],
+    transfers: Transfers,
+    l3: StorageTier | None,
+    retained: list[np.ndarray] | None = None,
 ) -> None:
-    """Recompute every counter and cross-check tree, allocators, pins and transfers.
+    """Recompute every counter and cross-check tree, allocators, pins, the device rows insert
+    results retain (``retained``: one id array per live result) and transfers.
 
     Raises:
         AssertionError: naming the broken invariant.
@@ -66,7 +74,7 @@ def check_all(
         handle_pins[id(anchor)] = handle_pins.get(id(anchor), 0) + 1
     core.tree.check_invariants(handle_pins)
     if core.dev_alloc is not None:
-        core.dev_alloc.check_invariants(core.tree.device_pages_in_tree())
+        core.dev_alloc.check_invariants(core.tree.device_pages_in_tree(), retained)
     if core.host_alloc is not None:
         reserved = list(l3.reserved.values()) if l3 is not None else []
         core.host_alloc.check_invariants(core.tree.host_pages_in_tree() + reserved)

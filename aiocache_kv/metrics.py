@@ -58,11 +58,15 @@ LATENCY_METRICS = {
         "A prefetch that went to storage (storage -> host), reservation to commit.",
     ),
 }
-POOL_STATES = ("total", "free", "held", "evictable", "protected", "quarantined")
+POOL_STATES = ("total", "free", "held", "evictable", "protected", "quarantined", "retained")
 
 
-def _prometheus() -> Any:
-    """``prometheus_client.core``, imported on first use."""
+def prometheus_core() -> Any:
+    """``prometheus_client.core``, imported on first use.
+
+    Raises:
+        MissingDependencyError: ``prometheus_client`` is not installed.
+    """
     try:
         import prometheus_client.core as core
     except ImportError as exc:
@@ -97,7 +101,7 @@ class CacheCollector:
         labels: Mapping[str, str] | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        self._prom = _prometheus()
+        self._prom = prometheus_core()
         self.cache = cache
         self.prompts = prompts
         self.labels = dict(labels or {})
@@ -279,11 +283,12 @@ class CacheCollector:
             hist = prom.HistogramMetricFamily(PREFIX + name, doc, labels=const)
             snap = st.latency.get(key) if st is not None else None
             if snap is not None:
-                hist.add_metric(cvals, _buckets(snap), snap.sum)
+                hist.add_metric(cvals, histogram_buckets(snap), snap.sum)
             yield hist
 
 
-def _buckets(snap: HistogramSnapshot) -> list[tuple[str, float]]:
+def histogram_buckets(snap: HistogramSnapshot) -> list[tuple[str, float]]:
+    """``snap`` as ``prometheus_client`` histogram buckets (cumulative, then ``+Inf``)."""
     out = [(repr(float(b)), float(n)) for b, n in zip(snap.buckets, snap.cumulative, strict=False)]
     out.append(("+Inf", float(snap.count)))
     return out
@@ -315,4 +320,4 @@ _ZERO = CacheStatistics(
     events_published=0,
 )
 
-__all__ = ["LATENCY_METRICS", "CacheCollector"]
+__all__ = ["LATENCY_METRICS", "CacheCollector", "histogram_buckets", "prometheus_core"]

@@ -7,6 +7,10 @@ thread, or in the middle of a tree operation on the loop, so the tree is never t
 there) and warns with a ``ResourceWarning`` naming the handle: the serving code leaked a pin,
 and until now the pages it covered could not be evicted.  A released handle, or one of a
 closed cache, does nothing when collected.
+
+An insert result may also retain device rows (its caller's pages the tree did not take); the
+table keeps their ids by handle token too, and drops those references with the pin, whether
+the handle is released or collected.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import contextlib
 import itertools
 import warnings
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from aiocache_kv.handles import HandleState
 from aiocache_kv.logs import get_logger
@@ -36,6 +42,7 @@ class HandleTable:
     def __init__(self, core: CacheCore) -> None:
         self._core = core
         self._pins: dict[int, Node] = {}  # handle token -> its pinned node
+        self._retained: dict[int, np.ndarray] = {}  # handle token -> device rows it retains
         self._tokens = itertools.count(1)
         self._closed = False
         self.leaked = 0  #: handles garbage-collected while pinned
@@ -43,19 +50,32 @@ class HandleTable:
     def __len__(self) -> int:
         return len(self._pins)
 
-    def add(self, handle: Handle) -> None:
-        """Track the pin ``handle`` holds on ``handle.node`` (taken by the caller)."""
+    def add(self, handle: Handle, retained: np.ndarray | None = None) -> None:
+        """Track the pin ``handle`` holds on ``handle.node`` (taken by the caller), and the
+        references it holds on the device pages ``retained`` (taken by the caller)."""
         token = next(self._tokens)
         handle.token = token
         handle.on_drop = self.dropped_soon
         self._pins[token] = handle.node
+        if retained is not None and retained.size:
+            self._retained[token] = retained
+
+    def retained_by(self, handle: Handle) -> np.ndarray | None:
+        """The device pages a live ``handle`` retains (``None``: none)."""
+        return self._retained.get(handle.token)
 
     def release(self, handle: Handle) -> None:
-        """Drop the pin of ``handle`` (checked by the caller: pinned, of this cache); the
-        handle is ``RELEASED`` from now on."""
+        """Drop the pin of ``handle`` (checked by the caller: pinned, of this cache) and its
+        retained rows; the handle is ``RELEASED`` from now on."""
         handle.state = HandleState.RELEASED
         handle.on_drop = None
-        self._core.tree.unpin(self._pins.pop(handle.token))
+        self._drop(handle.token, self._pins.pop(handle.token))
+
+    def _drop(self, token: int, node: Node) -> None:
+        rows = self._retained.pop(token, None)
+        if rows is not None:
+            self._core.unretain(rows)
+        self._core.tree.unpin(node)
 
     def dropped_soon(self, token: int, what: str) -> None:
         """From a pinned handle's ``__del__`` (any thread): schedule :meth:`dropped` on the
@@ -79,14 +99,20 @@ class HandleTable:
         if node is None or self._closed:
             return  # released meanwhile, or the cache closed
         self.leaked += 1
-        self._core.tree.unpin(node)
+        self._drop(token, node)
         log.warning("handle_leaked", handle=f"{what} #{token}", leaked=self.leaked)
 
     def nodes(self) -> list[Node]:
         """The pinned node of every live handle (one entry per pin)."""
         return list(self._pins.values())
 
+    def retained(self) -> list[np.ndarray]:
+        """The device pages each live handle retains (one array per handle that does)."""
+        return list(self._retained.values())
+
     def close(self) -> None:
-        """The cache closed: its pins go with the tree; dropped handles no longer warn."""
+        """The cache closed: its pins and retained rows go with the tree and the pools;
+        dropped handles no longer warn."""
         self._closed = True
         self._pins.clear()
+        self._retained.clear()

@@ -56,6 +56,8 @@ class TierStatistics:
     protected_pages: int  #: pinned or in flight
     #: freed while a worker thread still holds them; free again when the worker is done
     quarantined_pages: int = 0
+    #: callers' rows the tree did not take, kept by unreleased insert results (device)
+    retained_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,13 @@ import aiocache_kv
 PACKAGE = Path(aiocache_kv.__file__).parent
 MAX_LINES = 600
 #: users of the runtime: nothing in the runtime may import them
-TOOLS = ("aiocache_kv.bench", "aiocache_kv.cli", "aiocache_kv.demo", "aiocache_kv.models")
+TOOLS = (
+    "aiocache_kv.bench",
+    "aiocache_kv.cli",
+    "aiocache_kv.demo",
+    "aiocache_kv.models",
+    "aiocache_kv.serving",
+)
 
 
 def module_name(path: Path) -> str:

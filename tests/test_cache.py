@@ -71,20 +71,25 @@ def r_slots(cache: akv.HiCache, tokens: list[int]) -> list[int]:
     return out
 
 
-async def test_duplicate_prefix_pages_are_freed(engine: ManualCopyEngine) -> None:
+async def test_duplicate_prefix_pages_are_freed_at_release(engine: ManualCopyEngine) -> None:
     async with akv.HiCache(small_config(), copy_engine=engine) as cache:
         free0 = cache.statistics().device.free_pages
         r1 = insert(cache, [1, 2, 3, 4])
-        # a second request recomputed the same prefix into its own pages, plus one new page
+        # a second request recomputed the same prefix into its own pages, plus one new page:
+        # its copies stay its own (retained) until it releases the result
         r2 = insert(cache, [1, 2, 3, 4, 5, 6])
         assert r2.prefix_len == 4
-        assert cache.statistics().device.free_pages == free0 - 3
+        st = cache.statistics().device
+        assert st.free_pages == free0 - 5 and st.retained_pages == 2
+        cache.release(r2)
+        st = cache.statistics().device
+        assert st.free_pages == free0 - 3 and st.retained_pages == 0
         # reusing the tree's own slots for the prefix is fine, too
         m = cache.match_prefix([1, 2, 3, 4, 5, 6])
         extra = cache.alloc(2)
         r3 = cache.insert([1, 2, 3, 4, 5, 6, 7, 8], torch.cat([m.device_indices, extra]))
         assert r3.prefix_len == 6 and cache.statistics().device.free_pages == free0 - 4
-        for h in (r1, r2, r3, m):
+        for h in (r1, r3, m):
             cache.release(h)
         engine.complete_all()
         await cache.flush()

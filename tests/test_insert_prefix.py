@@ -108,12 +108,13 @@ async def test_prefix_insert_passes_only_new_slots(engine: ManualCopyEngine) -> 
         await finish(cache, engine, r, m, mm)
 
 
-async def test_prefix_that_grew_since_the_alloc_frees_the_callers_copies(
+async def test_prefix_that_grew_since_the_alloc_retains_the_callers_copies(
     engine: ManualCopyEngine,
 ) -> None:
     """The caller read m.device_len, allocated the rest, then (while it computed) another
     request loaded m's host part back: its slots still start at the old device_len, which is
-    fine; its copies of the pages the tree now holds are freed, not kept twice."""
+    fine; its copies of the pages the tree now holds are retained by the result (it may still
+    attend over them) and freed, once, when the result is released."""
     async with akv.HiCache(small_config(), copy_engine=engine) as cache:
         s = cache.alloc(6)
         cache.release(cache.insert([1, 2, 3, 4, 5, 6], s))
@@ -134,10 +135,15 @@ async def test_prefix_that_grew_since_the_alloc_frees_the_callers_copies(
         r = cache.insert([1, 2, 3, 4, 5, 6, 7, 8], own, prefix=m)
         assert (r.prefix_len, r.inserted_len) == (6, 8)
         st = cache.statistics().device
-        # the load took a page, the insert freed the caller's copy of [5, 6]
-        assert st.free_pages == free0 and st.held_pages == 0
+        # the load took a page; the caller's copy of [5, 6] is retained until release(r)
+        assert st.free_pages == free0 - 1 and st.held_pages == 0 and st.retained_pages == 1
+        assert r.retained_pages.tolist() == [int(own[0]) // 2]
         assert m.device_indices.tolist()[4:] != own[:2].tolist()  # the tree kept its own
+        assert r.device_indices.tolist() == m.device_indices.tolist() + own[2:].tolist()
+        cache.check_invariants()
         await finish(cache, engine, r, m, other)
+        st = cache.statistics().device
+        assert st.free_pages == free0 and st.retained_pages == 0
 
 
 async def test_prefix_covering_host_pages_adopts_the_callers_slots(

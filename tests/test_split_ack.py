@@ -88,7 +88,8 @@ async def test_device_pin_held_until_ack(engine: ManualCopyEngine) -> None:
 
 
 async def test_nested_splits_before_ack(engine: ManualCopyEngine) -> None:
-    async with akv.HiCache(small_config(page_size=1), copy_engine=engine) as cache:
+    # 32 pages: each unreleased result retains its own copies of the shared prefix
+    async with akv.HiCache(small_config(page_size=1, device_pages=32), copy_engine=engine) as cache:
         r1 = insert(cache, [1, 2, 3, 4, 5, 6])
         r2 = insert(cache, [1, 2, 3, 4, 9])  # split at 4
         r3 = insert(cache, [1, 2, 8])  # split the head fragment again at 2

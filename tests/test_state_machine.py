@@ -13,10 +13,11 @@ the cache against the simple model of ``tests/reference_model.py``:
   node whose load-back is still in flight, because nothing may hang below such a node on device
   (a failed load turns it back into host-only): ``inserted_len`` is then exactly where the first
   loading node on its path ends, ``prefix_len`` counts no further, the caller's pages after it
-  are freed, and the model records only the cached part;
+  are retained by the result until it is released, and the model records only the cached part;
 * KV read back from the device pool at a live match's ``device_indices`` is bit-identical to
   what was written for those tokens, across write-through, demotion, eviction and load-back;
-* device ``free + held + evictable + protected == total`` (host: ``held == 0``) and releasing
+* device ``free + held + evictable + protected + retained == total`` (host: ``held == 0``;
+  retained: the callers' rows the tree did not take, kept by unreleased results) and releasing
   everything, settling every copy and evicting everything returns every page;
 * KV events replay consistently: no hash is shared by two namespaces, and the blocks stored per
   medium are exactly the pages resident in that tier;
@@ -300,7 +301,8 @@ class HiCacheMachine(RuleBasedStateMachine):
         """How much of ``toks[:n]`` an insert caches now: all of it, unless the path meets a
         node whose load-back is in flight (device FILLING).  Nothing may hang below such a node
         on device (a failed load turns it back into host-only), so the insert stops right
-        after it, or after the part of it that ``toks`` shares, and frees the pages beyond."""
+        after it, or after the part of it that ``toks`` shares, and retains the pages beyond
+        (freed when the result is released)."""
         ns = Namespace(self.cfg.namespace, tenant or "")
         node = next((r for r in self.cache._tree.roots() if r.ns == ns), None)
         pos = 0
@@ -746,8 +748,9 @@ class HiCacheMachine(RuleBasedStateMachine):
         s = self.cache.statistics()
         d, h = s.device, s.host
         assert d.total_pages == DEVICE_PAGES and h.total_pages == HOST_PAGES
-        assert d.free_pages + d.held_pages + d.evictable_pages + d.protected_pages == (
-            d.total_pages
+        assert (
+            d.free_pages + d.held_pages + d.evictable_pages + d.protected_pages + d.retained_pages
+            == d.total_pages
         ), d
         assert d.held_pages == self._held_pages(), (d, self._held_pages())
         assert h.held_pages == 0 and h.free_pages + h.evictable_pages + h.protected_pages == (

@@ -92,7 +92,8 @@ def test_machine_prefix_len_under_loading_node() -> None:
 async def test_insert_under_loading_node_caches_up_to_it() -> None:
     """The cache side of the same sequence, including a load-back node that the insert
     splits: the insert keeps the path up to the loading node (or the part of it the tokens
-    share), frees the caller's pages after it, and caches all of it once the load landed."""
+    share), retains the caller's pages after it (and its copies of the loading pages) until
+    the result is released, and caches all of it once the load landed."""
     engine = ManualCopyEngine()
     cfg = small_config(page_size=1, write_policy="write_back")
     async with akv.HiCache(cfg, copy_engine=engine) as cache:
@@ -112,8 +113,9 @@ async def test_insert_under_loading_node_caches_up_to_it() -> None:
         r2 = cache.insert([1, 2, 0], cache.alloc(3), tenant="t")
         assert (r2.prefix_len, r2.inserted_len) == (1, 1)
         s = cache.statistics().device
-        assert s.held_pages == 0  # the caller's pages after the loading node were freed
-        assert s.free_pages == total - 2  # only the load-back's destination pages are taken
+        assert s.held_pages == 0  # the caller's pages the tree did not take are retained
+        assert s.retained_pages == 6 and r.retained_pages.numel() == 3
+        assert s.free_pages == total - 2 - 6  # the load-back's destination pages, and those
         cache.check_invariants()
         m2 = cache.match_prefix([1, 0, 0], tenant="t")
         assert m2.matched_len == 1
@@ -126,6 +128,8 @@ async def test_insert_under_loading_node_caches_up_to_it() -> None:
         cache.check_invariants()
         for h in (m, m2, r, r2, r3):
             cache.release(h)
+        assert cache.statistics().device.retained_pages == 0
+        cache.check_invariants()
 
 
 async def test_failed_load_back_under_a_second_load_back() -> None:

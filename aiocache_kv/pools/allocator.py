@@ -1,9 +1,17 @@
 """Page allocator: a free list of page ids plus an ownership state per page.
 
 Every page is FREE, HELD (handed to the caller by ``cache.alloc`` and not yet inserted),
-OWNED (belongs to the tree or to a transfer in flight) or QUARANTINED.  The states let the
-cache reject a double free or an insert of pages it never handed out, with a few vectorized
+OWNED (belongs to the tree or to a transfer in flight), QUARANTINED or RETAINED.  The states let
+the cache reject a double free or an insert of pages it never handed out, with a few vectorized
 operations per call.
+
+Retained rows.  An insert does not free the caller's rows that the tree does not take (its own
+copies of pages the tree already holds, the pages after a node still loading back): the
+insert's result keeps a *reference* on each (``retain``) until it is released (``unretain``),
+so a request still attending over its rows never reads a page handed to someone else.  A page
+with references is never FREE: not taken by the tree it is RETAINED, and a tree page that is
+freed while referenced (a later insert handed a retained row to the tree) becomes RETAINED
+too.  It returns to the free list when its last reference ends.
 
 Leases (the buffer-lease rule, docs/ARCHITECTURE.md).  A page handed to a worker thread (a
 storage call reading or writing its bytes) is *leased* for as long as the worker holds it:
@@ -22,6 +30,7 @@ pages tend to be contiguous, which lets copies coalesce into few large ``copy_``
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -38,6 +47,8 @@ class PageState(enum.IntEnum):
     HELD = 1  #: handed to the caller by ``alloc``; the caller inserts or frees it
     OWNED = 2  #: referenced by the tree or by a transfer in flight
     QUARANTINED = 3  #: freed while a worker still holds it; free again when its lease ends
+    #: a caller's row kept by insert results (references), not the tree's; free at the last
+    RETAINED = 4
 
 
 def _int64(arr: np.ndarray) -> np.ndarray:
@@ -55,7 +66,7 @@ def has_duplicates(pages: torch.Tensor) -> bool:
 
 
 _FREE, _HELD, _OWNED = int(PageState.FREE), int(PageState.HELD), int(PageState.OWNED)
-_QUARANTINED = int(PageState.QUARANTINED)
+_QUARANTINED, _RETAINED = int(PageState.QUARANTINED), int(PageState.RETAINED)
 
 
 class PageAllocator:
@@ -71,11 +82,16 @@ class PageAllocator:
         self._epoch = 0  # the last mark written to _stamp; counts down (never a position)
         self._ids = np.empty(num_pages, dtype=np.int64)  # see ``scratch``
         self._leases = np.zeros(num_pages, dtype=np.int32)  # workers holding each page
+        self._refs = np.zeros(num_pages, dtype=np.int32)  # insert results retaining each page
         # touch every page of the per-page arrays now: zeros/empty of a large array maps them
         # lazily, and the first request to reach each 4 KiB of them would take the fault
-        for arr in (self._state, self._stamp, self._ids, self._leases):
+        for arr in (self._state, self._stamp, self._ids, self._leases, self._refs):
             arr.fill(0)
         self.quarantined = 0  #: pages freed while leased, waiting for their workers
+        self.retained = 0  #: RETAINED pages: callers' rows kept by insert results
+        self.referenced = 0  #: pages with references (RETAINED, or taken by the tree since)
+        #: called (on the loop) whenever pages return to the free list
+        self.on_free: Callable[[], None] | None = None
         # numpy, not torch: slicing it costs a tenth, and alloc runs on every request
         self._free = np.arange(num_pages, dtype=np.int64)
         self._cursor = 0
@@ -116,7 +132,8 @@ class PageAllocator:
         return page_slots(taken, slots_of) if slots_of > 1 else torch.from_numpy(taken)
 
     def free(self, pages: list[torch.Tensor]) -> None:
-        """Return pages (OWNED or HELD) to the free list; leased ones to quarantine."""
+        """Return pages (OWNED or HELD) to the free list; leased ones to quarantine, retained
+        ones (an insert result still refers to them) to RETAINED."""
         parts = [p for p in pages if p.numel()]
         if not parts:
             return
@@ -124,6 +141,13 @@ class PageAllocator:
         idx = flat.numpy()
         state = self._state[idx]
         assert bool(((state == _OWNED) | (state == _HELD)).all()), f"{self.name}: double free"
+        if self.referenced:
+            kept = self._refs[idx] > 0
+            if kept.any():
+                self._state[idx[kept]] = _RETAINED
+                self.retained += int(np.count_nonzero(kept))
+                flat = torch.from_numpy(idx[~kept])
+                idx = flat.numpy()
         leased = self._leases[idx] > 0
         if leased.any():
             self._state[idx[leased]] = _QUARANTINED
@@ -137,6 +161,37 @@ class PageAllocator:
             self._state[flat.numpy()] = _FREE
             self._returned.append(flat.numpy())
             self._returned_count += flat.numel()
+            if self.on_free is not None:
+                self.on_free()
+
+    def retain(self, ids: np.ndarray) -> None:
+        """One more reference on each of ``ids`` (distinct int64 ids: HELD, RETAINED, or
+        OWNED by the tree after an earlier insert took a retained row): HELD ones become
+        RETAINED.  Nothing reuses a referenced page until :meth:`unretain`."""
+        if not ids.size:
+            return
+        held = self._state[ids] == _HELD
+        if held.any():
+            self._state[ids[held]] = _RETAINED
+            self.retained += int(np.count_nonzero(held))
+        self.referenced += int(np.count_nonzero(self._refs[ids] == 0))
+        self._refs[ids] += 1
+
+    def unretain(self, ids: np.ndarray) -> None:
+        """Drop one reference from each of ``ids`` (as given to :meth:`retain`): RETAINED
+        pages whose last reference ended are freed (quarantined while leased)."""
+        if not ids.size:
+            return
+        refs = self._refs
+        refs[ids] -= 1
+        assert bool((refs[ids] >= 0).all()), f"{self.name}: unretain without retain"
+        done = ids[refs[ids] == 0]
+        self.referenced -= int(done.size)
+        done = done[self._state[done] == _RETAINED]
+        if done.size:
+            self._state[done] = _HELD  # then freed as the caller's own
+            self.retained -= int(done.size)
+            self.free([torch.from_numpy(done.copy())])
 
     def lease(self, pages: torch.Tensor) -> None:
         """A worker starts using ``pages`` (repeats allowed): they cannot be reused until
@@ -170,8 +225,24 @@ class PageAllocator:
         return int(np.count_nonzero(self._leases))
 
     def take(self, ids: np.ndarray) -> None:
-        """Held pages (int64 ids) become the tree's (HELD -> OWNED on insert)."""
+        """Held (or retained) pages (int64 ids) become the tree's (-> OWNED on insert)."""
+        if self.retained:
+            self.retained -= int(np.count_nonzero(self._state[ids] == _RETAINED))
         self._state[ids] = _OWNED
+
+    def recheck_insert(self, ids: np.ndarray, existing: np.ndarray) -> tuple[int, int, int]:
+        """:meth:`check_insert`'s ownership verdict when retained rows may be among ``ids``
+        (the ids it computed, in range and distinct): each page must be ``existing[i]`` (the
+        tree's own), HELD or RETAINED.  ``(code, index, differing)`` as there."""
+        d = min(existing.size, ids.size)
+        same = np.zeros(ids.size, dtype=bool)
+        same[:d] = ids[:d] == _int64(existing)[:d]
+        state = self._state[ids]
+        bad = ~same & (state != _HELD) & (state != _RETAINED)
+        differing = d - int(np.count_nonzero(same))
+        if bad.any():
+            return fastcheck.INSERT_NOT_HELD, int(bad.argmax()), differing
+        return fastcheck.SLOTS_OK, -1, differing
 
     def check(self, pages: torch.Tensor, state: PageState) -> bool:
         """Whether every page in ``pages`` is in ``state``."""
@@ -222,8 +293,11 @@ class PageAllocator:
         """Pages in ``state``."""
         return int(np.count_nonzero(self._state == state))
 
-    def check_invariants(self, owned: list[torch.Tensor]) -> None:
-        """``owned`` (every page the tree and transfers hold) must be exactly the OWNED pages."""
+    def check_invariants(
+        self, owned: list[torch.Tensor], retained: list[np.ndarray] | None = None
+    ) -> None:
+        """``owned`` (every page the tree and transfers hold) must be exactly the OWNED pages,
+        and ``retained`` (one id array per live insert result) exactly the references."""
         free = torch.from_numpy(np.concatenate([self._free[self._cursor :], *self._returned]))
         assert free.numel() == self.num_free, f"{self.name}: free count drifted"
         assert not has_duplicates(free), f"{self.name}: page on free list twice"
@@ -247,3 +321,16 @@ class PageAllocator:
             f"{self.name}: quarantined page with no lease"
         )
         assert bool((self._leases >= 0).all()), f"{self.name}: negative lease count"
+        refs = np.zeros(self.num_pages, dtype=np.int64)
+        for ids in retained or []:
+            assert not has_duplicates(torch.from_numpy(ids)), f"{self.name}: retained twice"
+            refs[ids] += 1
+        assert bool((refs == self._refs).all()), f"{self.name}: references drifted"
+        assert int(np.count_nonzero(refs)) == self.referenced, f"{self.name}: referenced drifted"
+        kept = self._state == _RETAINED
+        assert int(np.count_nonzero(kept)) == self.retained, (
+            f"{self.name}: retained count {self.retained} drifted"
+        )
+        assert bool((refs[kept] > 0).all()), f"{self.name}: retained page with no reference"
+        free_or_held = (self._state == _FREE) | (self._state == _HELD)
+        assert not bool((refs[free_or_held] > 0).any()), f"{self.name}: referenced page reused"

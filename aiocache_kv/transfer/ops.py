@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -28,6 +28,11 @@ from aiocache_kv.tree import Node, Tier
 from aiocache_kv.tree.node import ABSENT, RESIDENT
 
 log = get_logger(__name__)
+
+#: a bounded wait for device pages: runs a round's start until it gets them (see ``capacity``)
+Acquire = Callable[
+    [Callable[[], list[asyncio.Future[None]]]], Awaitable[list[asyncio.Future[None]]]
+]
 
 
 class OpKind(enum.Enum):
@@ -128,15 +133,19 @@ class Transfers:
         self,
         parts: Callable[[], tuple[list[Node], list[Node]]],
         check: Callable[[], None],
+        acquire: Acquire | None = None,
     ) -> None:
         """Bring the host run of a pinned match (``parts()``: its device run and the host run
         after it) to device: wait for nodes another load is filling, load the rest, and repeat
         until nothing of the match is host-only.  ``check`` raises once the cache closed or
         the match was released (its unpinned nodes may be evicted by this very load's
-        allocation); it runs before every round.
+        allocation); it runs before every round.  With ``acquire`` (the capacity waiters'
+        bounded wait), a round that finds too few device pages waits in line for them:
+        ``acquire(attempt)`` runs the round's start again whenever pages may have come back.
 
         Raises:
-            CapacityError: too few device pages even after eviction (nothing changed).
+            CapacityError: too few device pages even after eviction (nothing changed; with
+                ``acquire``: still too few when its wait ended).
             TransferError: a copy failed; its nodes stay host-only.
             CacheClosedError: from ``check``, the cache closed while waiting.
         """
@@ -156,12 +165,34 @@ class Transfers:
                 if not waits:
                     pages = sum(len(n.key) for n in host_nodes) // self.core.page_size
                     sp.set_attribute("aiocache_kv.pages", pages)
-                    waits = [self.load(host_nodes).future]
+                    if acquire is None:
+                        waits = [self.load(host_nodes).future]
+                    else:  # the state may change while it waits: each try starts afresh
+                        waits = await acquire(lambda: self._round(parts, check))
+                        if not waits:
+                            continue
                 await coord.settle_landed(self.loads)
                 await asyncio.wait(waits)
                 failed = [f.exception() for f in waits if f.exception() is not None]
                 if failed:
                     raise TransferError(f"load-back failed: {failed[0]}") from failed[0]
+
+    def _round(
+        self, parts: Callable[[], tuple[list[Node], list[Node]]], check: Callable[[], None]
+    ) -> list[asyncio.Future[None]]:
+        """One round of :meth:`load_path` as one step on the loop: what to wait for (the
+        copies filling the host run, or the one this round starts; nothing: no host run).
+
+        Raises:
+            CapacityError: too few device pages even after eviction (nothing changed).
+            HandleError / CacheClosedError: from ``check``.
+        """
+        check()
+        _, host_nodes = parts()
+        pending = {id(op.future): op.future for n in host_nodes if (op := n.op)}
+        if pending or not host_nodes:
+            return list(pending.values())
+        return [self.load(host_nodes).future]
 
     def _start(self, kind: OpKind, nodes: list[Node], dst: torch.Tensor) -> TransferOp:
         """Mark ``nodes`` FILLING in the destination tier at ``dst`` and submit the copy."""
@@ -246,6 +277,7 @@ class Transfers:
                 op.future.set_result(None)
             else:
                 op.future.set_exception(TransferError(f"{op.kind.value} copy failed: {err!r}"))
+        core.capacity_changed()  # its nodes are idle again (or its pages were freed)
 
     async def wait_all(self) -> None:
         """Until no copy is in flight (copies are never abandoned)."""

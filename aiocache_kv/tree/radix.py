@@ -104,6 +104,22 @@ class RadixTree(TierBook):
 
     # ---------------------------------------------------------------- match / insert
 
+    def peek(self, ns: Hashable, tokens: list[int], n: int) -> int:
+        """Tokens of ``tokens[:n]`` (``n`` page-aligned) the tree holds for ``ns``, in whole
+        pages; changes nothing (no split, no recency stamp, no pin)."""
+        self._check_owner()
+        node = self._roots.get(ns)
+        pos = 0
+        p = self.page_size
+        while node is not None and pos < n:
+            child = node.children.get(tokens[pos] if p == 1 else tuple(tokens[pos : pos + p]))
+            if child is None:
+                break
+            same = common_len(child.key, tokens, pos, n - pos)
+            pos += same - same % p
+            node = child if same == len(child.key) else None
+        return pos
+
     def match(
         self, ns: Hashable, tokens: list[int], n: int, *, pin: bool = False
     ) -> tuple[Node, int]:

@@ -10,6 +10,7 @@ structure (roots, match, insert, split, eviction walks) lives in ``radix.py``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from aiocache_kv.tree.lru import VictimHeap
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, TierState
 
 _get_ident = threading.get_ident  # one global lookup on every ownership check
+
 
 class TierBook:
     """Pins, per-tier accounting and transitions of a tree's nodes (owned by one thread)."""
@@ -34,6 +36,8 @@ class TierBook:
         self.host_protected = 0
         self._dev_heap: VictimHeap[Node] = VictimHeap(is_device_candidate)
         self._host_heap: VictimHeap[Node] = VictimHeap(is_host_candidate)
+        #: called after an unpin left a node with no pin (its pages may be evictable now)
+        self.on_unpinned: Callable[[], None] | None = None
 
     def _reclaim(self, root: Node) -> None:
         """Forget an empty namespace (the tree's structure decides; see ``RadixTree``)."""
@@ -98,12 +102,16 @@ class TierBook:
             self._reclaim(node)
             return
         p = self.page_size
+        hook = self.on_unpinned
         while node.parent is not None:
             assert node.pins > 0, f"unpin of unpinned {node!r}"
             if node.pins == 1:
                 node.pins = 0
                 self._protect(node, -(len(node.key) // p))
                 self._offer(node)
+                if hook is not None:  # only schedules work: the walk goes on undisturbed
+                    hook()
+                    hook = None
             else:
                 node.pins -= 1
             node = node.parent

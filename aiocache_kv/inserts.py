@@ -1,0 +1,114 @@
+"""``HiCache.insert`` below the facade: the ``prefix=`` handle's checks, the insert, the
+write-through it starts, and the result with the rows it retains.
+
+``prefix=`` may be a :class:`MatchResult` (the request's match) or an
+:class:`InsertResult` (the request's previous insert of a shorter prefix of the same
+sequence, e.g. after each prefill chunk or decoded page).  Either way the caller passes only
+the slots after a page boundary the handle's path holds on device, and the core refuses
+tokens whose leading pages are not that path's on device.  An insert result passed as the
+prefix hands its retained rows on: the new result retains them too, so the old one may be
+released at once while the request keeps attending over its own rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from aiocache_kv.config import WritePolicy
+from aiocache_kv.core import CacheCore
+from aiocache_kv.errors import InvalidInputError
+from aiocache_kv.handles import Handle, InsertResult, MatchResult, WriteAck, check_handle
+from aiocache_kv.namespace import Namespace
+from aiocache_kv.pins import HandleTable
+from aiocache_kv.transfer.ops import OpKind, Transfers
+from aiocache_kv.tree.node import ABSENT
+from aiocache_kv.validate import slot_array
+
+__all__ = ["insert_tokens"]
+
+_NO_IDS = np.empty(0, dtype=np.int64)
+_NO_PAGES = torch.empty(0, dtype=torch.int64)
+
+
+def check_prefix(core: CacheCore, prefix: Handle, ns: Namespace, skip: int) -> None:
+    """Raise unless an insert in ``ns`` whose slots start at token ``skip`` may lean on the
+    pinned handle ``prefix``: a page boundary within what its path holds on device (a match:
+    its device run; an insert result: its path up to the first node not on device), in its
+    namespace.
+
+    Raises:
+        InvalidInputError: another namespace, or ``skip`` is not such a boundary.
+    """
+    node = prefix.node
+    if node.ns is not ns and node.ns != ns:
+        kind = "match" if isinstance(prefix, MatchResult) else "insert result"
+        raise InvalidInputError(f"insert prefix is an {kind} in namespace {node.ns!r}, not {ns!r}")
+    if isinstance(prefix, MatchResult):
+        dev = prefix.device_len
+        what = f"the prefix match's {dev} device tokens"
+    else:
+        dev = 0
+        for n in core.tree.path(node):
+            if n.device is ABSENT:
+                break
+            dev += len(n.key)
+        what = f"the {dev} tokens the prefix insert result holds on device"
+    if skip < 0 or skip % core.page_size or skip > dev:
+        raise InvalidInputError(
+            f"kv_indices must hold the slots of the tokens from a page boundary at or "
+            f"before {what}; they start at token {skip}"
+        )
+
+
+def insert_tokens(
+    core: CacheCore,
+    transfers: Transfers,
+    handles: HandleTable,
+    release: Callable[[Any], None],
+    toks: list[int],
+    kv_indices: torch.Tensor,
+    prefix: MatchResult | InsertResult | None,
+    ns: Namespace,
+) -> InsertResult:
+    """:meth:`HiCache.insert` of checked ``toks`` in ``ns`` (see there).
+
+    Raises:
+        InvalidTypeError / InvalidInputError: bad slots or prefix (nothing changed).
+        HandleError: ``prefix`` was released or belongs to another cache.
+    """
+    p = core.page_size
+    n = len(toks) // p * p
+    skip = 0
+    if prefix is not None:
+        check_handle(prefix, Handle, core)
+    if isinstance(kv_indices, torch.Tensor) and kv_indices.dim() == 1:
+        skip = len(toks) - kv_indices.numel()
+        if prefix is not None:
+            check_prefix(core, prefix, ns, skip)
+        elif skip:
+            raise InvalidInputError(
+                f"kv_indices has {kv_indices.numel()} slots for {len(toks)} tokens"
+            )
+    anchor = None
+    inherit = _NO_IDS
+    if prefix is not None:
+        anchor = prefix.node
+        if isinstance(prefix, InsertResult):
+            held = handles.retained_by(prefix)
+            inherit = _NO_IDS if held is None else held
+    slots = slot_array(kv_indices, n - skip)
+    out, retained = core.insert_device(ns, toks, n, slots, skip // p, anchor, inherit)
+    ack = None
+    if core.config.write_policy is WritePolicy.WRITE_THROUGH and n and core.host_pool:
+        op = transfers.backup(core.tree.path(out.node), OpKind.WRITE_THROUGH)
+        if op is not None:
+            ack = WriteAck(op.future)
+    got = out.inserted_tokens
+    rows = torch.from_numpy(retained.copy()) if retained.size else _NO_PAGES
+    r = InsertResult(core, out.node, out.prefix_tokens, got, ack, release, len(toks) - got, rows)
+    handles.add(r, retained)
+    return r

@@ -1,0 +1,202 @@
+"""Admission: from the queue into the batch, without stalling the step loop.
+
+A request's storage read starts when it arrives (``prefetch`` on arrival: the read overlaps
+its time in the queue).  When the engine has room (fewer than ``max_running`` requests in or
+entering the batch) a task per request prefetches again (what arrived meanwhile is already
+host-resident, so this is cheap), matches, loads the host part back and allocates rows for
+the rest of its prompt; then the request joins the batch at the next step.
+
+Waiting for room never holds anything: an admission that finds the device pool short
+(``load_back`` or ``alloc`` raising ``CapacityError``) releases its match and waits for the
+engine to give rows or pins back (or for copies in flight to land, checked every
+:data:`ROOM_POLL` seconds), then starts over.  A request is not admitted while another running
+request computes pages of its prompt it could reuse (:func:`~.scheduler.prefix_in_flight`);
+it is admitted once those pages are in the tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aiocache_kv.errors import CapacityError, KVCacheError
+from aiocache_kv.logs import get_logger
+from aiocache_kv.serving.queues import Queues
+from aiocache_kv.serving.request import Request, RequestState
+from aiocache_kv.serving.scheduler import prefix_in_flight
+from aiocache_kv.telemetry import attribute
+
+if TYPE_CHECKING:
+    from aiocache_kv.handles import MatchResult
+
+log = get_logger(__name__)
+
+__all__ = ["ROOM_POLL", "Admissions", "ModelView"]
+
+#: seconds between checks for room that nobody announced (write-through copies landing)
+ROOM_POLL = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelView:
+    """What admission needs of the engine's model and limits."""
+
+    page_size: int
+    hybrid: bool  #: sliding-window sidecar: matches end where the reuse ends
+    max_running: int
+
+
+class Admissions:
+    """The admission side of an engine: one task per request entering the batch."""
+
+    def __init__(self, queues: Queues, model: ModelView) -> None:
+        self.queues = queues
+        self.cache = queues.cache
+        self.model = model
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: the prefetch each request started on arrival (admission waits for it first)
+        self._arrivals: dict[int, asyncio.Task[None]] = {}
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def on_arrival(self, req: Request) -> None:
+        """Start the prompt's storage read now (only with a storage tier)."""
+        if self.cache.config.storage is not None:
+            self._arrivals[req.id] = self._spawn(
+                self._prefetch_on_arrival(req), f"aiocache_kv.engine.prefetch-{req.id}"
+            )
+
+    async def _prefetch_on_arrival(self, req: Request) -> None:
+        try:
+            with contextlib.suppress(KVCacheError):  # a failed read is a miss: admission retries
+                res = await self.cache.prefetch(
+                    self._match_tokens(req), tenant=req.tenant, lora=req.lora
+                )
+                req.prefetch += res.hit_tokens
+        finally:
+            self._arrivals.pop(req.id, None)
+
+    def admit_waiting(self) -> None:
+        """Start admitting waiting requests, in order, while the batch has room."""
+        q = self.queues
+        busy = len(q.running) + len(q.admitting)
+        for req in list(q.waiting):
+            if busy >= self.model.max_running:
+                return
+            if req.state is not RequestState.WAITING:
+                continue
+            ahead = prefix_in_flight(req, [*q.running, *q.admitting], self.model.page_size)
+            if ahead:
+                have = self.cache.cached_len(req.seq[:ahead], tenant=req.tenant, lora=req.lora)
+                if have < ahead:  # pages on their way: admit once they are in the tree
+                    if not req.waited_for:
+                        req.waited_from = have
+                    req.waited_for = max(req.waited_for, ahead)
+                    continue
+            q.move(req, RequestState.ADMITTING)
+            busy += 1
+            self._spawn(self._admit(req), f"aiocache_kv.engine.admit-{req.id}")
+
+    def _match_tokens(self, req: Request) -> list[int]:
+        seq = req.seq
+        if self.model.hybrid:  # a whole sliding window is guaranteed only at a match's end
+            p = self.model.page_size
+            return seq[: max((len(seq) - 1) // p * p, 1)]
+        return seq
+
+    async def _admit(self, req: Request) -> None:
+        q = self.queues
+        try:
+            while req.state is RequestState.ADMITTING:
+                q.room.clear()
+                if await self._try(req):
+                    return
+                if req.state is RequestState.ADMITTING:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(q.room.wait(), ROOM_POLL)
+        except KVCacheError as exc:
+            q.fail(req, exc)
+
+    def _stuck(self, req: Request) -> bool:
+        """Whether waiting cannot help ``req``: nothing runs or enters the batch that could
+        give rows back, and no copy in flight will make pages evictable."""
+        q = self.queues
+        alone = not q.running and all(r is req for r in q.admitting)
+        return alone and not self.cache.statistics().ops_in_flight
+
+    async def _try(self, req: Request) -> bool:
+        """One admission attempt; ``True`` once the request is in the batch (or ended).
+
+        Raises:
+            CapacityError: the device pool cannot hold the request even alone.
+            KVCacheError: what the cache raised (the request fails with it).
+        """
+        q = self.queues
+        cache = self.cache
+        p = self.model.page_size
+        toks = self._match_tokens(req)
+        seq_len = req.length
+        reusable = (seq_len - 1) // p * p
+        if cache.config.storage is not None:
+            arrival = self._arrivals.get(req.id)
+            if arrival is not None:  # the read it started on arrival: one read, not two
+                await asyncio.shield(arrival)
+            res = await cache.prefetch(toks, tenant=req.tenant, lora=req.lora)
+            req.prefetch += res.hit_tokens
+            if req.state is not RequestState.ADMITTING:
+                return True
+        stored = req.prefetch
+        m: MatchResult | None = cache.match_prefix(toks, tenant=req.tenant, lora=req.lora)
+        assert m is not None
+        try:
+            device, host = m.device_len, m.host_len
+            if m.host_len:
+                await cache.load_back(m)
+                if req.state is not RequestState.ADMITTING:
+                    return True  # the finally below releases the match
+            reused = min(m.device_len, reusable)
+            own = cache.alloc(seq_len - reused)
+        except CapacityError:
+            if self._stuck(req):
+                raise
+            return False
+        else:
+            rows = m.device_indices[:reused]
+            req.rows = own if not reused else torch.cat([rows, own])
+            req.handle, m = m, None
+            req.filled = req.inserted = reused
+            if req.attribution is None:  # the first admission says where the prompt came from
+                storage = min(stored, host)
+                req.attribution = attribute(
+                    len(req.prompt),
+                    min(reused, len(req.prompt)),
+                    device=device,
+                    host=host - storage,
+                    storage=storage,
+                )
+                req.shared_in_flight = max(0, min(req.waited_for, reused) - req.waited_from)
+            if req.admitted_at is None:
+                req.admitted_at = time.perf_counter()
+            q.move(req, RequestState.RUNNING)
+            return True
+        finally:
+            if m is not None:
+                cache.release(m)
+
+    async def aclose(self) -> None:
+        """Wait for the admission tasks (each ends soon once its request ended)."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,403 @@
+"""``Engine``: a batched, asyncio serving loop over the cache (many requests per forward pass).
+
+::
+
+    async with HiCache(cache_config_for(model, ...)) as cache:
+        async with Engine(model, cache, max_batch_tokens=256, max_running=16) as engine:
+            result = await engine.generate(prompt, max_new_tokens=32)
+            async for token in engine.stream(prompt, max_new_tokens=32):
+                ...
+
+One task (the step loop, in the engine's anyio task group) owns the batch.  Each step it plans
+a token budget over the running requests (:mod:`.scheduler`: decodes and prefill chunks in one
+pass), makes sure every request has rows for its tokens (allocating pages, preempting the
+newest request when the pool is short), runs one forward pass for all of them on the model
+thread (:mod:`.runner`), hands each new token to its caller (an anyio memory object stream),
+and inserts every page a request completed, so write-through starts while the request still
+runs and concurrent requests reuse the pages at once.
+
+Admission runs beside the step loop, one task per request, so a storage read or a load-back
+never stalls the batch: prefetch on arrival (the read overlaps the queue), then, when the
+engine has room, prefetch again, match, load back, and allocate the prompt's rows; the request
+joins the batch at the next step.  An admission that finds the pool short releases what it
+holds and waits for room (bounded by the caller's timeout), so waiting never deadlocks the
+requests that could free it.  A request whose prompt shares pages another running request is
+computing waits for those pages instead of computing them again.
+
+Cancelling a caller aborts its request: the step loop frees its rows and pins after the
+forward pass in progress returns (rule 2: rows handed to the model thread stay its own until it
+says so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+import torch
+from anyio.abc import TaskGroup
+
+from aiocache_kv.cache import HiCache
+from aiocache_kv.errors import (
+    CapacityError,
+    ConfigError,
+    EngineClosedError,
+    InvalidInputError,
+    KVCacheError,
+)
+from aiocache_kv.logs import get_logger
+from aiocache_kv.models.arch import check_request, is_hybrid, kv_shape
+from aiocache_kv.models.batched import PagedBatch, SeqChunk
+from aiocache_kv.serving.admission import ROOM_POLL, Admissions, ModelView
+from aiocache_kv.serving.queues import Queues
+from aiocache_kv.serving.request import ENDED, GenerationResult, Request, RequestState
+from aiocache_kv.serving.runner import ModelRunner
+from aiocache_kv.serving.scheduler import Slot, plan_step
+from aiocache_kv.serving.stats import EngineCounters, EngineStatistics
+from aiocache_kv.validate import check_names
+
+log = get_logger(__name__)
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """Serves greedy generation for ``model`` over ``cache`` with continuous batching.
+
+    ``max_batch_tokens``: tokens one forward pass runs at most (decodes and prefill chunks
+    together); ``max_running``: requests in the batch at once.  Use as an async context
+    manager on the loop that runs ``cache``; :meth:`generate` and :meth:`stream` may be called
+    from any task on that loop.
+
+    Raises:
+        ConfigError: the cache's KV layout does not match the model, an unsupported model, or
+            a limit that is not a positive int.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        cache: HiCache,
+        *,
+        max_batch_tokens: int = 256,
+        max_running: int = 16,
+    ) -> None:
+        for name, value in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        self._check_layout(model, cache)
+        self.model = model
+        self.cache = cache
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.page_size = cache.config.page_size
+        self.hybrid = is_hybrid(model)
+        self.counters = EngineCounters()
+        self.queues = Queues(cache, self.counters)
+        self._ids = 0
+        self._tg: TaskGroup | None = None
+        self._closing = False
+        self._runner: ModelRunner | None = None
+        self._short = False  #: a request waits for copies in flight to make room
+        self._admissions: Admissions | None = None
+
+    @staticmethod
+    def _check_layout(model: Any, cache: HiCache) -> None:
+        cfg = cache.config
+        if is_hybrid(model):
+            return  # PagedBatch checks the pool and the sidecar against the model
+        shape = kv_shape(model)
+        got = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+        want = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype)
+        if got != want:
+            raise ConfigError(
+                f"cache KV shape (layers, heads, head_dim, dtype) {got} does not match the "
+                f"model's {want}"
+            )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Engine:
+        cache = self.cache
+        views = [cache.device_kv(layer) for layer in range(cache.config.num_layers)]
+        swa = cache.sidecar("swa") if self.hybrid else None
+        self._runner = ModelRunner(PagedBatch(self.model, views, swa=swa))
+        self._admissions = Admissions(self.queues, self.model_view())
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._step_loop, name="aiocache_kv.engine.steps")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop: every request not finished fails with ``EngineClosedError``; the forward pass
+        in progress ends first, then every row and pin is given back.  Idempotent."""
+        if self._tg is None or self._closing:
+            return
+        self._closing = True
+        q = self.queues
+        for r in [*q.waiting, *q.admitting, *q.running]:
+            q.fail(r, EngineClosedError("engine closed"), RequestState.ABORTED)
+        tg = self._tg
+        tg.cancel_scope.cancel()  # the step loop ends after the forward pass in progress
+        await tg.__aexit__(None, None, None)
+        assert self._admissions is not None
+        await self._admissions.aclose()
+        q.settle()
+        self._tg = None
+
+    # ------------------------------------------------------------------ public API
+
+    def _submit(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        tenant: str | None,
+        lora: str | None,
+        sends: Any,
+        keep_logits: bool = False,
+    ) -> Request:
+        if self._tg is None or self._closing:
+            raise EngineClosedError("engine is not running (use it as `async with Engine(...)`)")
+        toks = check_request(self.model, prompt, max_new_tokens)
+        check_names(tenant, lora)
+        if len(toks) + max_new_tokens > self._max_tokens():
+            raise InvalidInputError(
+                f"prompt ({len(toks)}) + max_new_tokens ({max_new_tokens}) need "
+                f"{len(toks) + max_new_tokens} KV rows, the device pool has {self._max_tokens()}"
+            )
+        self._ids += 1
+        loop = asyncio.get_running_loop()
+        req = Request(self._ids, toks, max_new_tokens, tenant, lora, loop.create_future(), sends)
+        req.keep_logits = bool(keep_logits)
+        self.queues.add(req)
+        self.counters.submitted += 1
+        assert self._admissions is not None
+        self._admissions.on_arrival(req)
+        return req
+
+    def _max_tokens(self) -> int:
+        return self.cache.config.device_pages * self.page_size
+
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        tenant: str | None = None,
+        lora: str | None = None,
+        keep_logits: bool = False,
+    ) -> GenerationResult:
+        """Greedy-generate ``max_new_tokens`` after ``prompt``; returns its tokens, timings
+        and where its prompt's KV came from (with ``keep_logits``, each token's logits too).
+        Cancelling the call (e.g. under ``anyio.fail_after``) aborts the request.
+
+        Raises:
+            InvalidTypeError: the prompt is not a sequence of ints, or tenant/lora not str.
+            InvalidInputError: an empty prompt, a token outside the vocabulary, bad
+                ``max_new_tokens``, or a request longer than the model's positions or the
+                device pool.
+            EngineClosedError: the engine is not running or closed before the request ended.
+            CapacityError: the device pool cannot hold the request even alone.
+        """
+        req = self._submit(prompt, max_new_tokens, tenant, lora, None, keep_logits)
+        try:
+            return await asyncio.shield(req.future)
+        finally:
+            if req.state not in ENDED:
+                self._abort(req)
+
+    async def stream(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        tenant: str | None = None,
+        lora: str | None = None,
+    ) -> AsyncIterator[int]:
+        """Greedy-generate as :meth:`generate`, yielding each token as it is made.  Leaving
+        the iteration early (``break``, cancellation) aborts the request.
+
+        Raises:
+            As :meth:`generate` (at the first iteration for bad input).
+        """
+        sends, receives = anyio.create_memory_object_stream[int](max_buffer_size=math.inf)
+        req = self._submit(prompt, max_new_tokens, tenant, lora, sends)
+        try:
+            async with receives:
+                async for token in receives:
+                    yield token
+            await req.future  # raises what failed the request, if anything
+        finally:
+            if req.state not in ENDED:
+                self._abort(req)
+
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of the engine's counters and latency histograms."""
+        q = self.queues
+        return self.counters.snapshot(
+            waiting=len(q.waiting), admitting=len(q.admitting), running=len(q.running)
+        )
+
+    def check_invariants(self) -> None:
+        """Assert the engine's request bookkeeping (:meth:`Queues.check_invariants`) and the
+        cache's own (``HiCache.check_invariants``)."""
+        self.queues.check_invariants()
+        self.cache.check_invariants()
+
+    def model_view(self) -> ModelView:
+        """What admission needs to know of the model and the limits."""
+        return ModelView(page_size=self.page_size, hybrid=self.hybrid, max_running=self.max_running)
+
+    # ------------------------------------------------------------------ the step loop
+
+    async def _step_loop(self) -> None:
+        q = self.queues
+        assert self._admissions is not None
+        try:
+            while True:
+                q.settle()
+                self._admissions.admit_waiting()
+                slots = plan_step(q.running, self.max_batch_tokens)
+                self._short = False
+                slots = self._with_rows(slots)
+                if not slots:
+                    q.wake.clear()
+                    if self._short:  # copies in flight will make room: look again soon
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(q.wake.wait(), ROOM_POLL)
+                    else:
+                        await q.wake.wait()
+                    continue
+                await self._run(slots)
+        except Exception as exc:  # a bug: no caller may wait forever for it
+            log.exception("engine.step_loop_failed")
+            self._closing = True
+            for r in [*q.waiting, *q.admitting, *q.running]:
+                q.fail(r, EngineClosedError(f"the engine's step loop failed: {exc!r}"))
+            q.settle()
+            raise
+
+    async def _run(self, slots: list[Slot]) -> None:
+        chunks = [
+            SeqChunk(
+                tokens=s.request.tokens(s.request.filled, s.request.filled + s.tokens),
+                rows=s.request.rows,
+                start=s.request.filled,
+            )
+            for s in slots
+        ]
+        produce = [s.produces for s in slots]
+        keep = [s.request.keep_logits for s in slots]
+        t0 = time.perf_counter()
+        assert self._runner is not None
+        try:
+            picked = await self._runner.step(chunks, produce, keep)
+        except KVCacheError as exc:  # a request-level failure: fail the step's requests
+            for s in slots:
+                self.queues.fail(s.request, exc)
+            return
+        except Exception as exc:  # the model broke: fail them, keep serving the others
+            log.exception("engine.step_failed", requests=len(slots))
+            for s in slots:
+                self.queues.fail(s.request, exc)
+            return
+        now = time.perf_counter()
+        self.counters.observe_step(len(slots), sum(s.tokens for s in slots), now - t0)
+        for s, (tok, logits) in zip(slots, picked, strict=True):
+            r = s.request
+            if r.state is not RequestState.RUNNING:
+                continue  # aborted during the pass: settle() gives its rows back
+            r.filled += s.tokens
+            if logits is not None:
+                r.logits.append(logits)
+            if tok is not None:
+                self._emit(r, tok, now)
+            try:
+                self._insert_pages(r)
+            except KVCacheError as exc:  # the cache refused: this request alone fails
+                self.queues.fail(r, exc)
+                continue
+            if r.done:
+                self.queues.finish(r)
+
+    def _emit(self, r: Request, tok: int, now: float) -> None:
+        if r.token_times:
+            self.counters.itl.observe(now - r.token_times[-1])
+        else:
+            self.counters.ttft.observe(now - r.arrival)
+        r.generated.append(tok)
+        r.token_times.append(now)
+        self.counters.generated_tokens += 1
+        if r.sends is not None:
+            r.sends.send_nowait(tok)
+
+    def _insert_pages(self, r: Request) -> None:
+        """Put every page ``r`` completed into the tree (pinned by the new handle)."""
+        p = self.page_size
+        aligned = r.filled // p * p
+        if aligned <= r.inserted:
+            return
+        cache = self.cache
+        # incremental: only the new pages' rows, after the pages the handle pins already
+        res = cache.insert(
+            r.tokens(0, aligned),
+            r.rows[r.inserted : aligned],
+            prefix=r.handle,
+            tenant=r.tenant,
+            lora=r.lora,
+        )
+        old, r.handle = r.handle, res
+        if old is not None:
+            cache.release(old)
+        self.counters.inserted_pages += (aligned - r.inserted) // p
+        r.inserted = aligned
+
+    # ------------------------------------------------------------------ rows and room
+
+    def _with_rows(self, slots: list[Slot]) -> list[Slot]:
+        """``slots`` whose requests have rows for their tokens (pages allocated here; the
+        newest running request is preempted when the pool is short and that helps)."""
+        out: list[Slot] = []
+        for s in slots:
+            r = s.request
+            if r.state is not RequestState.RUNNING:
+                continue  # preempted for an earlier slot of this step, or aborted
+            need = r.filled + s.tokens - r.rows.numel()
+            if need > 0 and not self._grow(r, need):
+                continue
+            out.append(s)
+        return out
+
+    def _grow(self, r: Request, need: int) -> bool:
+        """Give ``r`` rows for ``need`` more tokens; ``False`` if it must wait a step."""
+        cache = self.cache
+        q = self.queues
+        while True:
+            try:
+                pages = cache.alloc(need)
+            except CapacityError:
+                if cache.statistics().ops_in_flight:
+                    self._short = True
+                    return False  # copies to host land soon and make pages evictable
+                victim = q.running[-1]  # the newest request yields (vLLM's order)
+                if victim is r and len(q.running) == 1:
+                    q.fail(r, CapacityError(f"the device pool cannot hold {r} alone"))
+                    return False
+                q.preempt(victim)
+                if victim is r:
+                    return False
+                continue
+            r.rows = torch.cat([r.rows, pages])
+            return True
+
+    def _abort(self, r: Request) -> None:
+        """The caller went away: end ``r`` (its rows go back after the pass in progress)."""
+        self.queues.fail(r, EngineClosedError(f"request {r.id} aborted"), RequestState.ABORTED)
