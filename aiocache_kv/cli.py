@@ -1,4 +1,5 @@
-"""The ``aiocache-kv`` command line: ``demo`` and ``bench [tree|transfer|storage|embedding|e2e]``.
+"""The ``aiocache-kv`` command line: ``demo`` and
+``bench [tree|transfer|storage|embedding|e2e|engine]``.
 
 Output meant for people (walkthrough, benchmark tables) goes to stdout; logs go to stderr
 as concise lines (:func:`aiocache_kv.logs.configure_console`).  ``main`` returns the exit code.
@@ -12,7 +13,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
-from aiocache_kv.bench import SUITE_HELP, SUITES
+from aiocache_kv.bench import ENGINE_MODELS, ENGINE_SIDES, SUITE_HELP, SUITES
 from aiocache_kv.logs import configure_console, get_logger
 
 log = get_logger(__name__)
@@ -82,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="multi-turn chat on a small random-weight GPT-2 whose KV lives in the cache: "
         "TTFT with/without the cache, hits per tier, identity check",
         description="Multi-turn chat on a small GPT-2 (random weights, nothing downloaded) "
-        "with a small device pool, host pool and storage tier, plus a restarted node; every "
-        "turn is generated with and without the cache and must be token-identical (see "
-        "aiocache_kv/demo.py).",
+        "with a small device pool, host pool and storage tier, plus a restarted node; each "
+        "round's turns are served at once, batched through one aiocache_kv.serving.Engine "
+        "per node, and every turn is also generated without the cache and must be "
+        "token-identical (see aiocache_kv/demo.py).",
     )
     demo.add_argument("--device-pages", type=_positive, default=48, help="L1 pages (default 48)")
     demo.add_argument("--host-pages", type=_positive, default=96, help="L2 pages (default 96)")
@@ -98,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--turns", type=_positive, default=4, help="turns per chat (default 4)")
     demo.add_argument(
         "--new-tokens", type=_positive, default=12, help="tokens per reply (default 12)"
+    )
+    demo.add_argument(
+        "--max-batch-tokens",
+        type=_positive,
+        default=256,
+        help="tokens the engine runs per forward pass at most (default 256)",
     )
     demo.add_argument(
         "--system-tokens",
@@ -235,6 +243,57 @@ def build_parser() -> argparse.ArgumentParser:
         "--e2e-repeats", type=_positive, default=3, help="repeats, median reported (default 3)"
     )
     e2e.add_argument("--plot", metavar="PNG", help="write a TTFT plot (needs matplotlib)")
+    eng = bench.add_argument_group("engine suite (also uses --seed)")
+    eng.add_argument(
+        "--engine-models",
+        nargs="+",
+        choices=ENGINE_MODELS,
+        default=list(ENGINE_MODELS),
+        metavar="MODEL",
+        help="models: gpt2 and/or llama (default: both)",
+    )
+    eng.add_argument(
+        "--engine-sides",
+        nargs="+",
+        choices=ENGINE_SIDES,
+        default=list(ENGINE_SIDES),
+        metavar="SIDE",
+        help="sides: engine, sequential, transformers (default: all three)",
+    )
+    eng.add_argument(
+        "--conversations", type=_positive, default=12, help="concurrent chats (default 12; 8-16)"
+    )
+    eng.add_argument("--turns", type=_positive, default=4, help="turns per chat (default 4)")
+    eng.add_argument(
+        "--system-tokens", type=_positive, default=160, help="shared system prompt (default 160)"
+    )
+    eng.add_argument(
+        "--reply-tokens", type=_positive, default=16, help="greedy tokens per reply (default 16)"
+    )
+    eng.add_argument(
+        "--max-batch-tokens",
+        type=_positive,
+        default=256,
+        help="tokens per forward pass, engine and transformers (default 256)",
+    )
+    eng.add_argument(
+        "--max-running",
+        type=_positive,
+        default=16,
+        help="requests in the batch at once, engine and transformers (default 16)",
+    )
+    eng.add_argument(
+        "--engine-repeats",
+        type=_positive,
+        default=1,
+        help="interleaved rounds of every side; each reports its median (default 1)",
+    )
+    eng.add_argument(
+        "--engine-size",
+        choices=("small", "tiny"),
+        default="small",
+        help="model size: small (6 layers, the demo's GPT-2; default) or tiny (2 layers)",
+    )
     bench.set_defaults(func=cmd_bench, default_log_level="warning")
     return parser
 
@@ -257,7 +316,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"bench e2e: {PLOT_HINT}", file=sys.stderr)  # before a long run, not after
         return 2
     results: dict[str, report.JSON] = {}
-    e2e_failed = False
+    identity_failed = False
     print(
         "note: timings on a shared 2-core machine are noisy; numbers are medians of repeats "
         "and ratios use baselines measured in this same run."
@@ -337,9 +396,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 )
             )
             if not results["e2e"]["identical"]:
-                e2e_failed = True
+                identity_failed = True
+        elif suite == "engine":
+            from aiocache_kv.bench import engine
+
+            results["engine"] = engine.run(
+                engine.EngineBenchOptions(
+                    models=tuple(args.engine_models),
+                    sides=tuple(args.engine_sides),
+                    conversations=args.conversations,
+                    turns=args.turns,
+                    system_tokens=args.system_tokens,
+                    reply_tokens=args.reply_tokens,
+                    max_batch_tokens=args.max_batch_tokens,
+                    max_running=args.max_running,
+                    size=args.engine_size,
+                    repeats=args.engine_repeats,
+                    seed=args.seed,
+                )
+            )
+            if not results["engine"]["identical"]:
+                identity_failed = True  # engine and sequential replies differ
     errors = [results.get(s, {}).get("errors") for s in ("storage", "embedding")]
-    code = 1 if any(errors) or e2e_failed else 0
+    code = 1 if any(errors) or identity_failed else 0
     if args.json:
         report.write_json(report.make_report(results), args.json)
         print(f"\nJSON report written to {args.json}")

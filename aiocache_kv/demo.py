@@ -6,22 +6,27 @@ conversation, ...).  Each turn's prompt is the whole conversation so far - syste
 earlier user messages and the model's replies - plus a new user message, so most of it was
 computed before, by this conversation's previous turn or (the system prompt) by another one.
 
-Every turn is generated twice, greedily:
+Each round (one turn of every conversation) is served **concurrently** by one
+:class:`~aiocache_kv.serving.Engine` per node: every conversation's request is submitted at
+once and the engine batches them - prefill chunks and decodes of different requests in one
+forward pass, prefetch on arrival, ``match_prefix`` and ``load_back`` at admission, the
+prompt's suffix computed with the K/V read from and written to the device pool, every page a
+request completes inserted (written through to host and storage) while it runs.  A request
+whose system prompt another request is computing waits for those pages instead of computing
+them again.  Rounds keep their barrier, so each has its table.
 
-* **without a cache** - ``transformers``' own ``DynamicCache``, the whole prompt prefilled;
-* **with the cache** - :class:`~aiocache_kv.models.CachedLM`: ``await prefetch`` (storage ->
-  host), ``match_prefix``, ``await load_back`` (host -> device), prefill only the uncached
-  suffix with the K/V read from and written to the device pool, decode, ``insert`` the prompt
-  and the reply (written through to host and storage).
-
-and the two must give the same tokens.  The pools are small on purpose, so every tier serves
-hits: older conversations are demoted from device to host and evicted from host (their pages
-stay in storage), and at the end a **restarted node** - a fresh cache on the same storage -
-serves one more turn of every conversation from storage alone.
+Every turn is also generated **without a cache**, alone (``transformers``' own
+``DynamicCache``, the whole prompt prefilled: :func:`reference_generate`, off the timed path),
+and the two must give the same tokens.  The cached TTFT is measured from the request's arrival
+in its batch (queueing behind the other requests included).  The pools are small on purpose,
+so every tier serves hits: older conversations are demoted from device to host and evicted
+from host (their pages stay in storage), and at the end a **restarted node** - a fresh cache
+on the same storage - serves one more turn of every conversation from storage alone.
 
 The model is a random-weight GPT-2 built from a ``GPT2Config`` under ``torch.manual_seed``
 (:mod:`aiocache_kv.models.gpt2`): nothing is downloaded.  The exit code is 0 only if every
-generation was token-identical with and without the cache.
+generation was token-identical with and without the cache.  The tables are printed by
+:mod:`aiocache_kv.demo_report`.
 """
 
 from __future__ import annotations
@@ -31,26 +36,35 @@ import asyncio
 import contextlib
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
 
-from aiocache_kv.bench.report import Progress, heading, table
+from aiocache_kv.bench.report import Progress, heading
 from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig
+from aiocache_kv.demo_report import (
+    DemoLog,
+    RoundStats,
+    TurnResult,
+    hits_line,
+    print_engine_statistics,
+    print_event_summary,
+    print_statistics,
+    print_ttft_by_source,
+    print_turns,
+    round_line,
+)
 from aiocache_kv.errors import KVCacheError
-from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from aiocache_kv.logs import get_logger
-from aiocache_kv.models import CachedLM, GPT2Spec, build_gpt2, cache_config_for
+from aiocache_kv.models import GPT2Spec, build_gpt2, cache_config_for
 from aiocache_kv.models.generate import Generation, reference_generate
-from aiocache_kv.stats import CacheStatistics
+from aiocache_kv.serving import Engine, GenerationResult
 from aiocache_kv.storage import FileStorage, MooncakeStorage, StorageBackend
 
 log = get_logger(__name__)
@@ -69,6 +83,7 @@ DEFAULTS: dict[str, Any] = {
     "new_tokens": 12,
     "system_tokens": 160,
     "storage": "file",
+    "max_batch_tokens": 256,
 }
 
 
@@ -110,43 +125,6 @@ def make_conversations(
         )
         for i in range(conversations)
     ]
-
-
-@dataclass
-class TurnResult:
-    """One turn, generated without and with the cache."""
-
-    node: str
-    turn: int
-    chat: str
-    ref: Generation
-    got: Generation
-    max_logit_diff: float
-
-    @property
-    def identical(self) -> bool:
-        """The reply is token-identical with and without the cache."""
-        return self.ref.tokens == self.got.tokens
-
-    @property
-    def source(self) -> str:
-        """Where the deepest part of the reused prefix came from."""
-        g = self.got
-        if g.hit_storage:
-            return "storage"
-        if g.hit_host:
-            return "host"
-        if g.hit_device:
-            return "device"
-        return "miss"
-
-
-@dataclass
-class DemoLog:
-    """Everything the summary needs."""
-
-    results: list[TurnResult] = field(default_factory=list)
-    events: list[KVEvent] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------- storage
@@ -246,160 +224,12 @@ async def storage_setup(args: argparse.Namespace) -> AsyncIterator[StorageSetup]
         yield StorageSetup("none")
 
 
-# ---------------------------------------------------------------------------- reports
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f}"
-
-
-def print_turns(results: Sequence[TurnResult], out: TextIO) -> None:
-    """One row per conversation: hits per tier, TTFT without/with the cache, identity."""
-    rows = [
-        [
-            r.chat,
-            r.got.prompt_len,
-            r.got.hit_device,
-            r.got.hit_host,
-            r.got.hit_storage,
-            r.got.computed,
-            _ms(r.ref.ttft),
-            _ms(r.got.ttft),
-            f"{r.ref.ttft / r.got.ttft:.1f}x" if r.got.ttft > 0 else "-",
-            "yes" if r.identical else "NO",
-            f"{r.max_logit_diff:.1e}",
-        ]
-        for r in results
-    ]
-    table(
-        [
-            "chat",
-            "prompt",
-            "device hit",
-            "host hit",
-            "storage hit",
-            "computed",
-            "TTFT no cache ms",
-            "TTFT cache ms",
-            "speedup",
-            "identical",
-            "max |dlogit|",
-        ],
-        rows,
-        out=out,
-    )
-
-
-def print_ttft_by_source(results: Sequence[TurnResult], out: TextIO) -> None:
-    """Median TTFT without/with the cache, grouped by where the reused prefix came from."""
-    rows: list[list[object]] = []
-    for source in ("miss", "device", "host", "storage"):
-        group = [r for r in results if r.source == source]
-        if not group:
-            continue
-        ref = statistics.median(r.ref.ttft for r in group)
-        got = statistics.median(r.got.ttft for r in group)
-        rows.append(
-            [
-                source,
-                len(group),
-                round(statistics.mean(r.got.prompt_len for r in group)),
-                round(statistics.mean(r.got.hit_tokens for r in group)),
-                _ms(ref),
-                _ms(got),
-                f"{ref / got:.1f}x" if got > 0 else "-",
-            ]
-        )
-    table(
-        [
-            "deepest tier hit",
-            "turns",
-            "mean prompt",
-            "mean hit",
-            "median TTFT no cache ms",
-            "median TTFT cache ms",
-            "speedup",
-        ],
-        rows,
-        out=out,
-    )
-
-
-def print_event_summary(events: Sequence[KVEvent], out: TextIO) -> None:
-    """KV events counted by type and medium (pages in brackets)."""
-    counts: Counter[tuple[str, str]] = Counter()
-    pages: Counter[tuple[str, str]] = Counter()
-    for ev in events:
-        if isinstance(ev, BlockStored):
-            key = ("BlockStored", ev.medium)
-            pages[key] += len(ev.block_hashes)
-        elif isinstance(ev, BlockRemoved):
-            key = ("BlockRemoved", ev.medium)
-            pages[key] += len(ev.block_hashes)
-        else:
-            assert isinstance(ev, AllBlocksCleared), ev
-            key = ("AllBlocksCleared", "")
-        counts[key] += 1
-    table(
-        ["event", "medium", "events", "pages"],
-        [[k[0], k[1], counts[k], pages[k]] for k in sorted(counts)],
-        out=out,
-        align="llrr",
-    )
-
-
-def print_statistics(st: CacheStatistics, out: TextIO) -> None:
-    """``statistics()``: the tiers, then the hit and traffic counters."""
-    table(
-        ["tier", "total", "free", "held", "evictable", "protected"],
-        [
-            [name, t.total_pages, t.free_pages, t.held_pages, t.evictable_pages, t.protected_pages]
-            for name, t in (("device (L1)", st.device), ("host (L2)", st.host))
-        ],
-        out=out,
-    )
-    print(file=out)
-    keys = (
-        "match_queries",
-        "hit_tokens_device",
-        "hit_tokens_host",
-        "inserted_tokens",
-        "write_through_done",
-        "load_back_done",
-        "bytes_device_to_host",
-        "bytes_host_to_device",
-        "backup_pages_ok",
-        "prefetch_queries",
-        "prefetch_hit_tokens",
-        "storage_errors",
-        "events_published",
-    )
-    table(["counter", "value"], [[k, getattr(st, k)] for k in keys], out=out)
-
-
-def hits_line(results: Sequence[TurnResult], storage: bool) -> str:
-    """Tokens hit per tier (the tiers this run has), and whether each of them served hits."""
-    hits = {
-        "device": sum(r.got.hit_device for r in results),
-        "host": sum(r.got.hit_host for r in results),
-    }
-    if storage:
-        hits["storage"] = sum(r.got.hit_storage for r in results)
-    idle = [k for k, v in hits.items() if not v]
-    if not idle:
-        verdict = "every tier served hits" if storage else "both tiers served hits (no storage)"
-    else:
-        verdict = f"no hits from {' or '.join(idle)} (pools too large for the workload?)"
-    return (
-        "tokens hit per tier: " + ", ".join(f"{k} {v}" for k, v in hits.items()) + f" - {verdict}"
-    )
-
-
 # ---------------------------------------------------------------------------- the run
 
 
 class ChatDemo:
-    """Plays the conversations against one cache after another (node 1, then node 2)."""
+    """Plays the conversations against one node after another (node 1, then node 2), each a
+    cache with one :class:`Engine` that serves every round's turns concurrently."""
 
     def __init__(
         self, args: argparse.Namespace, model: Any, setup: StorageSetup, out: TextIO
@@ -410,6 +240,7 @@ class ChatDemo:
         self.out = out
         self.new_tokens: int = _opt(args, "new_tokens")
         self.turns: int = _opt(args, "turns")
+        self.max_batch_tokens: int = _opt(args, "max_batch_tokens")
         self.chats = make_conversations(
             _opt(args, "seed"),
             _opt(args, "conversations"),
@@ -425,49 +256,96 @@ class ChatDemo:
         """A cache config for a new node (each gets its own storage backend object)."""
         return demo_config(self.args, self.model, self.setup.make())
 
+    def engine(self, cache: HiCache) -> Engine:
+        """A node's engine: room in the batch for every conversation's request at once."""
+        return Engine(
+            self.model,
+            cache,
+            max_batch_tokens=self.max_batch_tokens,
+            max_running=max(len(self.chats), 1),
+        )
+
     async def warm_up(self) -> None:
-        """Run both paths, untimed, on a throwaway cache and a prompt as long as the first
-        turn's, so that neither path's first timed run pays the other's warm-up (first calls
-        of a shape, allocations): a miss then shows ~1x."""
+        """Run both paths, untimed, on a throwaway cache and prompts as long as the first
+        round's (sharing a system prompt, submitted at once, twice; the uncached path once per
+        length), so that neither path's first timed run pays a warm-up (first calls of a
+        shape, the model thread, allocations): a miss then shows ~1x."""
         rng = random.Random(-1)
-        n = len(self.chats[0].history) + len(self.chats[0].messages[0])
+        vocab = int(self.model.config.vocab_size)
+
+        def toks(n: int) -> list[int]:
+            return [rng.randrange(vocab) for _ in range(n)]
+
+        system = _opt(self.args, "system_tokens")
+        lengths = [len(c.history) + len(c.messages[c.replies]) for c in self.chats]
         cfg = demo_config(self.args, self.model)  # no storage: nothing outlives the warm-up
-        async with HiCache(cfg) as scratch:
-            lm = CachedLM(self.model, scratch)
+        async with HiCache(cfg) as scratch, self.engine(scratch) as engine:
             for _ in range(2):
-                prompt = [rng.randrange(int(self.model.config.vocab_size)) for _ in range(n)]
-                await lm.generate(prompt, self.new_tokens, keep_logits=True)
-                reference_generate(self.model, prompt, self.new_tokens, keep_logits=True)
+                shared = toks(system)
+                await self.batch(engine, [shared + toks(n - system) for n in lengths], [])
+        for n in sorted(set(lengths)):
+            reference_generate(self.model, toks(n), self.new_tokens, keep_logits=True)
 
-    async def turn(self, lm: CachedLM, chat: Conversation, turn: int, node: str) -> TurnResult:
-        """Send the chat's next message; generate without and with the cache; compare.
+    async def batch(
+        self, engine: Engine, prompts: Sequence[list[int]], labels: Sequence[str]
+    ) -> list[GenerationResult]:
+        """Submit every prompt at once; their results, in order, once all ended (the first
+        failure is raised then: one request failing does not end the others)."""
 
-        The two run in alternating order (by turn and chat), so neither is always the one
-        that finds the processor caches warm."""
-        prompt = chat.history + chat.messages[chat.replies]
-        cached_first = (turn + self.chats.index(chat)) % 2 == 1
-        if cached_first:
-            got = await lm.generate(prompt, self.new_tokens, keep_logits=True)
-            self.progress.advance(f"{node} turn {turn} {chat.name}: cache")
-        ref = reference_generate(self.model, prompt, self.new_tokens, keep_logits=True)
-        self.progress.advance(f"{node} turn {turn} {chat.name}: no cache")
-        if not cached_first:
-            got = await lm.generate(prompt, self.new_tokens, keep_logits=True)
-            self.progress.advance(f"{node} turn {turn} {chat.name}: cache")
-        assert ref.logits is not None and got.logits is not None
-        diff = float((ref.logits - got.logits).abs().max())
-        chat.history = prompt + got.tokens
-        chat.replies += 1
-        result = TurnResult(node, turn, chat.name, ref, got, diff)
-        self.log.results.append(result)
-        return result
+        async def one(i: int) -> GenerationResult:
+            res = await engine.generate(
+                prompts[i], max_new_tokens=self.new_tokens, keep_logits=True
+            )
+            if labels:
+                self.progress.advance(labels[i])
+            return res
 
-    async def round(self, lm: CachedLM, turn: int, node: str) -> None:
-        """Turn ``turn`` of every conversation, then its table."""
-        rows = [await self.turn(lm, chat, turn, node) for chat in self.chats]
+        ended = await asyncio.gather(*(one(i) for i in range(len(prompts))), return_exceptions=True)
+        results: list[GenerationResult] = []
+        for res in ended:
+            if isinstance(res, BaseException):
+                raise res
+            results.append(res)
+        return results
+
+    def references(self, prompts: Sequence[list[int]], turn: int, node: str) -> list[Generation]:
+        """Each prompt generated alone without a cache (the identity check's baseline)."""
+        refs = []
+        for chat, prompt in zip(self.chats, prompts, strict=True):
+            refs.append(reference_generate(self.model, prompt, self.new_tokens, keep_logits=True))
+            self.progress.advance(f"{node} turn {turn} {chat.name}: no cache")
+        return refs
+
+    async def round(self, engine: Engine, turn: int, node: str) -> None:
+        """Turn ``turn`` of every conversation: every chat's next message submitted to the
+        engine at once, the same prompts generated alone without a cache (before the batch on
+        odd turns, after it on even ones, so neither always finds the processor caches warm),
+        compared; then the round's table."""
+        chats = self.chats
+        prompts = [c.history + c.messages[c.replies] for c in chats]
+        refs = self.references(prompts, turn, node) if turn % 2 else []
+        before = engine.statistics()
+        labels = [f"{node} turn {turn} {c.name}: cache (batched)" for c in chats]
+        got = await self.batch(engine, prompts, labels)
+        stats = RoundStats.between(before, engine.statistics())
+        if not refs:
+            refs = self.references(prompts, turn, node)
+        rows = []
+        for chat, prompt, ref, res in zip(chats, prompts, refs, got, strict=True):
+            assert ref.logits is not None and res.logits is not None
+            diff = float((ref.logits - res.logits).abs().max())
+            chat.history = prompt + res.tokens
+            chat.replies += 1
+            rows.append(TurnResult(node, turn, chat.name, ref, res, diff, batch=len(chats)))
+        self.log.results += rows
         self.progress.clear()
-        heading(f"{node}, turn {turn}", out=self.out)
+        heading(
+            f"{node}, turn {turn}: {len(chats)} requests at once through one Engine "
+            "(cached TTFT measured in the batch, from arrival)",
+            out=self.out,
+        )
         print_turns(rows, self.out)
+        print(round_line(stats), file=self.out)
         self.progress.draw()
 
     async def run(self) -> bool:
@@ -479,19 +357,24 @@ class ChatDemo:
             self.progress.clear()
         return self.summary()
 
+    def node_done(self, node: str, cache: HiCache, engine: Engine) -> None:
+        """Check the node's invariants, print its cache's statistics, keep its events."""
+        engine.check_invariants()  # the engine's bookkeeping and the cache's
+        self.log.engines.append((node, engine.statistics()))
+        self.progress.clear()
+        heading(f"{node}: statistics()", out=self.out)
+        print_statistics(cache.statistics(), self.out)
+        self.log.events += cache.take_events()
+
     async def play(self) -> None:
         """The turns of node 1, then (with a storage tier) node 2's."""
         async with contextlib.AsyncExitStack() as stack:
             cache = await stack.enter_async_context(HiCache(self.config()))
-            lm = CachedLM(self.model, cache)
+            engine = await stack.enter_async_context(self.engine(cache))
             for turn in range(1, self.turns + 1):
-                await self.round(lm, turn, "node 1")
+                await self.round(engine, turn, "node 1")
             await cache.flush()  # every backup to storage landed
-            cache.check_invariants()
-            self.progress.clear()
-            heading("node 1: statistics()", out=self.out)
-            print_statistics(cache.statistics(), self.out)
-            self.log.events += cache.take_events()
+            self.node_done("node 1", cache, engine)
             if self.setup.kind == "file":
                 await stack.aclose()  # a true restart: node 1 is gone, its files stay
                 how = "node 1 closed; node 2 opens the same directory with empty L1/L2"
@@ -500,15 +383,10 @@ class ChatDemo:
             if self.setup.kind != "none":
                 heading("restarted node: a fresh cache on the same storage", out=self.out)
                 print(f"  {how}", file=self.out)
-                async with HiCache(self.config()) as cache2:
-                    lm2 = CachedLM(self.model, cache2)
-                    await self.round(lm2, self.turns + 1, "node 2")
+                async with HiCache(self.config()) as cache2, self.engine(cache2) as engine2:
+                    await self.round(engine2, self.turns + 1, "node 2")
                     await cache2.flush()
-                    cache2.check_invariants()
-                    self.progress.clear()
-                    heading("node 2: statistics()", out=self.out)
-                    print_statistics(cache2.statistics(), self.out)
-                    self.log.events += cache2.take_events()
+                    self.node_done("node 2", cache2, engine2)
 
     def summary(self) -> bool:
         """The tables across all turns; True when every generation was identical."""
@@ -517,6 +395,8 @@ class ChatDemo:
         restarted = self.setup.kind != "none"
         heading("KV events (both nodes)" if restarted else "KV events", out=out)
         print_event_summary(self.log.events, out)
+        heading("Engine.statistics() per node", out=out)
+        print_engine_statistics(self.log.engines, out)
         heading("TTFT by the deepest tier that served the prefix", out=out)
         print_ttft_by_source(results, out)
         print("\n" + hits_line(results, restarted), file=out)
@@ -561,7 +441,9 @@ async def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 f"{cfg.device_pages}, host_pages={cfg.host_pages}, write_through; "
                 f"{_opt(args, 'conversations')} chats x {_opt(args, 'turns')} turns, "
                 f"{_opt(args, 'new_tokens')} new tokens per reply, seed {_opt(args, 'seed')}; "
-                f"L3: {setup.describe()}",
+                f"L3: {setup.describe()}; each round's turns served at once, batched through one "
+                f"aiocache_kv.serving.Engine per node (max_batch_tokens="
+                f"{_opt(args, 'max_batch_tokens')})",
                 file=stream,
             )
             ok = await ChatDemo(args, model, setup, stream).run()

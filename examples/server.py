@@ -18,54 +18,53 @@ Endpoints:
   (a fully cached prompt still recomputes its last page).  Token ids only: GPT-2's tokenizer
   would have to be downloaded, and this server downloads nothing (the weights are random,
   seeded).
-  A malformed request gets ``{"error": "..."}``: 400 (bad JSON, encoding or fields), 413 (body
-  over ``--max-body-bytes``, 1 MiB), 415 (a Content-Type other than JSON, or a charset other
-  than UTF-8/16/32).
-* ``GET /health`` - ``{"status": "ok", ...}`` with the cache's page counts.
+  A malformed request (``examples/server_requests.py``) gets ``{"error": "..."}``: 400 (bad
+  JSON, encoding or fields), 413 (body over ``--max-body-bytes``, 1 MiB), 415 (a
+  Content-Type other than JSON, or a charset other than UTF-8/16/32).
+* ``GET /health`` - ``{"status": "ok", ...}`` with the cache's page counts and the engine's
+  requests by state.
 * ``POST /flush`` - waits until every copy and storage backup in flight when it was called has
   landed (so another node can read those pages from storage); requests that arrive meanwhile
   do not hold it up.
 * ``GET /metrics`` - Prometheus text format: the cache's metrics from
   :class:`aiocache_kv.metrics.CacheCollector` (hits and prompt tokens per tier, bytes per
   direction, load-back / write-through / backup / prefetch latency, pool pages, evictions,
-  storage errors, operations in flight, event queue depth) and the server's own (requests,
-  generated tokens, TTFT, KV events drained).  Collected in the handler, on the loop thread.
+  storage errors, operations in flight, event queue depth), the engine's (forward passes,
+  tokens run, requests per pass, requests waiting / admitting / running, preemptions, step
+  latency: ``aiocache_kv_engine_*``) and the server's own (requests, generated tokens, TTFT,
+  KV events drained).  Collected in the handler, on the loop thread.
 
-Reaching storage in time: a request's prompt is prefetched (storage -> host) the moment it
-arrives, while it waits for one of ``--max-running`` slots; on admission it is prefetched
-again (what landed is already committed and cheap to skip; what another node stored since is
-fetched now) and the generation uses whatever committed.
+Requests are served by one :class:`aiocache_kv.serving.Engine`, so concurrent requests are
+batched: prefill chunks and decodes of different requests share forward passes (at most
+``--max-batch-tokens`` tokens, ``--max-running`` requests; the others queue), which run on
+the engine's model thread while the loop keeps serving.  The engine prefetches a prompt from
+storage on arrival (the read overlaps the queue) and again on admission (pages another node
+stored since), matches, loads back, computes the uncached suffix in the device pool and
+inserts every page a request completes while it runs (written through to host and storage).
 ``aiocache_kv_storage_served_requests_total`` counts returning prompts served from storage;
-``aiocache_kv_admission_wait_seconds`` is how long the arrival prefetch had to hide in.
-
-Each request awaits the cache the way a serving loop does (:class:`CachedLM`): ``prefetch``
-(storage -> host), ``match_prefix``, ``load_back`` (host -> device), prefill of the uncached
-suffix and decode with the K/V in the device pool, ``insert`` (written through to host and
-storage).  Forward passes run on one worker thread, so the loop keeps serving ``/health`` and
-``/metrics`` and cache completions while a prefill runs; requests interleave between decode
-steps.  Two live servers started with the same ``--model-seed`` and one Mooncake master reuse
-each other's KV; a ``--storage-dir`` is shared across restarts (one live server owns it).
+``aiocache_kv_admission_wait_seconds`` is how long requests queued before joining the batch.
+Two live servers started with the same ``--model-seed`` and one Mooncake master reuse each
+other's KV; a ``--storage-dir`` is shared across restarts (one live server owns it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
-import json
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
+from pathlib import Path
 
-import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
 
 from aiocache_kv import (
     BlockRemoved,
@@ -75,20 +74,20 @@ from aiocache_kv import (
     KVCacheError,
     KVEvent,
     MooncakeStorage,
-    PrefetchResult,
     StorageBackend,
 )
 from aiocache_kv.events import ZmqEventPublisher
 from aiocache_kv.events.zmq import EventEncoding
 from aiocache_kv.logs import get_logger
-from aiocache_kv.metrics import CacheCollector
-from aiocache_kv.models import CachedLM, GPT2Spec, build_gpt2, cache_config_for
-from aiocache_kv.models.generate import Generation
+from aiocache_kv.metrics import CacheCollector, histogram_buckets
+from aiocache_kv.models import GPT2Spec, build_gpt2, cache_config_for
+from aiocache_kv.serving import Engine, GenerationResult
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (tests): its sibling
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_requests import BadRequest, RequestLimits, parse_generate_request
 
 log = get_logger("aiocache_kv.examples.server")
-
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
 
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -109,12 +108,13 @@ class ServerOptions:
     metadata: str | None = None
     max_new_tokens: int = 256  #: upper bound a request may ask for
     max_body_bytes: int = 1 << 20  #: larger ``/generate`` bodies get 413
-    model_thread: bool = True  #: forward passes on a worker thread (else inline on the loop)
     kv_events: str | None = None  #: ZMQ PUB endpoint for KV events (vLLM format), or off
     #: ``map``: vLLM's current KV-event protocol; ``array``: the one before vLLM#42892
     kv_events_encoding: EventEncoding = "map"
-    #: requests generating at once; the rest wait in arrival order (their prefetch runs meanwhile)
+    #: requests in the engine's batch at once; the rest queue in arrival order (their prefetch
+    #: runs meanwhile)
     max_running: int = 4
+    max_batch_tokens: int = 256  #: tokens one forward pass runs at most (prefills and decodes)
 
 
 class ServerMetrics:
@@ -122,7 +122,8 @@ class ServerMetrics:
 
     The cache's own metrics (hits per tier, prompt tokens per source, bytes, latencies, pool
     pages, evictions, storage errors, operations in flight, the event queue) come from
-    :class:`aiocache_kv.metrics.CacheCollector`, registered once the cache is open.
+    :class:`aiocache_kv.metrics.CacheCollector` and the engine's from :class:`EngineCollector`,
+    registered once the cache and the engine are open.
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -147,7 +148,7 @@ class ServerMetrics:
         )
         self.queued = Histogram(
             "aiocache_kv_admission_wait_seconds",
-            "Time from arrival to admission, while the arrival prefetch runs.",
+            "Time from arrival to joining the engine's batch, while the arrival prefetch runs.",
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
@@ -158,162 +159,58 @@ class ServerMetrics:
             registry=registry,
         )
 
-    def record(self, gen: Generation) -> None:
-        """Account one finished generation (its prompt attribution is the ``CachedLM``'s)."""
+    def record(self, result: GenerationResult) -> None:
+        """Account one finished request (its prompt attribution is the engine's)."""
         self.requests.labels(outcome="ok").inc()
-        self.generated_tokens.inc(len(gen.tokens))
-        self.ttft.observe(gen.ttft)
-        if gen.attribution.storage:
+        self.generated_tokens.inc(len(result.tokens))
+        self.ttft.observe(result.ttft)
+        self.queued.observe(result.queue_time)
+        if result.attribution.storage:
             self.storage_served.inc()
 
 
-# ---------------------------------------------------------------------------- request parsing
-
-#: charsets a ``/generate`` body may declare (none: UTF-8, as RFC 8259 requires of JSON)
-JSON_CHARSETS = {
-    "utf-8": "utf-8",
-    "utf8": "utf-8",
-    "us-ascii": "ascii",
-    "ascii": "ascii",
-    "utf-16": "utf-16",
-    "utf-16le": "utf-16-le",
-    "utf-16be": "utf-16-be",
-    "utf-32": "utf-32",
-    "utf-32le": "utf-32-le",
-    "utf-32be": "utf-32-be",
+#: ``EngineStatistics`` counters exported as ``aiocache_kv_engine_<name>_total``
+ENGINE_COUNTERS = {
+    "steps": "Forward passes run.",
+    "step_tokens": "Tokens run through the model (prefill chunks and decodes).",
+    "preemptions": "Requests taken out of the batch for room.",
+    "shared_in_flight_tokens": "Prompt tokens reused once another running request computed them.",
 }
-GENERATE_FIELDS = frozenset({"tokens", "max_new_tokens"})
-DEFAULT_MAX_NEW_TOKENS = 16
 
 
-class BadRequest(Exception):
-    """A malformed request: the HTTP status it gets and a short message naming the problem."""
+class EngineCollector:
+    """:meth:`Engine.statistics` as ``aiocache_kv_engine_*`` families: the counters above,
+    requests by state, requests per forward pass and its latency.  One snapshot per scrape,
+    collected on the loop thread like the cache's."""
 
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+    def __init__(self, engine: Engine, registry: CollectorRegistry) -> None:
+        self.engine = engine
+        registry.register(self)
 
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """A validated ``POST /generate`` body."""
-
-    tokens: list[int]
-    max_new_tokens: int
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What a ``/generate`` request may ask for."""
-
-    vocab_size: int
-    max_new_tokens: int  #: the server's bound on ``max_new_tokens``
-    max_positions: int  #: prompt + reply, the model's context
-    max_kv_slots: int  #: prompt + reply - 1 K/V rows, the device pool's size
-    max_body_bytes: int
-
-
-def _short(value: object, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _reject_constant(name: str) -> NoReturn:
-    raise BadRequest(400, f"body is not valid JSON: {name} is not a JSON value")
-
-
-async def parse_generate_request(request: web.Request, limits: RequestLimits) -> GenerateRequest:
-    """Read, decode, parse and validate a ``/generate`` body.
-
-    Raises:
-        BadRequest: 413 body over ``limits.max_body_bytes``; 415 a content type other than
-            JSON or a charset outside :data:`JSON_CHARSETS`; 400 anything else malformed
-            (unreadable body, bad encoding, bad JSON, bad fields).
-    """
-    media = request.content_type  # "application/octet-stream" when the header is absent
-    if "Content-Type" in request.headers and not (
-        media == "application/json" or media.endswith("+json")
-    ):
-        raise BadRequest(415, f"content type must be application/json, got {_short(media)}")
-    declared = request.charset
-    codec = JSON_CHARSETS.get((declared or "utf-8").strip().lower())
-    if codec is None:
-        raise BadRequest(415, f"unsupported charset {_short(declared)} (send utf-8)")
-    limit = limits.max_body_bytes
-    too_large = BadRequest(413, f"body exceeds {limit} bytes")
-    if (request.content_length or 0) > limit:
-        raise too_large
-    body = bytearray()
-    try:
-        async for chunk in request.content.iter_any():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-    except web.RequestPayloadError as exc:  # e.g. a corrupt Content-Encoding
-        reason = str(exc).strip().splitlines()[-1].strip()  # drop aiohttp's "400, message:"
-        raise BadRequest(400, f"body could not be read: {reason}") from None
-    try:
-        text = body.decode(codec)
-    except UnicodeDecodeError as exc:
-        raise BadRequest(400, f"body is not valid {codec}: {exc.reason}") from None
-    try:
-        obj = json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        raise BadRequest(400, f"body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise BadRequest(400, "body is not valid JSON: nested too deep") from None
-    except ValueError as exc:  # e.g. int()'s digit limit: "Exceeds the limit (4300 digits) ..."
-        raise BadRequest(400, f"body is not valid JSON: {str(exc).split(':')[0]}") from None
-    return validate_generate(obj, limits)
-
-
-def validate_generate(obj: object, limits: RequestLimits) -> GenerateRequest:
-    """A parsed JSON body -> :class:`GenerateRequest` (raises :class:`BadRequest`, 400)."""
-    if not isinstance(obj, dict):
-        raise BadRequest(400, "body must be a JSON object")
-    unknown = sorted(set(obj) - GENERATE_FIELDS)
-    if unknown:
-        raise BadRequest(400, f"unknown fields {_short(unknown)}; known: tokens, max_new_tokens")
-    tokens = obj.get("tokens")
-    if not isinstance(tokens, list) or not tokens:
-        raise BadRequest(400, "tokens must be a non-empty list of token ids")
-    if len(tokens) >= limits.max_positions:
-        raise BadRequest(
-            400, f"tokens has {len(tokens)} ids; the model's context is {limits.max_positions}"
-        )
-    vocab = limits.vocab_size
-    for i, t in enumerate(tokens):
-        if type(t) is not int or not 0 <= t < vocab:  # bool is no int here
-            raise BadRequest(
-                400, f"tokens must be ints in [0, {vocab}), tokens[{i}] is {_short(t)}"
-            )
-    bound = limits.max_new_tokens
-    max_new = obj.get("max_new_tokens", min(DEFAULT_MAX_NEW_TOKENS, bound))
-    if type(max_new) is not int or not 1 <= max_new <= bound:
-        raise BadRequest(
-            400, f"max_new_tokens must be an int in [1, {bound}], got {_short(max_new)}"
-        )
-    if len(tokens) + max_new > limits.max_positions:
-        raise BadRequest(
-            400,
-            f"{len(tokens)} tokens + max_new_tokens {max_new} exceed the model's context of "
-            f"{limits.max_positions}",
-        )
-    if len(tokens) + max_new - 1 > limits.max_kv_slots:
-        raise BadRequest(
-            400,
-            f"{len(tokens)} tokens + max_new_tokens {max_new} need more KV slots than the "
-            f"device pool holds ({limits.max_kv_slots})",
-        )
-    return GenerateRequest(tokens=tokens, max_new_tokens=max_new)
+    def collect(self) -> Iterator[Metric]:
+        """The families of one :meth:`Engine.statistics` snapshot."""
+        st = self.engine.statistics()
+        p = "aiocache_kv_engine_"
+        for name, doc in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(p + name, doc, value=getattr(st, name))
+        queues = GaugeMetricFamily(p + "requests", "Requests by state.", labels=["state"])
+        for state in ("waiting", "admitting", "running"):
+            queues.add_metric([state], getattr(st, state))
+        yield queues
+        for name, doc, snap in (
+            ("batch_size", "Requests per forward pass.", st.batch_size),
+            ("step_seconds", "One forward pass.", st.step),
+        ):
+            hist = HistogramMetricFamily(p + name, doc)
+            hist.add_metric([], histogram_buckets(snap), snap.sum)
+            yield hist
 
 
 # ---------------------------------------------------------------------------- the server
 
 
 class GenerateServer:
-    """The model, the cache and the HTTP handlers."""
+    """The model, the cache, the engine and the HTTP handlers."""
 
     def __init__(self, opts: ServerOptions) -> None:
         self.opts = opts
@@ -328,10 +225,8 @@ class GenerateServer:
         self.registry = CollectorRegistry()
         self.metrics = ServerMetrics(self.registry)
         self.cache: HiCache | None = None
-        self.lm: CachedLM | None = None
+        self.engine: Engine | None = None
         self.started = time.monotonic()
-        self.admission = asyncio.Semaphore(opts.max_running)
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -386,31 +281,29 @@ class GenerateServer:
                 prefetch_policy="timeout",
                 prefetch_threshold_tokens=o.page_size,
             )
-            self.cache = await stack.enter_async_context(HiCache(cfg))
-            runner = None
-            if o.model_thread:
-                self._executor = concurrent.futures.ThreadPoolExecutor(1, "model")
-                stack.callback(self._executor.shutdown, wait=False)
-                runner = self._run_in_model_thread
-            self.lm = CachedLM(model, self.cache, runner=runner)
-            collector = CacheCollector(
-                self.cache, prompts=self.lm.prompt_tokens, registry=self.registry
+            self.cache = cache = await stack.enter_async_context(HiCache(cfg))
+            engine = Engine(
+                model, cache, max_batch_tokens=o.max_batch_tokens, max_running=o.max_running
             )
-            stack.callback(self.registry.unregister, collector)
-            drain = asyncio.get_running_loop().create_task(
-                self._drain_events(self.cache, publisher)
+            stop_engine = await stack.enter_async_context(engine_task(engine))
+            self.engine = engine
+            collectors = (
+                CacheCollector(
+                    cache, prompts=engine.counters.prompt_tokens, registry=self.registry
+                ),
+                EngineCollector(engine, self.registry),
             )
+            for collector in collectors:
+                stack.callback(self.registry.unregister, collector)
+            drain = asyncio.get_running_loop().create_task(self._drain_events(cache, publisher))
             log.info("server_ready", model=o.model.name, storage=o.storage, page_size=o.page_size)
             try:
                 yield
             finally:
-                await self.cache.flush()
-                await self.cache.aclose()  # ends the events stream
+                await stop_engine()  # requests still running fail with EngineClosedError
+                await cache.flush()
+                await cache.aclose()  # ends the events stream
                 await drain
-
-    async def _run_in_model_thread(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        assert self._executor is not None
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     async def _drain_events(self, cache: HiCache, publisher: ZmqEventPublisher | None) -> None:
         if publisher is not None:  # the one consumer of the log: counts, then publishes
@@ -433,50 +326,25 @@ class GenerateServer:
         except BadRequest as exc:
             self.metrics.requests.labels(outcome="bad_request").inc()
             return web.json_response({"error": exc.message}, status=exc.status)
-        assert self.lm is not None
-        try:
-            gen = await self._admit_and_generate(self.lm, req)
+        assert self.engine is not None
+        try:  # prefetch on arrival, queue, admission, batched steps: all the engine's
+            res = await self.engine.generate(req.tokens, max_new_tokens=req.max_new_tokens)
         except KVCacheError as exc:
             self.metrics.requests.labels(outcome="error").inc()
             status = 400 if isinstance(exc, ValueError) else 503
             return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=status)
-        self.metrics.record(gen)
-        src = gen.attribution  # only reused tokens count as cached: cached + computed = prompt
+        self.metrics.record(res)
+        src = res.attribution  # only reused tokens count as cached: cached + computed = prompt
         return web.json_response(
             {
-                "tokens": gen.tokens,
-                "prompt_tokens": gen.prompt_len,
+                "tokens": res.tokens,
+                "prompt_tokens": res.prompt_len,
                 "cached_tokens": {"device": src.device, "host": src.host, "storage": src.storage},
                 "computed_tokens": src.computed,
-                "ttft_ms": round(gen.ttft * 1e3, 3),
-                "total_ms": round(gen.total * 1e3, 3),
+                "ttft_ms": round(res.ttft * 1e3, 3),
+                "total_ms": round(res.total * 1e3, 3),
             }
         )
-
-    async def _admit_and_generate(self, lm: CachedLM, req: GenerateRequest) -> Generation:
-        """The prefetch pattern: prefetch on arrival, check again on admission, commit what
-        landed.
-
-        The arrival prefetch reads storage while the request waits for one of the
-        ``max_running`` slots, so queueing hides the read.  On admission ``generate``
-        prefetches again (cheap when everything landed: only pages still missing are asked
-        for, and another node may have stored more since), matches, and loads back; the
-        tokens the arrival prefetch committed are attributed to storage.
-        """
-        arrived = time.perf_counter()
-        early: asyncio.Task[PrefetchResult] | None = None
-        if lm.cache.config.storage is not None:
-            early = asyncio.create_task(lm.cache.prefetch(req.tokens, tenant=lm.tenant))
-        try:
-            async with self.admission:
-                self.metrics.queued.observe(time.perf_counter() - arrived)
-                fetched = 0
-                if early is not None:
-                    fetched = (await early).hit_tokens  # bounded by the prefetch deadline
-                return await lm.generate(req.tokens, req.max_new_tokens, prefetched_tokens=fetched)
-        finally:
-            if early is not None and not early.done():
-                early.cancel()  # the request went away while queued
 
     async def flush(self, request: web.Request) -> web.Response:
         """``POST /flush``: the write-throughs and storage backups pending at the call settled
@@ -495,9 +363,10 @@ class GenerateServer:
 
     async def health(self, request: web.Request) -> web.Response:
         """``GET /health``."""
-        if self.cache is None:
+        if self.cache is None or self.engine is None:
             return web.json_response({"status": "starting"}, status=503)
         st = self.cache.statistics()
+        es = self.engine.statistics()
         return web.json_response(
             {
                 "status": "ok",
@@ -506,6 +375,11 @@ class GenerateServer:
                 "device_pages": {"total": st.device.total_pages, "free": st.device.free_pages},
                 "host_pages": {"total": st.host.total_pages, "free": st.host.free_pages},
                 "storage": self.opts.storage,
+                "requests": {
+                    "waiting": es.waiting,
+                    "admitting": es.admitting,
+                    "running": es.running,
+                },
             }
         )
 
@@ -515,6 +389,34 @@ class GenerateServer:
             return web.json_response({"status": "starting"}, status=503)
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@contextlib.asynccontextmanager
+async def engine_task(engine: Engine) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """Run ``engine`` (``async with``) in a task of its own until the stop function returned
+    here is awaited (it also runs on exit).  An engine is entered and left in one task, and
+    aiohttp may run a cleanup context's start and end in different ones."""
+    ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+
+    async def own() -> None:
+        async with engine:
+            ready.set_result(None)
+            await stop.wait()
+
+    task = asyncio.create_task(own(), name="aiocache_kv.server.engine")
+    done, _ = await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        await task  # raises what starting the engine raised
+
+    async def stop_engine() -> None:
+        stop.set()
+        await task
+
+    try:
+        yield stop_engine
+    finally:
+        await stop_engine()
 
 
 SERVER: web.AppKey[GenerateServer] = web.AppKey("server", GenerateServer)
@@ -558,9 +460,6 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
         help="larger /generate bodies get 413 (default 1 MiB)",
     )
     p.add_argument(
-        "--inline-model", action="store_true", help="run forward passes on the loop thread"
-    )
-    p.add_argument(
         "--kv-events",
         metavar="ENDPOINT",
         help="publish KV events in vLLM's ZMQ format, e.g. tcp://127.0.0.1:5557 "
@@ -577,11 +476,21 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
         "--max-running",
         type=int,
         default=ServerOptions.max_running,
-        help="requests generating at once; later ones queue while their prefetch runs",
+        help="requests in the engine's batch at once; later ones queue while their prefetch runs",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=ServerOptions.max_batch_tokens,
+        help="tokens one forward pass runs at most, prefill chunks and decodes (default 256)",
     )
     a = p.parse_args(argv)
-    if a.max_running < 1:
-        p.error(f"--max-running must be >= 1, got {a.max_running}")
+    for flag, value in (
+        ("--max-running", a.max_running),
+        ("--max-batch-tokens", a.max_batch_tokens),
+    ):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
     return ServerOptions(
         host=a.host,
         port=a.port,
@@ -601,10 +510,10 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
         metadata=a.metadata,
         max_new_tokens=a.max_new_tokens,
         max_body_bytes=a.max_body_bytes,
-        model_thread=not a.inline_model,
         kv_events=a.kv_events,
         kv_events_encoding=a.kv_events_encoding,
         max_running=a.max_running,
+        max_batch_tokens=a.max_batch_tokens,
     )
 
 

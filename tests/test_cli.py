@@ -84,7 +84,9 @@ def test_demo_without_storage_other_page_size_and_seed() -> None:
 def test_demo_too_small_device_pool_fails_cleanly() -> None:
     proc = run_cli("demo", *SMALL, "--device-pages", "4")
     assert proc.returncode == 1
-    assert "CapacityError" in proc.stdout
+    # the engine refuses a request the device pool cannot hold, before it touches the cache
+    assert "demo failed: InvalidInputError" in proc.stdout
+    assert "the device pool has 64" in proc.stdout
     assert "Traceback" not in proc.stderr
 
 
@@ -304,7 +306,7 @@ def test_bench_rejects_unknown_suite(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_help_lists_every_bench_suite(capsys: pytest.CaptureFixture[str]) -> None:
-    suites = ("tree", "transfer", "storage", "embedding", "e2e")
+    suites = ("tree", "transfer", "storage", "embedding", "e2e", "engine")
     for argv in (["--help"], ["bench", "--help"]):
         with pytest.raises(SystemExit) as exc:
             build_parser().parse_args(argv)

@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 
 from aiocache_kv import demo
-from aiocache_kv.models import CachedLM
-from aiocache_kv.models.generate import Generation
+from aiocache_kv.demo_report import TurnResult, hits_line
+from aiocache_kv.models.generate import Generation, reference_generate
+from aiocache_kv.serving import Engine, GenerationResult
+from aiocache_kv.telemetry import attribute
 
 
 def _args(**kw: Any) -> argparse.Namespace:
@@ -18,45 +20,64 @@ def _args(**kw: Any) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **kw})
 
 
-def _turn(device: int, host: int, storage: int) -> demo.TurnResult:
+def _turn(device: int, host: int, storage: int) -> TurnResult:
     ref = Generation(prompt_len=200, tokens=[1], ttft=0.05, total=0.05, computed=200)
-    got = Generation(prompt_len=200, tokens=[1], ttft=0.02, total=0.02, computed=8)
-    got.hit_device, got.hit_host, got.hit_storage = device, host, storage
-    return demo.TurnResult("node 1", 1, "chat A", ref, got, 0.0)
+    reused = device + host + storage
+    got = GenerationResult(
+        tokens=[1],
+        prompt_len=200,
+        queue_time=0.0,
+        ttft=0.02,
+        itl=[],
+        total=0.02,
+        attribution=attribute(200, reused, device=device, host=host, storage=storage),
+        preemptions=0,
+        shared_in_flight=0,
+    )
+    return TurnResult("node 1", 1, "chat A", ref, got, 0.0)
 
 
 def test_hits_line_names_only_the_tiers_the_run_has() -> None:
     three = [_turn(16, 0, 0), _turn(0, 32, 0), _turn(0, 0, 48)]
-    assert demo.hits_line(three, storage=True) == (
+    assert hits_line(three, storage=True) == (
         "tokens hit per tier: device 16, host 32, storage 48 - every tier served hits"
     )
-    line = demo.hits_line(three[:2], storage=False)
+    line = hits_line(three[:2], storage=False)
     assert line == "tokens hit per tier: device 16, host 32 - both tiers served hits (no storage)"
-    line = demo.hits_line(three[:1], storage=False)
+    line = hits_line(three[:1], storage=False)
     assert "storage" not in line and "every tier" not in line and "no hits from host" in line
-    assert "no hits from host or storage" in demo.hits_line(three[:1], storage=True)
+    assert "no hits from host or storage" in hits_line(three[:1], storage=True)
+    assert [t.source for t in three] == ["device", "host", "storage"]
+    assert _turn(0, 0, 0).source == "miss"
 
 
-async def test_both_paths_are_warm_before_the_first_timed_turn(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Whichever path runs first on the first turn (a miss) must not pay a warm-up the other
-    one skips: both ran, untimed, on a prompt as long as the first turn's."""
-    calls: list[tuple[str, int, int]] = []
-    real_ref, real_gen = demo.reference_generate, CachedLM.generate
+Call = tuple[str, int, int]
+
+
+def _record(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Call], list[int], list[demo.ChatDemo]]:
+    """Record every generation (path, prompt length, id of its result), how many cached
+    generations were in flight at once, and the demo object of the run."""
+    calls: list[Call] = []
+    in_flight = [0, 0]  # now, most at once
+    real_ref, real_gen = reference_generate, Engine.generate
 
     def ref(model: Any, prompt: Any, n: int, **kw: Any) -> Generation:
         g = real_ref(model, prompt, n, **kw)
         calls.append(("no cache", len(prompt), id(g)))
         return g
 
-    async def gen(self: CachedLM, prompt: Any, n: int, **kw: Any) -> Generation:
-        g = await real_gen(self, prompt, n, **kw)
+    async def gen(self: Engine, prompt: Any, **kw: Any) -> GenerationResult:
+        in_flight[0] += 1
+        in_flight[1] = max(in_flight)
+        try:
+            g = await real_gen(self, prompt, **kw)
+        finally:
+            in_flight[0] -= 1
         calls.append(("cache", len(prompt), id(g)))
         return g
 
     monkeypatch.setattr(demo, "reference_generate", ref)
-    monkeypatch.setattr(CachedLM, "generate", gen)
+    monkeypatch.setattr(Engine, "generate", gen)
     seen: list[demo.ChatDemo] = []
     real_run = demo.ChatDemo.run
 
@@ -65,11 +86,34 @@ async def test_both_paths_are_warm_before_the_first_timed_turn(
         return await real_run(self)
 
     monkeypatch.setattr(demo.ChatDemo, "run", run)
-    assert await demo.run_demo(_args(), out=io.StringIO()) == 0
-    first = seen[0].log.results[0]
+    return calls, in_flight, seen
+
+
+async def test_both_paths_are_warm_and_each_round_is_batched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whichever path runs first on the first turn (a miss) must not pay a warm-up the other
+    one skips: both ran, untimed, on a prompt as long as the first turn's.  Every round's
+    turns are in the engine at once, and the engine ran them in shared forward passes."""
+    calls, in_flight, seen = _record(monkeypatch)
+    out = io.StringIO()
+    assert await demo.run_demo(_args(conversations=3), out=out) == 0
+    results = seen[0].log.results
+    first = results[0]
     assert first.source == "miss"
     timed = {id(first.ref), id(first.got)}
     before = calls[: min(i for i, c in enumerate(calls) if c[2] in timed)]
     assert {("no cache", first.got.prompt_len), ("cache", first.got.prompt_len)} <= {
         (path, n) for path, n, _ in before
     }
+    assert in_flight[1] == 3  # a whole round at once
+    assert [r.batch for r in results] == [3] * 6
+    ((node, st),) = seen[0].log.engines
+    assert node == "node 1" and st.finished == 6 and st.failed == st.aborted == 0
+    run = sum(r.got.attribution.computed + len(r.got.tokens) - 1 for r in results)
+    assert st.step_tokens == run  # each computed prompt token and reply token ran once
+    assert st.batch_size.sum > st.steps  # requests shared forward passes
+    text = out.getvalue()
+    assert "node 1, turn 1: 3 requests at once through one Engine" in text
+    assert "TTFT cache ms (batch of 3)" in text
+    assert "concurrent requests in" in text and "Engine.statistics() per node" in text

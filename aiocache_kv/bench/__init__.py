@@ -1,5 +1,6 @@
 """Benchmarks behind ``aiocache-kv bench``: the radix tree, the device<->host copy path, the
-storage tier (L3) against its raw backend, the embedding cache and end-to-end TTFT.
+storage tier (L3) against its raw backend, the embedding cache, end-to-end TTFT and the batched
+serving engine.
 
 Each suite module has an options dataclass and a ``run(options) -> dict`` that prints its
 tables and returns JSON-able results; :mod:`aiocache_kv.bench.report` holds the shared
@@ -15,7 +16,12 @@ SUITE_HELP = {
     "storage": "storage tier (L3) through the cache vs the raw backend (file, mooncake)",
     "embedding": "embedding cache vs the raw Mooncake client, two nodes",
     "e2e": "time to first token vs cached prefix length, per tier (GPT-2)",
+    "engine": "batched serving engine vs one request at a time vs transformers' continuous "
+    "batching, multi-turn chat (GPT-2, Llama)",
 }
 SUITES = tuple(SUITE_HELP)
+#: ``bench engine``'s models and sides (here, so the CLI need not import the suite)
+ENGINE_MODELS = ("gpt2", "llama")
+ENGINE_SIDES = ("engine", "sequential", "transformers")
 
-__all__ = ["SUITES", "SUITE_HELP"]
+__all__ = ["ENGINE_MODELS", "ENGINE_SIDES", "SUITES", "SUITE_HELP"]

@@ -1,0 +1,165 @@
+"""``POST /generate`` bodies of ``examples/server.py``: read, decoded, parsed and validated.
+
+Everything a client controls is bounded before the server acts on it: the body's size (413),
+its content type and charset (415), its JSON (nesting depth, digit counts, no NaN) and its
+fields (token ids in the vocabulary, ``max_new_tokens`` in range, the request within the
+model's context and the device pool): anything else is a 400 with a message naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import NoReturn
+
+from aiohttp import web
+
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "GENERATE_FIELDS",
+    "JSON_CHARSETS",
+    "BadRequest",
+    "GenerateRequest",
+    "RequestLimits",
+    "parse_generate_request",
+    "validate_generate",
+]
+
+#: charsets a ``/generate`` body may declare (none: UTF-8, as RFC 8259 requires of JSON)
+JSON_CHARSETS = {
+    "utf-8": "utf-8",
+    "utf8": "utf-8",
+    "us-ascii": "ascii",
+    "ascii": "ascii",
+    "utf-16": "utf-16",
+    "utf-16le": "utf-16-le",
+    "utf-16be": "utf-16-be",
+    "utf-32": "utf-32",
+    "utf-32le": "utf-32-le",
+    "utf-32be": "utf-32-be",
+}
+GENERATE_FIELDS = frozenset({"tokens", "max_new_tokens"})
+DEFAULT_MAX_NEW_TOKENS = 16
+
+
+class BadRequest(Exception):
+    """A malformed request: the HTTP status it gets and a short message naming the problem."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A validated ``POST /generate`` body."""
+
+    tokens: list[int]
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a ``/generate`` request may ask for."""
+
+    vocab_size: int
+    max_new_tokens: int  #: the server's bound on ``max_new_tokens``
+    max_positions: int  #: prompt + reply, the model's context
+    max_kv_slots: int  #: prompt + reply K/V rows the engine reserves: the device pool's size
+    max_body_bytes: int
+
+
+def _short(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise BadRequest(400, f"body is not valid JSON: {name} is not a JSON value")
+
+
+async def parse_generate_request(request: web.Request, limits: RequestLimits) -> GenerateRequest:
+    """Read, decode, parse and validate a ``/generate`` body.
+
+    Raises:
+        BadRequest: 413 body over ``limits.max_body_bytes``; 415 a content type other than
+            JSON or a charset outside :data:`JSON_CHARSETS`; 400 anything else malformed
+            (unreadable body, bad encoding, bad JSON, bad fields).
+    """
+    media = request.content_type  # "application/octet-stream" when the header is absent
+    if "Content-Type" in request.headers and not (
+        media == "application/json" or media.endswith("+json")
+    ):
+        raise BadRequest(415, f"content type must be application/json, got {_short(media)}")
+    declared = request.charset
+    codec = JSON_CHARSETS.get((declared or "utf-8").strip().lower())
+    if codec is None:
+        raise BadRequest(415, f"unsupported charset {_short(declared)} (send utf-8)")
+    limit = limits.max_body_bytes
+    too_large = BadRequest(413, f"body exceeds {limit} bytes")
+    if (request.content_length or 0) > limit:
+        raise too_large
+    body = bytearray()
+    try:
+        async for chunk in request.content.iter_any():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except web.RequestPayloadError as exc:  # e.g. a corrupt Content-Encoding
+        reason = str(exc).strip().splitlines()[-1].strip()  # drop aiohttp's "400, message:"
+        raise BadRequest(400, f"body could not be read: {reason}") from None
+    try:
+        text = body.decode(codec)
+    except UnicodeDecodeError as exc:
+        raise BadRequest(400, f"body is not valid {codec}: {exc.reason}") from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(400, f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest(400, "body is not valid JSON: nested too deep") from None
+    except ValueError as exc:  # e.g. int()'s digit limit: "Exceeds the limit (4300 digits) ..."
+        raise BadRequest(400, f"body is not valid JSON: {str(exc).split(':')[0]}") from None
+    return validate_generate(obj, limits)
+
+
+def validate_generate(obj: object, limits: RequestLimits) -> GenerateRequest:
+    """A parsed JSON body -> :class:`GenerateRequest` (raises :class:`BadRequest`, 400)."""
+    if not isinstance(obj, dict):
+        raise BadRequest(400, "body must be a JSON object")
+    unknown = sorted(set(obj) - GENERATE_FIELDS)
+    if unknown:
+        raise BadRequest(400, f"unknown fields {_short(unknown)}; known: tokens, max_new_tokens")
+    tokens = obj.get("tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise BadRequest(400, "tokens must be a non-empty list of token ids")
+    if len(tokens) >= limits.max_positions:
+        raise BadRequest(
+            400, f"tokens has {len(tokens)} ids; the model's context is {limits.max_positions}"
+        )
+    vocab = limits.vocab_size
+    for i, t in enumerate(tokens):
+        if type(t) is not int or not 0 <= t < vocab:  # bool is no int here
+            raise BadRequest(
+                400, f"tokens must be ints in [0, {vocab}), tokens[{i}] is {_short(t)}"
+            )
+    bound = limits.max_new_tokens
+    max_new = obj.get("max_new_tokens", min(DEFAULT_MAX_NEW_TOKENS, bound))
+    if type(max_new) is not int or not 1 <= max_new <= bound:
+        raise BadRequest(
+            400, f"max_new_tokens must be an int in [1, {bound}], got {_short(max_new)}"
+        )
+    if len(tokens) + max_new > limits.max_positions:
+        raise BadRequest(
+            400,
+            f"{len(tokens)} tokens + max_new_tokens {max_new} exceed the model's context of "
+            f"{limits.max_positions}",
+        )
+    if len(tokens) + max_new > limits.max_kv_slots:
+        raise BadRequest(
+            400,
+            f"{len(tokens)} tokens + max_new_tokens {max_new} need more KV slots than the "
+            f"device pool holds ({limits.max_kv_slots})",
+        )
+    return GenerateRequest(tokens=tokens, max_new_tokens=max_new)
