@@ -304,7 +304,7 @@ async def serve_engine(
     samples and "busy" ones (taken with at least ``busy_at`` requests in the batch), plus an
     idle-loop baseline.
     """
-    kw = dict(max_batch_tokens=max_batch_tokens, max_running=max_running)
+    kw: dict[str, Any] = dict(max_batch_tokens=max_batch_tokens, max_running=max_running)
     loop = asyncio.get_running_loop()
     cpu = TaskCpu(ENGINE_TASKS)
     with cpu.installed(loop):

@@ -34,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -53,6 +55,7 @@ from aiocache_kv.errors import (
 from aiocache_kv.logs import get_logger
 from aiocache_kv.models.arch import check_request, is_hybrid, kv_shape
 from aiocache_kv.models.batched import PagedBatch, SeqChunk
+from aiocache_kv.numeric import check_real
 from aiocache_kv.serving.admission import ROOM_POLL, Admissions, ModelView
 from aiocache_kv.serving.queues import Queues
 from aiocache_kv.serving.request import ENDED, GenerationResult, Request, RequestState
@@ -66,11 +69,25 @@ log = get_logger(__name__)
 __all__ = ["Engine"]
 
 
+def _cores() -> int:
+    """Cores this process may run on."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 class Engine:
     """Serves greedy generation for ``model`` over ``cache`` with continuous batching.
 
     ``max_batch_tokens``: tokens one forward pass runs at most (decodes and prefill chunks
-    together); ``max_running``: requests in the batch at once.  Use as an async context
+    together); ``max_running``: requests in the batch at once.  ``switch_interval``: while
+    the engine runs, the interpreter's thread switch interval (``sys.setswitchinterval``, in
+    seconds; ``None`` leaves it).  The model thread holds the GIL between torch operations,
+    and the loop thread waits for it up to that interval (5 ms by default) whenever it wakes
+    during a forward pass: a shorter one bounds the loop's lag.  It is process-wide; the
+    previous value comes back when the engine closes.  ``pad_decodes``: how decodes attend
+    (:class:`~aiocache_kv.models.batched.PagedBatch`; ``None``: its default for the device).
+    ``model_threads``: torch intra-op threads of the model thread (default: the cores this
+    process may use, less one, at least one), so the loop keeps a core.  Use as an async context
     manager on the loop that runs ``cache``; :meth:`generate` and :meth:`stream` may be called
     from any task on that loop.
 
@@ -86,10 +103,25 @@ class Engine:
         *,
         max_batch_tokens: int = 256,
         max_running: int = 16,
+        switch_interval: float | None = None,
+        pad_decodes: bool | None = None,
+        model_threads: int | None = None,
     ) -> None:
         for name, value in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if switch_interval is not None:
+            switch_interval = check_real(
+                "switch_interval", switch_interval, minimum=1e-6, maximum=1.0, error=ConfigError
+            )
+        self.switch_interval = switch_interval
+        self.pad_decodes = pad_decodes
+        if model_threads is None:
+            model_threads = max(1, _cores() - 1)
+        elif type(model_threads) is not int or model_threads < 1:
+            raise ConfigError(f"model_threads must be an int >= 1, got {model_threads!r}")
+        self.model_threads = model_threads
+        self._saved_switch: float | None = None
         self._check_layout(model, cache)
         self.model = model
         self.cache = cache
@@ -123,10 +155,14 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> Engine:
+        if self.switch_interval is not None:  # the loop waits less for the model thread's GIL
+            self._saved_switch = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_interval)
         cache = self.cache
         views = [cache.device_kv(layer) for layer in range(cache.config.num_layers)]
         swa = cache.sidecar("swa") if self.hybrid else None
-        self._runner = ModelRunner(PagedBatch(self.model, views, swa=swa))
+        batch = PagedBatch(self.model, views, swa=swa, pad_decodes=self.pad_decodes)
+        self._runner = ModelRunner(batch, self.model_threads)
         self._admissions = Admissions(self.queues, self.model_view())
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -152,6 +188,9 @@ class Engine:
         await self._admissions.aclose()
         q.settle()
         self._tg = None
+        if self._saved_switch is not None and sys.getswitchinterval() == self.switch_interval:
+            sys.setswitchinterval(self._saved_switch)
+        self._saved_switch = None
 
     # ------------------------------------------------------------------ public API
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -314,3 +315,33 @@ async def test_a_cached_prefix_does_not_make_requests_wait_for_each_other(gpt2: 
     assert [r.shared_in_flight for r in results] == [0, 0, 0, 0]
     assert all(r.attribution.device == 64 for r in results)
     assert_identical(gpt2, prompts, results, 4)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"max_batch_tokens": 0},
+        {"max_running": True},
+        {"model_threads": 0},
+        {"model_threads": 1.5},
+        {"switch_interval": float("nan")},
+        {"switch_interval": 0.0},
+        {"switch_interval": 5.0},
+    ],
+)
+async def test_bad_engine_options_are_config_errors(gpt2: Any, kw: dict[str, Any]) -> None:
+    async with akv.HiCache(config(gpt2)) as cache:
+        with pytest.raises(akv.ConfigError):
+            Engine(gpt2, cache, **kw)
+
+
+async def test_the_switch_interval_is_the_engines_only_while_it_runs(gpt2: Any) -> None:
+    before = sys.getswitchinterval()
+    async with (
+        akv.HiCache(config(gpt2)) as cache,
+        Engine(gpt2, cache, switch_interval=0.0007, model_threads=1) as eng,
+    ):
+        assert abs(sys.getswitchinterval() - 0.0007) < 1e-9
+        got = await eng.generate(toks(90, 9), max_new_tokens=3)
+        assert got.tokens == reference(gpt2, toks(90, 9), 3)
+    assert sys.getswitchinterval() == before
