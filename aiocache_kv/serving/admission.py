@@ -86,6 +86,7 @@ class Admissions:
                 req.prefetch += res.hit_tokens
         finally:
             self._arrivals.pop(req.id, None)
+            self.queues.wake.set()  # what it committed may unblock a request waiting for it
 
     def admit_waiting(self) -> None:
         """Start admitting waiting requests, in order, while the batch has room."""
