@@ -1,5 +1,5 @@
 """The ``aiocache-kv`` command line: ``demo`` and
-``bench [tree|transfer|storage|embedding|e2e|engine]``.
+``bench [tree|transfer|storage|embedding|e2e|engine|serve]``.
 
 Output meant for people (walkthrough, benchmark tables) goes to stdout; logs go to stderr
 as concise lines (:func:`aiocache_kv.logs.configure_console`).  ``main`` returns the exit code.
@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 
-from aiocache_kv.bench import ENGINE_MODELS, ENGINE_SIDES, SUITE_HELP, SUITES
+from aiocache_kv.bench import ENGINE_MODELS, ENGINE_SIDES, SERVE_ARMS, SUITE_HELP, SUITES
 from aiocache_kv.logs import configure_console, get_logger
 
 log = get_logger(__name__)
@@ -44,6 +45,17 @@ def _int_list(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _rate(text: str) -> float:
+    """A positive request rate per second, or ``inf``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or inf, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive (or inf), got {text!r}")
+    return value
 
 
 def _flat(values: Sequence[Sequence[int]] | None, default: Sequence[int]) -> tuple[int, ...]:
@@ -294,8 +306,72 @@ def build_parser() -> argparse.ArgumentParser:
         default="small",
         help="model size: small (6 layers, the demo's GPT-2; default) or tiny (2 layers)",
     )
+    _serve_arguments(bench)
     bench.set_defaults(func=cmd_bench, default_log_level="warning")
     return parser
+
+
+def _serve_arguments(bench: argparse.ArgumentParser) -> None:
+    srv = bench.add_argument_group(
+        "serve suite (also uses --max-batch-tokens, --max-running, --seed, --plot, --storage-dir)"
+    )
+    srv.add_argument("--clients", type=_positive, default=12, help="clients (default 12)")
+    srv.add_argument("--rounds", type=_positive, default=6, help="turns per client (default 6)")
+    srv.add_argument(
+        "--system-len", type=_positive, default=256, help="shared system prompt (default 256)"
+    )
+    srv.add_argument(
+        "--user-len", type=_positive, default=64, help="tokens per user message (default 64)"
+    )
+    srv.add_argument(
+        "--output-len", type=_positive, default=16, help="greedy tokens per reply (default 16)"
+    )
+    srv.add_argument(
+        "--max-in-flight", type=_positive, default=4, help="requests outstanding (default 4)"
+    )
+    srv.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=float("inf"),
+        help="clients' first turns per second, Poisson (default inf: all at once)",
+    )
+    srv.add_argument(
+        "--round-barrier",
+        action="store_true",
+        help="no client starts round r+1 before every client finished round r",
+    )
+    srv.add_argument(
+        "--arms",
+        nargs="+",
+        choices=SERVE_ARMS,
+        default=list(SERVE_ARMS),
+        metavar="ARM",
+        help=f"arms (default: all): {', '.join(SERVE_ARMS)}",
+    )
+    srv.add_argument(
+        "--serve-size",
+        choices=("small", "tiny"),
+        default="small",
+        help="GPT-2 size: small (6 layers; default) or tiny (2 layers)",
+    )
+    srv.add_argument(
+        "--device-pages", type=_positive, help="device pool (default: working set / 3)"
+    )
+    srv.add_argument(
+        "--url", metavar="URL", help="drive this OpenAI-compatible server instead of the arms"
+    )
+    srv.add_argument("--served-model", metavar="NAME", help="--url: the requests' model field")
+    srv.add_argument(
+        "--vocab", type=_positive, help="token ids drawn below this (default: the model's)"
+    )
+
+
+def _serve_plot(args: argparse.Namespace) -> str | None:
+    """``--plot`` for the serve suite (beside e2e's when ``all`` runs both)."""
+    if not args.plot or args.suite == "serve":
+        return args.plot  # type: ignore[no-any-return]
+    root, ext = os.path.splitext(args.plot)
+    return f"{root}-serve{ext or '.png'}"
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -310,10 +386,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from aiocache_kv.bench import report
 
     suites = SUITES if args.suite == "all" else (args.suite,)
-    if args.plot and "e2e" in suites and importlib.util.find_spec("matplotlib") is None:
+    plots = [s for s in suites if s in ("e2e", "serve")]
+    if args.plot and plots and importlib.util.find_spec("matplotlib") is None:
         from aiocache_kv.bench.e2e import PLOT_HINT
 
-        print(f"bench e2e: {PLOT_HINT}", file=sys.stderr)  # before a long run, not after
+        print(f"bench {plots[0]}: {PLOT_HINT}", file=sys.stderr)  # before a long run, not after
         return 2
     results: dict[str, report.JSON] = {}
     identity_failed = False
@@ -417,6 +494,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
             if not results["engine"]["identical"]:
                 identity_failed = True  # engine and sequential replies differ
+        elif suite == "serve":
+            from aiocache_kv.bench import serve
+
+            results["serve"] = serve.run(
+                serve.ServeBenchOptions(
+                    clients=args.clients,
+                    rounds=args.rounds,
+                    system_tokens=args.system_len,
+                    user_tokens=args.user_len,
+                    output_len=args.output_len,
+                    max_in_flight=args.max_in_flight,
+                    request_rate=args.request_rate,
+                    round_barrier=args.round_barrier,
+                    arms=tuple(args.arms),
+                    max_batch_tokens=args.max_batch_tokens,
+                    max_running=args.max_running,
+                    device_pages=args.device_pages,
+                    size=args.serve_size,
+                    seed=args.seed,
+                    plot=_serve_plot(args),
+                    storage_dir=args.storage_dir,
+                    url=args.url,
+                    model=args.served_model,
+                    vocab=args.vocab,
+                )
+            )
+            if not results["serve"]["identical"] or results["serve"]["fatal"]:
+                identity_failed = True  # engine arms differ, or an engine arm (or --url) failed
     errors = [results.get(s, {}).get("errors") for s in ("storage", "embedding")]
     code = 1 if any(errors) or identity_failed else 0
     if args.json:

@@ -26,6 +26,10 @@ Endpoints:
 * ``POST /flush`` - waits until every copy and storage backup in flight when it was called has
   landed (so another node can read those pages from storage); requests that arrive meanwhile
   do not hold it up.
+* ``POST /v1/completions``, ``GET /v1/models`` - the OpenAI API on token ids, for OpenAI
+  clients (``examples/openai_api.py``: the prompt and the reply are token ids; the tenant is
+  the ``X-Tenant`` header, else the ``user`` field; ``usage.prompt_tokens_details
+  .cached_tokens`` are the prompt tokens not recomputed).
 * ``GET /metrics`` - Prometheus text format: the cache's metrics from
   :class:`aiocache_kv.metrics.CacheCollector` (hits and prompt tokens per tier, bytes per
   direction, load-back / write-through / backup / prefetch latency, pool pages, evictions,
@@ -85,6 +89,7 @@ from aiocache_kv.serving import Engine, GenerationResult
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (tests): its sibling
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+from openai_api import OpenAIRoutes
 from server_requests import BadRequest, RequestLimits, parse_generate_request
 
 log = get_logger("aiocache_kv.examples.server")
@@ -432,6 +437,7 @@ def make_app(opts: ServerOptions) -> web.Application:
     app.router.add_post("/flush", server.flush)
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", server.metrics_handler)
+    OpenAIRoutes(server, opts.model.name).add_to(app)  # /v1/completions, /v1/models
     return app
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "GenerateRequest",
     "RequestLimits",
     "parse_generate_request",
+    "read_json_body",
     "validate_generate",
 ]
 
@@ -87,6 +88,15 @@ async def parse_generate_request(request: web.Request, limits: RequestLimits) ->
             JSON or a charset outside :data:`JSON_CHARSETS`; 400 anything else malformed
             (unreadable body, bad encoding, bad JSON, bad fields).
     """
+    return validate_generate(await read_json_body(request, limits), limits)
+
+
+async def read_json_body(request: web.Request, limits: RequestLimits) -> object:
+    """Read, decode and parse a JSON body (bounded as the module doc says).
+
+    Raises:
+        BadRequest: 413, 415 or 400 as :func:`parse_generate_request` (not the fields).
+    """
     media = request.content_type  # "application/octet-stream" when the header is absent
     if "Content-Type" in request.headers and not (
         media == "application/json" or media.endswith("+json")
@@ -121,7 +131,7 @@ async def parse_generate_request(request: web.Request, limits: RequestLimits) ->
         raise BadRequest(400, "body is not valid JSON: nested too deep") from None
     except ValueError as exc:  # e.g. int()'s digit limit: "Exceeds the limit (4300 digits) ..."
         raise BadRequest(400, f"body is not valid JSON: {str(exc).split(':')[0]}") from None
-    return validate_generate(obj, limits)
+    return obj
 
 
 def validate_generate(obj: object, limits: RequestLimits) -> GenerateRequest:

@@ -1,6 +1,6 @@
 """Benchmarks behind ``aiocache-kv bench``: the radix tree, the device<->host copy path, the
-storage tier (L3) against its raw backend, the embedding cache, end-to-end TTFT and the batched
-serving engine.
+storage tier (L3) against its raw backend, the embedding cache, end-to-end TTFT, the batched
+serving engine and multi-turn serving per cache tier.
 
 Each suite module has an options dataclass and a ``run(options) -> dict`` that prints its
 tables and returns JSON-able results; :mod:`aiocache_kv.bench.report` holds the shared
@@ -18,10 +18,22 @@ SUITE_HELP = {
     "e2e": "time to first token vs cached prefix length, per tier (GPT-2)",
     "engine": "batched serving engine vs one request at a time vs transformers' continuous "
     "batching, multi-turn chat (GPT-2, Llama)",
+    "serve": "multi-turn clients (SGLang bench_multiturn shape): no prefix cache vs device vs "
+    "device+host vs +storage vs restart from storage vs transformers CB, hit rate per tier "
+    "and round; or any OpenAI-compatible server (--url)",
 }
 SUITES = tuple(SUITE_HELP)
 #: ``bench engine``'s models and sides (here, so the CLI need not import the suite)
 ENGINE_MODELS = ("gpt2", "llama")
 ENGINE_SIDES = ("engine", "sequential", "transformers")
+#: ``bench serve``'s arms (the keys of :data:`aiocache_kv.bench.serve_arms.ARMS`, in order)
+SERVE_ARMS = (
+    "no-cache",
+    "device",
+    "device+host",
+    "device+host+storage",
+    "storage-restart",
+    "transformers",
+)
 
-__all__ = ["ENGINE_MODELS", "ENGINE_SIDES", "SUITES", "SUITE_HELP"]
+__all__ = ["ENGINE_MODELS", "ENGINE_SIDES", "SERVE_ARMS", "SUITES", "SUITE_HELP"]

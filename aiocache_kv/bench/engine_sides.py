@@ -415,6 +415,7 @@ async def serve_transformers(
     max_batch_tokens: int,
     max_requests: int,
     attn_implementation: str,
+    driver: Callable[[Workload, Serve], Awaitable[list[Turn]]] = drive,
 ) -> SideRun:
     """The workload through ``transformers``' continuous batching with prefix sharing on.
 
@@ -443,7 +444,7 @@ async def serve_transformers(
             run.error = f"init_continuous_batching: {exc!r}"
             return run
         try:
-            await _drive_manager(manager, wl, run, matched)
+            await _drive_manager(manager, wl, run, matched, driver)
         except Exception as exc:
             run.error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -509,7 +510,13 @@ def _stop_manager(manager: Any) -> None:
         manager.destroy()
 
 
-async def _drive_manager(manager: Any, wl: Workload, run: SideRun, matched: dict[str, int]) -> None:
+async def _drive_manager(
+    manager: Any,
+    wl: Workload,
+    run: SideRun,
+    matched: dict[str, int],
+    driver: Callable[[Workload, Serve], Awaitable[list[Turn]]] = drive,
+) -> None:
     loop = asyncio.get_running_loop()
     ids = iter(range(1 << 62))
 
@@ -548,5 +555,5 @@ async def _drive_manager(manager: Any, wl: Workload, run: SideRun, matched: dict
 
     await request(wl.warmup)
     t0 = time.perf_counter()
-    run.turns = await drive(wl, request)
+    run.turns = await driver(wl, request)
     run.wall = time.perf_counter() - t0

@@ -10,5 +10,6 @@ from __future__ import annotations
 from aiocache_kv.serving.engine import Engine
 from aiocache_kv.serving.request import GenerationResult, RequestState
 from aiocache_kv.serving.stats import EngineStatistics
+from aiocache_kv.serving.stream import TokenStream
 
-__all__ = ["Engine", "EngineStatistics", "GenerationResult", "RequestState"]
+__all__ = ["Engine", "EngineStatistics", "GenerationResult", "RequestState", "TokenStream"]

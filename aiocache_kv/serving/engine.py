@@ -62,6 +62,7 @@ from aiocache_kv.serving.request import ENDED, GenerationResult, Request, Reques
 from aiocache_kv.serving.runner import ModelRunner
 from aiocache_kv.serving.scheduler import Slot, plan_step
 from aiocache_kv.serving.stats import EngineCounters, EngineStatistics
+from aiocache_kv.serving.stream import TokenStream
 from aiocache_kv.validate import check_names
 
 log = get_logger(__name__)
@@ -253,6 +254,25 @@ class Engine:
             if req.state not in ENDED:
                 self._abort(req)
 
+    def open_stream(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        tenant: str | None = None,
+        lora: str | None = None,
+    ) -> TokenStream:
+        """Submit a request whose tokens are read as they are made
+        (:meth:`TokenStream.tokens`), then its :class:`GenerationResult`
+        (:meth:`TokenStream.result`); :meth:`TokenStream.close` aborts it if it has not ended.
+
+        Raises:
+            As :meth:`generate`, at once.
+        """
+        sends, receives = anyio.create_memory_object_stream[int](max_buffer_size=math.inf)
+        req = self._submit(prompt, max_new_tokens, tenant, lora, sends)
+        return TokenStream(req, receives, self._abort)
+
     async def stream(
         self,
         prompt: Sequence[int],
@@ -267,16 +287,13 @@ class Engine:
         Raises:
             As :meth:`generate` (at the first iteration for bad input).
         """
-        sends, receives = anyio.create_memory_object_stream[int](max_buffer_size=math.inf)
-        req = self._submit(prompt, max_new_tokens, tenant, lora, sends)
+        ts = self.open_stream(prompt, max_new_tokens=max_new_tokens, tenant=tenant, lora=lora)
         try:
-            async with receives:
-                async for token in receives:
-                    yield token
-            await req.future  # raises what failed the request, if anything
+            async for token in ts.tokens():
+                yield token
+            await ts.result()  # raises what failed the request, if anything
         finally:
-            if req.state not in ENDED:
-                self._abort(req)
+            ts.close()
 
     def statistics(self) -> EngineStatistics:
         """A snapshot of the engine's counters and latency histograms."""
