@@ -23,6 +23,10 @@ from .conftest import LOOPBACK, MasterProc
 
 PAGE = 64 << 10
 SLOT = PAGE + FRAME_OVERHEAD
+#: pools registered with the session's client stay alive for the session: the client keeps
+#: their ranges registered, and a later buffer allocated over a freed one's range would be
+#: refused as overlapping (-600)
+SESSION_REGISTERED: list[object] = []
 
 
 class HostPool:
@@ -54,6 +58,7 @@ def test_round_trip_zero_copy(mc_storage: MooncakeStorage, tag: str) -> None:
     mc_storage.register_buffer(src.tensor)
     mc_storage.register_buffer(dst.tensor)
     mc_storage.register_buffer(src.tensor)  # idempotent
+    SESSION_REGISTERED.extend((src, dst))
     before = mc_storage.statistics()
     keys = keys_for(tag, 8)
     assert mc_storage.put(keys, src.slots) == [True] * 8
@@ -394,6 +399,7 @@ def test_pipelined_put_round_trips_on_a_real_master(
     src, dst = HostPool(9, seed=7), HostPool(9)
     for pool in (src, dst):
         mc_storage.register_buffer(pool.tensor)
+    SESSION_REGISTERED.extend((src, dst))
     keys = keys_for(tag, 9)
     assert mc_storage.put(keys[:1], src.slots[:1]) == [True]
     before = mc_storage.statistics()
