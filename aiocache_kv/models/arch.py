@@ -155,6 +155,23 @@ def cache_config_for(model: Any, **options: Any) -> CacheConfig:
     return CacheConfig(**{**options, **fixed})
 
 
+def check_layout(model: Any, config: CacheConfig) -> None:
+    """Check that a cache built from ``config`` holds ``model``'s K/V (layers, KV heads,
+    head_dim, dtype) - for models whose every layer is in the pool (not hybrid ones).
+
+    Raises:
+        ConfigError: the shapes differ, or an unsupported model.
+    """
+    shape = kv_shape(model)
+    got = (config.num_layers, config.num_kv_heads, config.head_dim, config.dtype)
+    want = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype)
+    if got != want:
+        raise ConfigError(
+            f"cache KV shape (layers, heads, head_dim, dtype) {got} does not match the "
+            f"model's {want}"
+        )
+
+
 def vocab_size(model: Any) -> int:
     """Token ids ``model`` embeds: the rows of its input embedding (``config.vocab_size`` for
     a model without ``get_input_embeddings``).
@@ -239,6 +256,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "KVShape",
     "cache_config_for",
+    "check_layout",
     "check_request",
     "check_token_ids",
     "is_hybrid",

@@ -31,7 +31,7 @@ from aiocache_kv.cache import HiCache
 from aiocache_kv.errors import CacheClosedError, ConfigError, InvalidInputError
 from aiocache_kv.handles import MatchResult
 from aiocache_kv.logs import get_logger
-from aiocache_kv.models.arch import check_request, is_hybrid, kv_shape, max_positions
+from aiocache_kv.models.arch import check_layout, check_request, is_hybrid, max_positions
 from aiocache_kv.models.compat import cache_kwargs
 from aiocache_kv.models.paged import PagedKV
 from aiocache_kv.telemetry import PromptAttribution, PromptCounters, attribute
@@ -239,15 +239,7 @@ class CachedLM:
                 f"{type(model).__name__} has sliding-window layers kept in a sidecar: serve "
                 "it with aiocache_kv.models.HybridLM over hybrid_cache_config(model)"
             )
-        shape = kv_shape(model)
-        cfg = cache.config
-        got = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
-        want = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype)
-        if got != want:
-            raise ConfigError(
-                f"cache KV shape (layers, heads, head_dim, dtype) {got} does not match the "
-                f"model's {want}"
-            )
+        check_layout(model, cache.config)
 
     async def generate(
         self,

@@ -53,7 +53,7 @@ from aiocache_kv.errors import (
     KVCacheError,
 )
 from aiocache_kv.logs import get_logger
-from aiocache_kv.models.arch import check_request, is_hybrid, kv_shape
+from aiocache_kv.models.arch import check_layout, check_request, is_hybrid
 from aiocache_kv.models.batched import PagedBatch, SeqChunk
 from aiocache_kv.numeric import check_real
 from aiocache_kv.serving.admission import ROOM_POLL, Admissions, ModelView
@@ -123,7 +123,8 @@ class Engine:
             raise ConfigError(f"model_threads must be an int >= 1, got {model_threads!r}")
         self.model_threads = model_threads
         self._saved_switch: float | None = None
-        self._check_layout(model, cache)
+        if not is_hybrid(model):  # PagedBatch checks a hybrid's pool and sidecar itself
+            check_layout(model, cache.config)
         self.model = model
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
@@ -139,34 +140,23 @@ class Engine:
         self._short = False  #: a request waits for copies in flight to make room
         self._admissions: Admissions | None = None
 
-    @staticmethod
-    def _check_layout(model: Any, cache: HiCache) -> None:
-        cfg = cache.config
-        if is_hybrid(model):
-            return  # PagedBatch checks the pool and the sidecar against the model
-        shape = kv_shape(model)
-        got = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
-        want = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype)
-        if got != want:
-            raise ConfigError(
-                f"cache KV shape (layers, heads, head_dim, dtype) {got} does not match the "
-                f"model's {want}"
-            )
-
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> Engine:
-        if self.switch_interval is not None:  # the loop waits less for the model thread's GIL
-            self._saved_switch = sys.getswitchinterval()
-            sys.setswitchinterval(self.switch_interval)
+        if self._tg is not None or self._closing:
+            raise EngineClosedError("an Engine runs once: build a new one")
         cache = self.cache
         views = [cache.device_kv(layer) for layer in range(cache.config.num_layers)]
         swa = cache.sidecar("swa") if self.hybrid else None
         batch = PagedBatch(self.model, views, swa=swa, pad_decodes=self.pad_decodes)
         self._runner = ModelRunner(batch, self.model_threads)
         self._admissions = Admissions(self.queues, self.model_view())
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        if self.switch_interval is not None:  # set only once nothing above can fail
+            self._saved_switch = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_interval)
         self._tg.start_soon(self._step_loop, name="aiocache_kv.engine.steps")
         return self
 

@@ -345,3 +345,15 @@ async def test_the_switch_interval_is_the_engines_only_while_it_runs(gpt2: Any) 
         got = await eng.generate(toks(90, 9), max_new_tokens=3)
         assert got.tokens == reference(gpt2, toks(90, 9), 3)
     assert sys.getswitchinterval() == before
+
+
+async def test_an_engine_runs_once(gpt2: Any) -> None:
+    async with akv.HiCache(config(gpt2)) as cache:
+        eng = Engine(gpt2, cache)
+        async with eng:
+            with pytest.raises(akv.EngineClosedError):
+                await eng.__aenter__()
+        with pytest.raises(akv.EngineClosedError):
+            async with eng:
+                pass
+        assert_nothing_held(cache)
