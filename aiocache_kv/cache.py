@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 import torch
 
 from aiocache_kv.blocks import BlockInfo
+from aiocache_kv.cache_control import CacheControls
 from aiocache_kv.capacity import CapacityWaiters
 from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
 from aiocache_kv.core import CacheCore
@@ -49,7 +50,7 @@ _get_ident = threading.get_ident
 CacheState = Lifecycle  #: the first release's name of :class:`Lifecycle`
 
 
-class HiCache:
+class HiCache(CacheControls):
     """Hierarchical KV cache over a device pool (L1), a host pool (L2) and storage (L3).
 
     Use as ``async with HiCache(cfg) as cache``.  Every method must be called on the thread
