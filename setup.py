@@ -29,6 +29,7 @@ setup(
         Extension(
             "aiocache_kv.storage._blocksum",
             sources=["aiocache_kv/storage/_blocksum.c"],
+            depends=["aiocache_kv/storage/_fletcher.h"],  # the checksum both share
             optional=True,
         ),
         Extension(
@@ -39,6 +40,7 @@ setup(
         Extension(
             "aiocache_kv.storage._pageio",
             sources=["aiocache_kv/storage/_pageio.c"],
+            depends=["aiocache_kv/storage/_fletcher.h"],  # the checksum both share
             optional=True,
         ),
     ]

@@ -24,12 +24,14 @@ round and reports GB/s (payload bytes, 10^9) and the ratio cache / raw of the sa
   the acks are delivered and stops when ``await cache.flush()`` returns, i.e. it measures from
   the write ack to the storage ack: ack bookkeeping, key derivation, dispatch to the storage
   workers, the integrity seal, the backend's existence check and the put - and none of the
-  device->host copy, which ``bench transfer`` measures.
+  device->host copy, which ``bench transfer`` measures.  The copy takes each page's checksum
+  in the same pass (``storage/presum.py``), so the seal only writes the trailer.
 
 * **cache prefetch** - the tree is then emptied (evict device, then host: a cold node), and
   ``await cache.prefetch(tokens, policy="wait_complete")`` is timed: existence check of every
   page, host page reservation, reads in chunks of ``prefetch_batch_pages = batch`` pages,
-  integrity verification and commit.  It must commit every page.
+  integrity verification and commit.  It must commit every page.  FileStorage sums each page
+  as its bytes arrive (``_pageio``), so its verify reads only the trailer.
 
 The cache uses its default 2 storage workers (so up to two calls overlap); raw is one thread.
 A **seal** column gives the single-thread speed of the integrity checksum over the same pages
@@ -320,7 +322,7 @@ def run(opts: StorageBenchOptions) -> JSON:
         "no fsync), fresh keys per round, objects of page + 40-byte trailer.\n"
         "cache backup: timed from the write acks (device->host copies already done, acks held "
         "by the bench's copy engine) to `await cache.flush()`: key derivation, dispatch, seal "
-        "(checksum), exists check, put; 2 storage workers.\n"
+        "(the trailer: the copy took the checksum), exists check, put; 2 storage workers.\n"
         "cache prefetch: `await cache.prefetch(tokens, policy='wait_complete')` on an emptied "
         "tree: exists check, host reservation, reads of `batch` pages per call, verify, commit.\n"
         "ceiling: raw / the same raw call with one checksum pass over the same pages on a "

@@ -5,10 +5,17 @@ are contiguous so the model reads and writes ``device_kv(layer)`` views of shape
 ``[num_pages * page_size, heads, head_dim]``.  Host layout is page-first: page ``i`` is one
 contiguous byte slot ``[payload | extra]`` of all layers' K and V, so a page moves to storage
 in one zero-copy call; ``extra`` bytes are reserved for the storage tier's framing.
+
+The host pool also keeps one checksum row per page (:attr:`HostKVPool.sums`): the copy that
+writes a page from the device records its block-Fletcher sums there in the same pass
+(:mod:`aiocache_kv.storage.presum`), so the storage backup's seal writes only the trailer.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 _ALIGN = 64
@@ -76,6 +83,15 @@ class HostKVPool:
         self.pages = (
             self.raw[:, : self.page_bytes].view(dtype).view(num_pages, num_layers, 2, page_elems)
         )
+        #: per page ``(S1, S2, bytes)``: the payload checksum the copy that wrote the page took
+        #: (``bytes`` 0: none).  Written by the copy's worker before its completion reaches the
+        #: loop, read by storage workers after; cleared on the loop whenever a page is handed
+        #: out again (:meth:`forget_sums`), so a recycled page never carries an old sum.
+        self.sums: np.ndarray[Any, Any] = np.zeros((num_pages, 3), dtype=np.uint64)
+
+    def forget_sums(self, pages: torch.Tensor) -> None:
+        """Drop the recorded checksums of ``pages`` (ids): their bytes are about to change."""
+        self.sums[pages.numpy(), 2] = 0
 
     @property
     def nbytes(self) -> int:

@@ -18,56 +18,25 @@
  * verify returns one code per page, in the order the checks run in integrity._check_trailer:
  * 0 OK, 1 BAD_LENGTH, 2 BAD_MAGIC, 3 BAD_TRAILER, 4 BAD_VERSION, 5 BAD_KEY, 6 BAD_CHECKSUM,
  * 7 BAD_IDENTITY (checked after the key, before the checksum).
+ *
+ * Fused passes (storage/presum.py): seal takes an optional 4th argument, one presum per page
+ * (the sum the copy that wrote the page took): where it covers the payload only the trailer is
+ * written.  verify takes an optional 5th, the sums a read took as the bytes arrived
+ * (_pageio.c): compared with the trailer's instead of summing again.  gather_sum is the CPU
+ * device->host copy that sums each 16 KiB block right after gathering it (still in L1);
+ * slot_sums sums host slots into the pool's table (a CUDA copy's waiter thread).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
-#define BLOCK_WORDS 2048
-
-static inline uint64_t load_le64(const uint8_t *p)
-{
-    uint64_t v;
-    memcpy(&v, p, 8);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    v = __builtin_bswap64(v);
-#endif
-    return v;
-}
+#include "_fletcher.h"
 
 static void block_fletcher(const uint8_t *p, Py_ssize_t n, uint64_t *out1, uint64_t *out2)
 {
-    Py_ssize_t nwords = n / 8, nblocks = nwords / BLOCK_WORDS;
-    uint64_t s1 = 0, s2 = 0;
-    for (Py_ssize_t b = 0; b < nblocks; b++) {
-        const uint8_t *q = p + (size_t)b * BLOCK_WORDS * 8;
-        uint64_t s = 0;
-        for (int w = 0; w < BLOCK_WORDS; w++) {
-            s += load_le64(q + (size_t)w * 8);
-        }
-        s1 += s;
-        s2 += (uint64_t)(b + 1) * s;
-    }
-    if (nwords % BLOCK_WORDS) {
-        uint64_t s = 0;
-        for (Py_ssize_t w = nblocks * BLOCK_WORDS; w < nwords; w++) {
-            s += load_le64(p + (size_t)w * 8);
-        }
-        s1 += s;
-        s2 += (uint64_t)(nblocks + 1) * s;
-    }
-    if (n % 8) {
-        uint64_t extra = 0;
-        for (Py_ssize_t i = n - 1; i >= nwords * 8; i--) {
-            extra = (extra << 8) | p[i];
-        }
-        extra += 1;
-        s1 += extra;
-        s2 += (uint64_t)(nwords / BLOCK_WORDS + 2) * extra;
-    }
-    *out1 = s1;
-    *out2 = s2;
+    fl_sum(p, n, out1, out2);
 }
 
 static PyObject *sums(PyObject *self, PyObject *args)
@@ -297,7 +266,7 @@ static void write_trailer(uint8_t *t, uint64_t n, uint64_t s1, uint64_t s2,
 }
 
 static int check_frame(const uint8_t *p, Py_ssize_t len, Py_ssize_t got, const uint8_t *ident,
-                       uint32_t kcrc)
+                       uint32_t kcrc, const uint64_t *given)
 {
     if (got != len || len <= TRAILER) {
         return V_BAD_LENGTH;
@@ -323,18 +292,84 @@ static int check_frame(const uint8_t *p, Py_ssize_t len, Py_ssize_t got, const u
         return V_BAD_IDENTITY;
     }
     uint64_t s1, s2;
-    block_fletcher(p, n, &s1, &s2);
+    if (given != NULL && given[2] == (uint64_t)n) { /* summed while it was read */
+        s1 = given[0];
+        s2 = given[1];
+    } else {
+        block_fletcher(p, n, &s1, &s2);
+    }
     if (s1 != load_le(t + 16, 8) || s2 != load_le(t + 24, 8)) {
         return V_BAD_CHECKSUM;
     }
     return V_OK;
 }
 
+/* The precomputed sums of ``count`` pages, 3 words each (S1, S2, payload bytes they cover; 0:
+ * none), from ``presums`` (a sequence of None, (S1, S2, bytes) tuples, or buffers of at least 3
+ * native uint64: a host pool's per-page row); all zero where ``presums`` is None.  NULL (error
+ * set) on failure.  A sum is used only where its byte count is the payload's length. */
+static uint64_t *read_presums(PyObject *presums, Py_ssize_t count)
+{
+    uint64_t *pre = PyMem_Calloc((size_t)(count ? count : 1) * 3, sizeof(uint64_t));
+    if (pre == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    if (presums == NULL || presums == Py_None) {
+        return pre;
+    }
+    PyObject *fast = PySequence_Fast(presums, "presums must be a sequence");
+    if (fast == NULL) {
+        PyMem_Free(pre);
+        return NULL;
+    }
+    if (PySequence_Fast_GET_SIZE(fast) != count) {
+        PyErr_SetString(PyExc_ValueError, "one presum (or None) per buffer is needed");
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        if (item == Py_None) {
+            continue;
+        }
+        if (PyTuple_Check(item)) { /* (S1, S2, bytes) as ints */
+            if (PyTuple_GET_SIZE(item) != 3) {
+                PyErr_Format(PyExc_ValueError, "presum %zd must be (S1, S2, bytes)", i);
+                goto fail;
+            }
+            for (int k = 0; k < 3; k++) {
+                pre[3 * i + k] = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(item, k));
+                if (pre[3 * i + k] == (uint64_t)-1 && PyErr_Occurred()) {
+                    goto fail;
+                }
+            }
+            continue;
+        }
+        Py_buffer b;
+        if (PyObject_GetBuffer(item, &b, PyBUF_SIMPLE) < 0) {
+            goto fail;
+        }
+        if (b.len < (Py_ssize_t)(3 * sizeof(uint64_t))) {
+            PyBuffer_Release(&b);
+            PyErr_Format(PyExc_ValueError, "presum %zd has %zd bytes, fewer than 24", i, b.len);
+            goto fail;
+        }
+        memcpy(pre + 3 * i, b.buf, 3 * sizeof(uint64_t));
+        PyBuffer_Release(&b);
+    }
+    Py_DECREF(fast);
+    return pre;
+fail:
+    Py_DECREF(fast);
+    PyMem_Free(pre);
+    return NULL;
+}
+
 static PyObject *seal(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *seq, *keyseq, *identseq;
-    if (!PyArg_ParseTuple(args, "OOO", &seq, &keyseq, &identseq)) {
+    PyObject *seq, *keyseq, *identseq, *preseq = NULL;
+    if (!PyArg_ParseTuple(args, "OOO|O", &seq, &keyseq, &identseq, &preseq)) {
         return NULL;
     }
     PyObject *fast = PySequence_Fast(seq, "seal needs a sequence of buffers");
@@ -357,11 +392,15 @@ static PyObject *seal(PyObject *self, PyObject *args)
     Py_buffer *views = NULL;
     uint32_t *crcs = NULL;
     uint8_t *ids = NULL;
+    uint64_t *pre = NULL;
     if (PySequence_Fast_GET_SIZE(keys) != count || PySequence_Fast_GET_SIZE(idents) != count) {
         PyErr_SetString(PyExc_ValueError, "seal needs one key and one identity per buffer");
         goto done;
     }
     if ((crcs = key_crcs(keys, count)) == NULL || (ids = copy_identities(idents, count)) == NULL) {
+        goto done;
+    }
+    if ((pre = read_presums(preseq, count)) == NULL) {
         goto done;
     }
     if ((views = hold_all(fast, count, PyBUF_WRITABLE)) == NULL) {
@@ -379,7 +418,12 @@ static PyObject *seal(PyObject *self, PyObject *args)
         uint8_t *p = (uint8_t *)views[i].buf;
         Py_ssize_t n = views[i].len - TRAILER;
         uint64_t s1, s2;
-        block_fletcher(p, n, &s1, &s2);
+        if (n > 0 && pre[3 * i + 2] == (uint64_t)n) { /* taken by the copy that wrote it */
+            s1 = pre[3 * i];
+            s2 = pre[3 * i + 1];
+        } else {
+            block_fletcher(p, n, &s1, &s2);
+        }
         write_trailer(p + n, (uint64_t)n, s1, s2, ids + (size_t)i * IDENT, crcs[i]);
     }
     Py_END_ALLOW_THREADS
@@ -388,6 +432,7 @@ done:
     if (views != NULL) {
         release_all(views, count);
     }
+    PyMem_Free(pre);
     PyMem_Free(crcs);
     PyMem_Free(ids);
     Py_DECREF(idents);
@@ -399,8 +444,8 @@ done:
 static PyObject *verify(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *seq, *keyseq, *identseq, *sizeseq;
-    if (!PyArg_ParseTuple(args, "OOOO", &seq, &keyseq, &identseq, &sizeseq)) {
+    PyObject *seq, *keyseq, *identseq, *sizeseq, *givenseq = NULL;
+    if (!PyArg_ParseTuple(args, "OOOO|O", &seq, &keyseq, &identseq, &sizeseq, &givenseq)) {
         return NULL;
     }
     PyObject *fast = PySequence_Fast(seq, "verify needs a sequence of buffers");
@@ -432,6 +477,7 @@ static PyObject *verify(PyObject *self, PyObject *args)
     uint8_t *ids = NULL;
     Py_ssize_t *got = NULL;
     int *codes = NULL;
+    uint64_t *given = NULL;
     if (PySequence_Fast_GET_SIZE(keys) != count || PySequence_Fast_GET_SIZE(sizes) != count ||
         PySequence_Fast_GET_SIZE(idents) != count) {
         PyErr_SetString(PyExc_ValueError,
@@ -445,6 +491,9 @@ static PyObject *verify(PyObject *self, PyObject *args)
         goto done;
     }
     if ((crcs = key_crcs(keys, count)) == NULL || (ids = copy_identities(idents, count)) == NULL) {
+        goto done;
+    }
+    if ((given = read_presums(givenseq, count)) == NULL) {
         goto done;
     }
     if ((views = hold_all(fast, count, PyBUF_SIMPLE)) == NULL) {
@@ -468,7 +517,7 @@ static PyObject *verify(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
         codes[i] = check_frame((const uint8_t *)views[i].buf, views[i].len, got[i],
-                               ids + (size_t)i * IDENT, crcs[i]);
+                               ids + (size_t)i * IDENT, crcs[i], given + 3 * i);
     }
     Py_END_ALLOW_THREADS
     result = PyList_New(count);
@@ -488,6 +537,7 @@ done:
     PyMem_Free(ids);
     PyMem_Free(got);
     PyMem_Free(codes);
+    PyMem_Free(given);
     Py_DECREF(sizes);
     Py_DECREF(idents);
     Py_DECREF(keys);
@@ -495,7 +545,259 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------- sums taken by the copy (fused) */
+
+/* the int64 page ids of ``obj`` (a C-contiguous buffer); -1 (error set) on failure */
+static int hold_ids(PyObject *obj, Py_buffer *b, const char *what)
+{
+    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    if (b->itemsize != 8 || b->format == NULL || (strcmp(b->format, "l") != 0 &&
+                                                  strcmp(b->format, "q") != 0 &&
+                                                  strcmp(b->format, "<q") != 0 &&
+                                                  strcmp(b->format, "=q") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must be int64 page ids", what);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+/* the table a copy writes its sums to: None, or a writable buffer of rows * 3 uint64 */
+static int hold_table(PyObject *obj, Py_buffer *b)
+{
+    if (obj == Py_None) {
+        b->obj = NULL;
+        b->buf = NULL;
+        b->len = 0;
+        return 0;
+    }
+    return PyObject_GetBuffer(obj, b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS);
+}
+
+static void put_sum(Py_buffer *table, int64_t row, uint64_t s1, uint64_t s2, uint64_t n)
+{
+    uint64_t *r = (uint64_t *)table->buf + 3 * row;
+    r[0] = s1;
+    r[1] = s2;
+    r[2] = n;
+}
+
+/* gather_sum(src, seg_bytes, nseg, seg_stride, src_pages, dst, slot_bytes, dst_pages, table)
+ *
+ * The CPU device->host page copy with the page checksum taken in the same pass.  Source page
+ * s is ``nseg`` segments of ``seg_bytes`` at ``src + j * seg_stride + s * seg_bytes`` (the device
+ * layout [layers, 2, pages, elems]: one segment per layer and K/V); destination page d is the
+ * contiguous payload of ``nseg * seg_bytes`` at ``dst + d * slot_bytes`` (a host pool slot).
+ * Each 16 KiB block of the payload is gathered and then summed at once, while it is still in
+ * the L1 cache, so the checksum costs no second read of memory.  ``table`` (None, or a buffer
+ * of rows x 3 uint64) gets (S1, S2, payload bytes) in row d.  Runs without the GIL. */
+typedef struct {
+    const uint8_t *src;
+    uint8_t *dst;
+    const int64_t *si, *di;
+    Py_ssize_t seg, nseg, seg_stride, slot, first, last;
+    Py_buffer *table;
+} gather_part;
+
+static void *gather_range(void *arg)
+{
+    gather_part *g = (gather_part *)arg;
+    Py_ssize_t seg = g->seg, n = g->seg * g->nseg;
+    for (Py_ssize_t i = g->first; i < g->last; i++) {
+        const uint8_t *from = g->src + g->si[i] * seg;
+        uint8_t *to = g->dst + g->di[i] * g->slot;
+        uint64_t s1 = 0, s2 = 0;
+        Py_ssize_t pos = 0, block = 0;
+        while (pos < n) {
+            Py_ssize_t j = pos / seg, off = pos % seg;
+            Py_ssize_t end = (pos / FL_BLOCK_BYTES + 1) * FL_BLOCK_BYTES;
+            Py_ssize_t piece = seg - off;
+            if (pos + piece > end) {
+                piece = end - pos;
+            }
+            if (pos + piece > n) {
+                piece = n - pos;
+            }
+            memcpy(to + pos, from + j * g->seg_stride + off, (size_t)piece);
+            pos += piece;
+            if (pos % FL_BLOCK_BYTES == 0) { /* a whole block landed: sum it while in L1 */
+                fl_blocks(to, block, block + 1, &s1, &s2);
+                block++;
+            }
+        }
+        fl_finish(to, n, &s1, &s2);
+        if (g->table->buf != NULL) {
+            put_sum(g->table, g->di[i], s1, s2, (uint64_t)n);
+        }
+    }
+    return NULL;
+}
+
+/* at least this many bytes per thread of a gather_sum (a thread costs tens of microseconds) */
+#define GATHER_BYTES_PER_THREAD (2 << 20)
+#define GATHER_MAX_THREADS 16
+
+static PyObject *gather_sum(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *srcobj, *srcids, *dstobj, *dstids, *tableobj;
+    Py_ssize_t seg, nseg, seg_stride, slot;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "OnnnOOnOO|i", &srcobj, &seg, &nseg, &seg_stride, &srcids,
+                          &dstobj, &slot, &dstids, &tableobj, &threads)) {
+        return NULL;
+    }
+    Py_buffer src = {0}, dst = {0}, sp = {0}, dp = {0}, table = {0};
+    int held = 0;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(srcobj, &src, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    held = 1;
+    if (PyObject_GetBuffer(dstobj, &dst, PyBUF_WRITABLE) < 0) {
+        goto done;
+    }
+    held = 2;
+    if (hold_ids(srcids, &sp, "src_pages") < 0) {
+        goto done;
+    }
+    held = 3;
+    if (hold_ids(dstids, &dp, "dst_pages") < 0) {
+        goto done;
+    }
+    held = 4;
+    if (hold_table(tableobj, &table) < 0) {
+        goto done;
+    }
+    held = 5;
+    Py_ssize_t count = sp.len / 8;
+    Py_ssize_t n = seg * nseg;
+    if (dp.len / 8 != count) {
+        PyErr_SetString(PyExc_ValueError, "src_pages and dst_pages differ in length");
+        goto done;
+    }
+    if (seg <= 0 || nseg <= 0 || seg_stride < 0 || n > slot || slot <= 0) {
+        PyErr_Format(PyExc_ValueError, "bad geometry: seg %zd x %zd, stride %zd, slot %zd", seg,
+                     nseg, seg_stride, slot);
+        goto done;
+    }
+    const int64_t *si = (const int64_t *)sp.buf, *di = (const int64_t *)dp.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t s = si[i], d = di[i];
+        if (s < 0 || d < 0 || (s + 1) * seg + (nseg - 1) * seg_stride > src.len ||
+            d * slot + n > dst.len ||
+            (table.buf != NULL && (d + 1) * 3 * (Py_ssize_t)sizeof(uint64_t) > table.len)) {
+            PyErr_Format(PyExc_IndexError, "page pair %zd (%lld -> %lld) out of range", i,
+                         (long long)s, (long long)d);
+            goto done;
+        }
+    }
+    /* pages split over up to ``threads`` threads (this one included), each a contiguous range */
+    Py_ssize_t parts = threads < 1 ? 1 : (threads > GATHER_MAX_THREADS ? GATHER_MAX_THREADS : threads);
+    Py_ssize_t by_size = count * n / GATHER_BYTES_PER_THREAD;
+    if (parts > by_size) {
+        parts = by_size < 1 ? 1 : by_size;
+    }
+    if (parts > count) {
+        parts = count < 1 ? 1 : count;
+    }
+    gather_part work[GATHER_MAX_THREADS];
+    pthread_t tids[GATHER_MAX_THREADS];
+    int started[GATHER_MAX_THREADS] = {0};
+    for (Py_ssize_t k = 0; k < parts; k++) {
+        work[k] = (gather_part){(const uint8_t *)src.buf, (uint8_t *)dst.buf, si, di, seg, nseg,
+                                seg_stride, slot, count * k / parts, count * (k + 1) / parts,
+                                &table};
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 1; k < parts; k++) { /* a thread that cannot start: done here below */
+        started[k] = pthread_create(&tids[k], NULL, gather_range, &work[k]) == 0;
+    }
+    gather_range(&work[0]);
+    for (Py_ssize_t k = 1; k < parts; k++) {
+        if (started[k]) {
+            pthread_join(tids[k], NULL);
+        } else {
+            gather_range(&work[k]);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    if (held >= 5 && table.obj != NULL) {
+        PyBuffer_Release(&table);
+    }
+    if (held >= 4) {
+        PyBuffer_Release(&dp);
+    }
+    if (held >= 3) {
+        PyBuffer_Release(&sp);
+    }
+    if (held >= 2) {
+        PyBuffer_Release(&dst);
+    }
+    PyBuffer_Release(&src);
+    return result;
+}
+
+/* slot_sums(dst, slot_bytes, nbytes, pages, table): the sums of the first ``nbytes`` of each
+ * slot ``pages[i]`` of ``dst`` (rows ``slot_bytes`` apart) into row pages[i] of ``table``
+ * (a CUDA copy's pinned destination, summed by its waiter thread right after its event). */
+static PyObject *slot_sums(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *dstobj, *ids, *tableobj;
+    Py_ssize_t slot, n;
+    if (!PyArg_ParseTuple(args, "OnnOO", &dstobj, &slot, &n, &ids, &tableobj)) {
+        return NULL;
+    }
+    Py_buffer dst = {0}, dp = {0}, table = {0};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(dstobj, &dst, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (hold_ids(ids, &dp, "pages") < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(tableobj, &table, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        goto done2;
+    }
+    Py_ssize_t count = dp.len / 8;
+    const int64_t *di = (const int64_t *)dp.buf;
+    if (n <= 0 || slot < n) {
+        PyErr_Format(PyExc_ValueError, "bad geometry: %zd bytes of %zd-byte slots", n, slot);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (di[i] < 0 || di[i] * slot + n > dst.len ||
+            (di[i] + 1) * 3 * (Py_ssize_t)sizeof(uint64_t) > table.len) {
+            PyErr_Format(PyExc_IndexError, "page %lld out of range", (long long)di[i]);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t s1, s2;
+        fl_sum((const uint8_t *)dst.buf + di[i] * slot, n, &s1, &s2);
+        put_sum(&table, di[i], s1, s2, (uint64_t)n);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&table);
+done2:
+    PyBuffer_Release(&dp);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"gather_sum", gather_sum, METH_VARARGS,
+     "Device->host page copy (CPU) with each page's checksum taken in the same pass."},
+    {"slot_sums", slot_sums, METH_VARARGS, "Checksums of host slots into a per-page table."},
     {"sums", sums, METH_VARARGS, "Block-Fletcher (S1, S2) of the first nbytes of each buffer."},
     {"seal", seal, METH_VARARGS, "Checksum each slot's payload and write its trailer."},
     {"verify", verify, METH_VARARGS, "Check each slot's frame; one verdict code per slot."},

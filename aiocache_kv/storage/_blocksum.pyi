@@ -4,9 +4,7 @@ from collections.abc import Sequence
 from typing import Any
 
 def sums(buffers: Sequence[Any], nbytes: int, /) -> list[tuple[int, int]]: ...
-def seal(
-    buffers: Sequence[Any], keys: Sequence[str], identities: Sequence[bytes], /
-) -> None: ...
+def seal(buffers: Sequence[Any], keys: Sequence[str], identities: Sequence[bytes], /) -> None: ...
 def verify(
     buffers: Sequence[Any],
     keys: Sequence[str],

@@ -62,7 +62,9 @@ with the GIL released for the whole batch: ~23 GB/s on 64 KiB pages in batches o
 hold it to, and what runs without the extension.  With the extension :func:`seal_many` and
 :func:`verify_many` are one C call per batch that also packs / parses every trailer (no Python
 per page: ~0.6 us a page less, and no GIL held per page by a storage worker);
-:func:`py_seal_many` / :func:`py_verify_many` are their Python reference.
+:func:`py_seal_many` / :func:`py_verify_many` are their Python reference.  Fused passes: a
+buffer's ``presum`` (taken by the copy that wrote it, :mod:`.presum`) and ``verify_many(sums=)``
+(taken by the read, ``_pageio``) replace the checksum pass where they cover the payload.
 """
 
 from __future__ import annotations
@@ -439,7 +441,7 @@ def seal_many(
     for b in buffers:
         payload_nbytes(b.nbytes)
     if _EXT is not None:  # checksums and trailers in one C call, no Python per page
-        _EXT.seal([b.view for b in buffers], keys, idents)
+        _EXT.seal([b.view for b in buffers], keys, idents, [b.presum for b in buffers])
         return
     py_seal_many(buffers, keys, idents)
 
@@ -447,8 +449,19 @@ def seal_many(
 def py_seal_many(
     buffers: Sequence[PageBuffer], keys: Sequence[str], identities: Sequence[bytes]
 ) -> None:
-    """:func:`seal_many` in Python (the reference of the C path; inputs already checked)."""
-    for size, idx in _by_size(buffers, range(len(buffers))).items():
+    """:func:`seal_many` in Python (the reference of the C path; inputs already checked).
+
+    A buffer whose ``presum`` covers its whole payload (the copy that wrote it took the sum,
+    :mod:`.presum`) is sealed with that sum: only the trailer is written."""
+    todo: list[int] = []
+    for i, b in enumerate(buffers):
+        n = b.nbytes - FRAME_OVERHEAD
+        if b.presum is not None and int(b.presum[2]) == n:
+            s1, s2 = int(b.presum[0]), int(b.presum[1])
+            b.view[n:] = _trailer(n, s1, s2, keys[i], identities[i])
+        else:
+            todo.append(i)
+    for size, idx in _by_size(buffers, todo).items():
         n = size - FRAME_OVERHEAD
         sums = checksums([buffers[i] for i in idx], n)
         for i, (s1, s2) in zip(idx, sums, strict=True):
@@ -506,9 +519,12 @@ def verify_many(
     keys: Sequence[str],
     nbytes_read: Sequence[int | None] | None = None,
     identities: Sequence[bytes] | None = None,
+    sums: Sequence[Sequence[int] | None] | None = None,
 ) -> list[Verdict]:
     """:func:`verify` every ``buffers[i]`` against ``keys[i]`` and ``identities[i]`` (default:
-    :func:`key_identity` of each key), the checksums batched.
+    :func:`key_identity` of each key), the checksums batched.  ``sums[i]`` (optional):
+    ``(S1, S2, bytes)`` the read that filled buffer ``i`` took of its payload as it arrived
+    (``_pageio``): used instead of a second pass where ``bytes`` is the payload's length.
 
     Raises:
         InvalidInputError: lengths differ, or an identity is not ``bytes`` of
@@ -521,23 +537,16 @@ def verify_many(
             f"{len(keys)} keys, {len(buffers)} buffers, {len(nbytes_read)} sizes"
         )
     idents = identities_for(keys, identities)
+    if sums is not None and len(sums) != len(buffers):
+        raise InvalidInputError(f"{len(buffers)} buffers but {len(sums)} sums")
     if _EXT is not None:  # every check of every page in one C call
-        codes = _EXT.verify([b.view for b in buffers], keys, idents, nbytes_read)
+        codes = _EXT.verify([b.view for b in buffers], keys, idents, nbytes_read, sums)
         return [_VERDICTS[c] for c in codes]
-    return py_verify_many(buffers, keys, nbytes_read, idents)
+    return py_verify_many(buffers, keys, nbytes_read, idents, sums)
 
 
 #: :func:`verify_many`'s C codes, in the order of ``_blocksum.c``'s enum
-_VERDICTS = (
-    Verdict.OK,
-    Verdict.BAD_LENGTH,
-    Verdict.BAD_MAGIC,
-    Verdict.BAD_TRAILER,
-    Verdict.BAD_VERSION,
-    Verdict.BAD_KEY,
-    Verdict.BAD_CHECKSUM,
-    Verdict.BAD_IDENTITY,
-)
+_VERDICTS = tuple(Verdict)  # OK, BAD_LENGTH, ... BAD_IDENTITY: the enum's order is the C's
 
 
 def py_verify_many(
@@ -545,14 +554,19 @@ def py_verify_many(
     keys: Sequence[str],
     nbytes_read: Sequence[int | None],
     identities: Sequence[bytes],
+    sums: Sequence[Sequence[int] | None] | None = None,
 ) -> list[Verdict]:
     """:func:`verify_many` in Python (the reference of the C path; inputs already checked)."""
     verdicts: list[Verdict] = [Verdict.OK] * len(buffers)
     stored: dict[int, tuple[int, int]] = {}
     for i, (buf, key, got) in enumerate(zip(buffers, keys, nbytes_read, strict=True)):
         res = _check_trailer(buf, key, identities[i], got)
+        given = None if sums is None else sums[i]
         if isinstance(res, Verdict):
             verdicts[i] = res
+        elif given is not None and given[2] == buf.nbytes - FRAME_OVERHEAD:
+            if (given[0], given[1]) != res:  # summed as it was read: no second pass
+                verdicts[i] = Verdict.BAD_CHECKSUM
         else:
             stored[i] = res
     for size, idx in _by_size(buffers, list(stored)).items():

@@ -22,6 +22,7 @@ from typing import Any
 
 from aiocache_kv.storage import integrity
 from aiocache_kv.storage.base import PageBuffer
+from aiocache_kv.storage.presum import covers
 
 __all__ = ["PIPELINE_BYTES", "Submit", "pipelined_get", "pipelined_put", "settle"]
 
@@ -61,8 +62,14 @@ def pipelined_put(
 ) -> dict[int, int]:
     """Seal every chunk (``idents[i]``: what page ``i`` was computed from) and send its
     members that are in ``todo`` (all: ``None``); the first ``sealed`` chunks are sealed
-    already.  Returns index -> put code."""
+    already.  Returns index -> put code.
+
+    Pages whose copy took their checksum (:func:`.presum.covers`: their seal writes only the
+    trailer) have nothing to overlap with a send: such a batch goes in one call, as the raw
+    client would send it, instead of one call (and its master round trips) per chunk."""
     codes: dict[int, int] = {}
+    if len(chunks) > 1 and not sealed and all(covers(buffers[i]) for c in chunks for i in c):
+        chunks = [[i for c in chunks for i in c]]
 
     def seal(k: int) -> list[int]:
         chunk = chunks[k]

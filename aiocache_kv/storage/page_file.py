@@ -21,7 +21,10 @@ place with ``os.replace``.  Stale temporary files (a crash mid-write) are delete
 page torn by a crash mid in-place write fails the integrity check at its first read (a miss,
 deleted).  Reads are one ``open`` + ``preadv`` (header, slot and one byte past the slot, which
 checks the size) + ``close``; seal and verify run on groups of ~4 MiB of pages right before
-their writes / right after their reads, while the bytes are still in cache.  Where the
+their writes / right after their reads, while the bytes are still in cache.  With ``_pageio``
+the verify's checksum is taken *during* the read (each 256 KiB piece summed as it lands), so
+the verify reads only the trailer; a page whose host copy carries its sum (:mod:`.presum`) is
+sealed without reading its payload.  Where the
 ``_pageio`` extension is built, a group's reads run in one C call with the GIL released once
 (:data:`PAGEIO`): page by page, each of the four system calls gave the GIL up and waited to get
 it back behind the event loop and the other workers, which doubled a small page's cost.
@@ -182,9 +185,7 @@ def write_group(writes: list[tuple[int, str, bytes, PageBuffer]]) -> list[int]:
     and was left untouched; any other: nothing was left behind).  Where ``_pageio`` is built
     the whole group is one C call with the GIL released once, else page by page."""
     if PAGEIO is not None:
-        return list(
-            PAGEIO.write_pages([(d, f.encode(), h, b.view) for d, f, h, b in writes])
-        )
+        return list(PAGEIO.write_pages([(d, f.encode(), h, b.view) for d, f, h, b in writes]))
     out: list[int] = []
     for dfd, fname, header, buf in writes:
         try:
@@ -306,8 +307,9 @@ def read_chunk(
     Nothing here touches an index: the caller applies the outcome."""
     out = ChunkRead()
     read: list[int] = []  # read in full with the right header and size: checksum them
+    sums: dict[int, tuple[int, int, int]] = {}  # what the C reader summed as the bytes arrived
     if PAGEIO is not None and len(chunk) > 1:
-        _read_batch(PAGEIO, shard_fd, keys, names, buffers, chunk, out, read)
+        _read_batch(PAGEIO, shard_fd, keys, names, buffers, chunk, out, read, sums)
     else:
         for i in chunk:
             name = names[i]
@@ -325,6 +327,7 @@ def read_chunk(
         [buffers[i] for i in read],
         [keys[i] for i in read],
         identities=[idents[i] for i in read],
+        sums=[sums.get(i) for i in read] if sums else None,
     )
     for i, verdict in zip(read, verdicts, strict=True):
         if verdict is integrity.Verdict.OK:
@@ -343,9 +346,11 @@ def _read_batch(
     chunk: list[int],
     out: ChunkRead,
     read: list[int],
+    sums: dict[int, tuple[int, int, int]],
 ) -> None:
     """:func:`read_chunk`'s reads in one C call (the GIL released once for the batch), with
-    the outcomes :func:`read_into` gives page by page."""
+    the outcomes :func:`read_into` gives page by page; each page's checksum is taken as its
+    bytes arrive (``sums``: the integrity pass fused into the read)."""
     todo: list[int] = []
     reads: list[tuple[int, bytes, bytearray, memoryview]] = []
     key_bytes: list[bytes] = []
@@ -361,8 +366,8 @@ def _read_batch(
         reads.append(
             (dfd, (names[i] + SUFFIX).encode(), bytearray(HEADER.size + len(kb)), buffers[i].view)
         )
-    results = pageio.read_pages(reads) if reads else []
-    for i, kb, (_, _, header, _), (status, value) in zip(
+    results = pageio.read_pages(reads, True) if reads else []
+    for i, kb, (_, _, header, _), (status, value, s1, s2, summed) in zip(
         todo, key_bytes, reads, results, strict=True
     ):
         if status != _READ_OK:
@@ -377,6 +382,8 @@ def _read_batch(
             verdict = judge(header, value, len(header) + buffers[i].nbytes, kb)
             if verdict is None:
                 read.append(i)
+                if summed:
+                    sums[i] = (s1, s2, summed)
             else:
                 out.corrupt.append((i, verdict))
 

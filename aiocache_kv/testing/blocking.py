@@ -107,6 +107,7 @@ class BlockingCallDetector:
         self._guard(subprocess.Popen, "communicate")
         self._guard(subprocess, "run")
         self._guard(urllib.request, "urlopen")
+
         # implicit syncs: reading a CUDA tensor's values on the host waits for the device
         def on_device(t: torch.Tensor, *a: Any, **k: Any) -> bool:
             return t.is_cuda

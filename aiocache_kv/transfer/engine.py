@@ -8,6 +8,11 @@ loop thread with ``loop.call_soon_threadsafe``.  It never touches a future or th
 * :class:`CudaCopyEngine` - CUDA: copies are enqueued on a dedicated copy stream (after it
   waits for the compute stream), one CUDA event is recorded per job, and a waiter thread
   synchronizes on that event before reporting, so a consumer never sees unsynced KV.
+
+A device->host job given the host pool's checksum table (``CopyJob.sums``) records each
+page's block-Fletcher checksum while it copies (:mod:`aiocache_kv.storage.presum`): on CPU in
+the same C pass as the copy, on CUDA on the waiter thread right after the event.  Either way
+the sums are written before the completion is handed to the loop.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from aiocache_kv.logs import get_logger
 from aiocache_kv.priority import lower_current_thread
+from aiocache_kv.storage.presum import copy_to_host, sum_slots
 from aiocache_kv.transfer.copy import copy_page_first, device_to_host, host_to_device
 
 log = get_logger(__name__)
@@ -49,6 +56,10 @@ class CopyJob:
     dst: torch.Tensor
     #: sidecar components: ``(device buffer, host buffer)`` pairs, both page-first
     sidecars: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    #: the host pool's ``[pages, slot_bytes]`` bytes and per-page checksum table: a D2H copy
+    #: records each destination page's checksum there (see the module doc)
+    host_raw: torch.Tensor | None = None
+    sums: np.ndarray[Any, Any] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -61,13 +72,30 @@ class CopyJob:
         """Do the copy on the calling thread (or enqueue it on the current CUDA stream)."""
         nb = non_blocking
         if self.direction is Direction.D2H:
-            device_to_host(self.device, self.host, self.src, self.dst, non_blocking=nb)
+            if not (
+                not nb
+                and self.host_raw is not None
+                and copy_to_host(
+                    self.device, self.host_raw, self._page_bytes, self.src, self.dst, self.sums
+                )
+            ):
+                device_to_host(self.device, self.host, self.src, self.dst, non_blocking=nb)
             for dev, host in self.sidecars:
                 copy_page_first(dev, host, self.src, self.dst, non_blocking=nb)
         else:
             host_to_device(self.host, self.device, self.src, self.dst, non_blocking=nb)
             for dev, host in self.sidecars:
                 copy_page_first(host, dev, self.src, self.dst, non_blocking=nb)
+
+    @property
+    def _page_bytes(self) -> int:
+        return self.host[0].numel() * self.host.element_size()
+
+    def after_event(self) -> None:
+        """On a CUDA copy's waiter thread, once its event completed: record the checksums of
+        the host pages a device->host copy wrote (pinned memory, just written)."""
+        if self.direction is Direction.D2H and self.host_raw is not None and self.sums is not None:
+            sum_slots(self.host_raw, self._page_bytes, self.dst, self.sums)
 
 
 class CopyEngine(Protocol):
@@ -196,6 +224,7 @@ class _EventWait:
 
     def run(self, *, non_blocking: bool = False) -> None:
         self.event.synchronize()
+        self.job.after_event()  # before the completion reaches the loop
 
 
 def default_engine(device: torch.device, threads: int | None = None, nice: int = 0) -> CopyEngine:

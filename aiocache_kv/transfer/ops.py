@@ -208,13 +208,19 @@ class Transfers:
             begin(node, dst[off : off + k], op)
             off += k
         assert core.device_pool is not None and core.host_pool is not None
+        host = core.host_pool
+        # a write to be backed up records each host page's checksum as it copies, for the
+        # backup's seal (storage/presum.py)
+        sums = not load and core.config.storage is not None
         job = CopyJob(
             kind.direction,
             core.device_pool.buffer,
-            core.host_pool.pages,
+            host.pages,
             src,
             dst,
             core.sidecar_pairs(),
+            host_raw=host.raw if sums else None,
+            sums=host.sums if sums else None,
         )
         op.nbytes = job.nbytes
         self.inflight[id(op)] = op
