@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from aiocache_kv.errors import CapacityError, HostMemoryError
+import aiocache_kv as akv
+from aiocache_kv.errors import CapacityError, HostMemoryError, InvalidInputError
 from aiocache_kv.pools import PageAllocator, PageState, admit_host_bytes
+from tests.conftest import small_config
 
 
 def test_alloc_free_reuse_ascending() -> None:
@@ -41,3 +44,41 @@ def test_admission_names_the_sizes() -> None:
     admit_host_bytes(10, reserve=5, available=20)
     with pytest.raises(HostMemoryError, match=r"need 30 bytes .* only 20 bytes .* 5 bytes"):
         admit_host_bytes(30, reserve=5, available=20)
+
+
+def test_alloc_hands_out_views_no_later_alloc_touches() -> None:
+    """``alloc`` returns a view of the free list (no copy): the part before the cursor is
+    never written again, so a caller writing to its tensor changes no one else's pages."""
+    a = PageAllocator(8, "dev")
+    x = a.alloc(3, PageState.HELD)
+    x[:] = torch.tensor([7, 7, 7])  # the caller's own business
+    y = a.alloc(2, PageState.HELD)
+    assert y.tolist() == [3, 4] and a.num_free == 3
+    assert a.handed_slots(x) is not None and a.handed_slots(x).tolist() == [7, 7, 7]
+    assert a.handed_slots(x[:2]) is None  # a slice is another tensor: converted as usual
+    assert a.handed_slots(torch.tensor([3, 4])) is None
+    x.set_(torch.tensor([0, 1, 2]))  # new memory: the remembered array no longer backs it
+    assert a.handed_slots(x) is None
+    assert a.handed_slots(a.alloc(1)) is None  # only the caller's (HELD) allocations
+
+
+async def test_insert_rechecks_slots_written_after_alloc() -> None:
+    """The insert reads an allocation's array directly, but still checks its values: a
+    repeated or foreign page written into the tensor is refused with nothing changed, and a
+    tensor moved to new memory (``set_``) is read the general way."""
+    async with akv.HiCache(small_config(page_size=1, host_pages=0)) as cache:
+        own = cache.alloc(4)
+        before = cache.statistics().device
+        bad = own.clone()
+        own[1] = own[0]
+        with pytest.raises(InvalidInputError, match="repeat page"):
+            cache.insert([1, 2, 3, 4], own)
+        own[1] = 15  # a page the caller does not hold
+        with pytest.raises(InvalidInputError, match="does not hold"):
+            cache.insert([1, 2, 3, 4], own)
+        assert cache.statistics().device == before
+        own.set_(bad.clone())  # new memory: converted the general way, then checked
+        r = cache.insert([1, 2, 3, 4], own)
+        assert r.inserted_len == 4 and r.device_pages.tolist() == bad.tolist()
+        cache.release(r)
+        cache.check_invariants()

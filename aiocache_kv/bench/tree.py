@@ -231,12 +231,18 @@ async def cache_once(seqs: Sequence[list[int]], page_size: int, events: bool) ->
 
 
 async def step_once(
-    seqs: Sequence[list[int]], page_size: int, events: bool, *, with_prefix: bool = True
+    seqs: Sequence[list[int]],
+    page_size: int,
+    events: bool,
+    *,
+    with_prefix: bool = True,
+    cpu: list[float] | None = None,
 ) -> float:
     """One serving step per request through a fresh ``HiCache`` (match, alloc the uncached
     part, insert, release both handles); returns seconds for all requests.  ``with_prefix``:
     the insert passes only the new slots with ``prefix=m``; else it passes every slot,
-    ``torch.cat([m.device_indices, new])``, as before that form existed."""
+    ``torch.cat([m.device_indices, new])``, as before that form existed.  ``cpu``: the
+    thread's CPU seconds for the same loop are appended to it."""
     p = page_size
     toks = [s[: len(s) // p * p] for s in seqs]
     cfg = bench_config(p, sum(len(t) for t in toks) // p, events)
@@ -258,7 +264,10 @@ async def step_once(
                     cache.take_events()
 
         with frozen_gc():
+            c0 = time.thread_time()
             elapsed = _clock(steps)
+            if cpu is not None:
+                cpu.append(time.thread_time() - c0)
     return elapsed
 
 

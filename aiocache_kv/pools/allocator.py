@@ -37,7 +37,6 @@ import torch
 
 from aiocache_kv import fastcheck
 from aiocache_kv.errors import CapacityError, InvalidInputError
-from aiocache_kv.validate import page_slots
 
 
 class PageState(enum.IntEnum):
@@ -66,6 +65,8 @@ def has_duplicates(pages: torch.Tensor) -> bool:
 
 
 _FREE, _HELD, _OWNED = int(PageState.FREE), int(PageState.HELD), int(PageState.OWNED)
+#: allocations :meth:`PageAllocator.handed_slots` remembers (then it starts over)
+_HANDED_MAX = 256
 _QUARANTINED, _RETAINED = int(PageState.QUARANTINED), int(PageState.RETAINED)
 
 
@@ -97,6 +98,8 @@ class PageAllocator:
         self._cursor = 0
         self._returned: list[np.ndarray] = []
         self._returned_count = 0
+        #: ``id(tensor) -> (tensor, its array, data pointer)`` of recent HELD allocations
+        self._handed: dict[int, tuple[torch.Tensor, np.ndarray, int]] = {}
 
     @property
     def num_free(self) -> int:
@@ -126,10 +129,39 @@ class PageAllocator:
                 raise CapacityError(f"{self.name} pool: need {n} pages, {self.num_free} free")
             self._consolidate()
             cursor = 0
-        taken = self._free[cursor : cursor + n].copy()
+        # the free list before the cursor is never written again (``_consolidate`` builds a
+        # new array), so the ids are handed out as a view: no copy, one tensor made
+        taken = self._free[cursor : cursor + n]
         self._cursor = cursor + n
-        self._state[taken] = int(state)
-        return page_slots(taken, slots_of) if slots_of > 1 else torch.from_numpy(taken)
+        first = int(taken[0]) if n else 0
+        # the free list is sorted (``_consolidate`` sorts it), so n distinct ids spanning
+        # n values are one contiguous run: a slice write instead of a gather
+        if n and int(taken[-1]) - first == n - 1:
+            self._state[first : first + n] = state
+        else:
+            self._state[taken] = state
+        if slots_of > 1:
+            arr = np.empty(n * slots_of, dtype=np.int64)
+            fastcheck.page_slots_into(taken, slots_of, arr)
+        else:
+            arr = taken
+        out = torch.from_numpy(arr)
+        if state == _HELD:  # the caller's: its insert reads the array back, not the tensor
+            handed = self._handed
+            if len(handed) >= _HANDED_MAX:
+                handed.clear()
+            handed[id(out)] = (out, arr, out.data_ptr())
+        return out
+
+    def handed_slots(self, slots: object) -> np.ndarray | None:
+        """The int64 array behind ``slots`` if it is a tensor :meth:`alloc` handed out
+        (``HELD``) and still on the memory it was given (no conversion, no checks of dtype
+        or shape needed), else ``None``: the caller converts it the general way.  Its
+        values are still to be checked (the caller may have written to it)."""
+        entry = self._handed.get(id(slots))
+        if entry is None or entry[0] is not slots or entry[2] != entry[0].data_ptr():
+            return None
+        return entry[1]
 
     def free(self, pages: list[torch.Tensor]) -> None:
         """Return pages (OWNED or HELD) to the free list; leased ones to quarantine, retained
