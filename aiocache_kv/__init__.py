@@ -15,13 +15,16 @@ from aiocache_kv.errors import (
     CacheClosedError,
     CapacityError,
     ConfigError,
+    DropIncompleteError,
     EngineClosedError,
     HandleError,
     HostMemoryError,
     InvalidInputError,
     InvalidTypeError,
     KVCacheError,
+    NotCachedError,
     OwnershipError,
+    PinLimitError,
     StorageError,
     StorageKeyError,
     StorageTimeoutError,
@@ -30,11 +33,15 @@ from aiocache_kv.errors import (
 )
 from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from aiocache_kv.handles import InsertResult, MatchResult, WriteAck
+from aiocache_kv.hardpins import CachePin, PinState
 from aiocache_kv.namespace import Namespace
+from aiocache_kv.purge import DropResult
+from aiocache_kv.quotas import TenantQuota
 from aiocache_kv.stats import CacheStatistics, TierStatistics
 from aiocache_kv.storage import FileStorage, MooncakeStorage, StorageBackend
 from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus
 from aiocache_kv.tree import Tier, TierState
+from aiocache_kv.warm import WarmResult
 
 __version__ = "0.1.0.dev0"
 
@@ -47,10 +54,13 @@ __all__ = [
     "BlockingCallError",
     "CacheClosedError",
     "CacheConfig",
+    "CachePin",
     "CacheStatistics",
     "CapacityError",
     "Component",
     "ConfigError",
+    "DropIncompleteError",
+    "DropResult",
     "EmbeddingCache",
     "EngineClosedError",
     "FileStorage",
@@ -69,7 +79,10 @@ __all__ = [
     "MatchResult",
     "MooncakeStorage",
     "Namespace",
+    "NotCachedError",
     "OwnershipError",
+    "PinLimitError",
+    "PinState",
     "PrefetchPolicy",
     "PrefetchResult",
     "PrefetchStatus",
@@ -81,11 +94,13 @@ __all__ = [
     "StorageTimeoutError",
     "StorageUnavailableError",
     "TPGroup",
+    "TenantQuota",
     "Tier",
     "TierState",
     "TierStatistics",
     "TorchTPGroup",
     "TransferError",
+    "WarmResult",
     "WriteAck",
     "WritePolicy",
     "__version__",

@@ -431,6 +431,8 @@ class HiCache(CacheControls):
         prefix: MatchResult | InsertResult | None = None,
         tenant: str | None = None,
         lora: str | None = None,
+        priority: int | None = None,
+        retention: float | None = None,
     ) -> InsertResult:
         """Cache ``tokens`` (whole pages; an unaligned tail is not cached) with their KV.
 
@@ -449,21 +451,22 @@ class HiCache(CacheControls):
         slots were allocated: if a load-back grew ``m`` since, the caller's copies of those
         pages are retained), or at or before ``r.inserted_len``.  The tree's own pages serve
         the rest.  The result of ``prefix=r`` retains ``r``'s rows as well, so ``r`` may be
-        released right after.
+        released right after.  ``priority`` (int in [0, 1000], soft: evicted after lower ones;
+        ``retention``: seconds until it lapses to 0) is raised on every page of the path.
 
         Returns an :class:`InsertResult` pinning the path; ``.write_through`` is awaitable.
 
         Raises:
-            InvalidTypeError / InvalidInputError: bad tokens, names or slots, or tokens that
-                do not extend ``prefix`` (nothing changed).
+            InvalidTypeError / InvalidInputError: bad tokens, names, slots or priority, or
+                tokens that do not extend ``prefix`` (nothing changed).
             HandleError: ``prefix`` was released or belongs to another cache.
             CacheClosedError: the cache is not running.
         """
         self._check()
         toks = check_tokens(tokens)
         ns = self._ns(tenant, lora)
-        core, trs, handles = self._core, self._transfers, self._handles
-        return insert_tokens(core, trs, handles, self.release, toks, kv_indices, prefix, ns)
+        use = (self._core, self._transfers, self._handles, self.release)
+        return insert_tokens(*use, toks, kv_indices, prefix, ns, (priority, retention))
 
     def release(self, handle: MatchResult | InsertResult) -> None:
         """Drop the pin of a handle from :meth:`match_prefix` or :meth:`insert`.

@@ -13,6 +13,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from aiocache_kv.bench import ENGINE_MODELS, ENGINE_SIDES, SERVE_ARMS, SUITE_HELP, SUITES
 from aiocache_kv.logs import configure_console, get_logger
@@ -177,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tree.add_argument("--events", action="store_true", help="HiCache level: KV events on")
     tree.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    tree.add_argument(
+        "--peer-sglang",
+        nargs="+",
+        metavar="DIR",
+        help="instead: the serving step beside SGLang's radix caches, each DIR an unzipped "
+        "sglang wheel (0.5.15: RadixCache; 0.5.23: UnifiedRadixCache, Python and Rust core)",
+    )
     xfer = bench.add_argument_group("transfer and storage suites")
     xfer.add_argument(
         "--page-kib",
@@ -316,12 +324,12 @@ def _serve_arguments(bench: argparse.ArgumentParser) -> None:
         "serve suite (also uses --max-batch-tokens, --max-running, --seed, --plot, --storage-dir)"
     )
     srv.add_argument("--clients", type=_positive, default=12, help="clients (default 12)")
-    srv.add_argument("--rounds", type=_positive, default=6, help="turns per client (default 6)")
+    srv.add_argument("--rounds", type=_positive, default=8, help="turns per client (default 8)")
     srv.add_argument(
-        "--system-len", type=_positive, default=256, help="shared system prompt (default 256)"
+        "--system-len", type=_positive, default=2048, help="shared system prompt (default 2048)"
     )
     srv.add_argument(
-        "--user-len", type=_positive, default=64, help="tokens per user message (default 64)"
+        "--user-len", type=_positive, default=256, help="tokens per user message (default 256)"
     )
     srv.add_argument(
         "--output-len", type=_positive, default=16, help="greedy tokens per reply (default 16)"
@@ -399,7 +407,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "and ratios use baselines measured in this same run."
     )
     for suite in suites:
-        if suite == "tree":
+        if suite == "tree" and args.peer_sglang:
+            from aiocache_kv.bench import peer_sglang
+
+            opts = peer_sglang.PeerBenchOptions(
+                wheels=tuple(Path(d) for d in args.peer_sglang),
+                page_sizes=tuple(args.page_sizes),
+                sequences=args.sequences,
+                repeats=args.tree_repeats,
+                seed=args.seed,
+            )
+            try:
+                results["tree_peer_sglang"] = peer_sglang.run(opts)
+            except FileNotFoundError as e:
+                sys.exit(f"bench tree: {e}")
+        elif suite == "tree":
             from aiocache_kv.bench import tree
 
             results["tree"] = tree.run(
@@ -522,6 +544,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             )
             if not results["serve"]["identical"] or results["serve"]["fatal"]:
                 identity_failed = True  # engine arms differ, or an engine arm (or --url) failed
+        elif suite == "fairness":
+            from aiocache_kv.bench import fairness
+
+            results["fairness"] = fairness.run(fairness.FairnessOptions(seed=args.seed))
     errors = [results.get(s, {}).get("errors") for s in ("storage", "embedding")]
     code = 1 if any(errors) or identity_failed else 0
     if args.json:

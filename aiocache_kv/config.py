@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from aiocache_kv.errors import ConfigError
 from aiocache_kv.numeric import check_real
+from aiocache_kv.quotas import TenantQuota
 
 
 class WritePolicy(str, enum.Enum):
@@ -78,6 +81,14 @@ class CacheConfig:
     prefetch_timeout_per_1k: float = 0.25
     prefetch_timeout_max: float = 5.0
     prefetch_batch_pages: int = 32
+    #: hard pins (``cache.pin``): the longest ``ttl`` (s), and the share of each tier's pool
+    #: that pins may hold at once, in (0, 1] (a pin beyond it raises ``PinLimitError``)
+    max_pin_ttl: float = 3600.0
+    max_pinned_fraction: float = 0.5
+    #: per-tenant page budgets (``quotas.py``): a tenant's own quota, and the one every
+    #: other tenant gets (the default tenant is ``""``); none at all: nothing is counted
+    tenant_quotas: Mapping[str, TenantQuota] = field(default_factory=dict, hash=False)
+    default_tenant_quota: TenantQuota | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_layers", "num_kv_heads", "head_dim", "device_pages"):
@@ -147,6 +158,15 @@ class CacheConfig:
         ):
             positive = name in ("storage_timeout", "storage_open_timeout")
             check_real(name, getattr(self, name), exclusive=positive, error=ConfigError)
+        check_real("max_pin_ttl", self.max_pin_ttl, exclusive=True, error=ConfigError)
+        check_real(
+            "max_pinned_fraction",
+            self.max_pinned_fraction,
+            exclusive=True,
+            maximum=1.0,
+            error=ConfigError,
+        )
+        self._check_quotas()
         if self.storage is not None:
             from aiocache_kv.storage.base import StorageBackend
 
@@ -171,6 +191,32 @@ class CacheConfig:
         policy = WritePolicy(self.write_policy)
         if policy is not WritePolicy.WRITE_THROUGH and self.host_pages == 0:
             raise ConfigError(f"{policy.value} needs host_pages > 0")
+
+    def _check_quotas(self) -> None:
+        if not isinstance(self.tenant_quotas, Mapping):
+            raise ConfigError(
+                f"tenant_quotas must be a mapping of tenant to TenantQuota, "
+                f"got {type(self.tenant_quotas).__name__}"
+            )
+        quotas = dict(self.tenant_quotas)
+        for tenant, quota in quotas.items():
+            if type(tenant) is not str or not isinstance(quota, TenantQuota):
+                raise ConfigError(
+                    f"tenant_quotas maps str tenants to TenantQuota, got {tenant!r}: {quota!r}"
+                )
+        object.__setattr__(self, "tenant_quotas", MappingProxyType(quotas))
+        if self.default_tenant_quota is not None and not isinstance(
+            self.default_tenant_quota, TenantQuota
+        ):
+            raise ConfigError(
+                f"default_tenant_quota must be a TenantQuota or None, "
+                f"got {self.default_tenant_quota!r}"
+            )
+
+    @property
+    def quotas_configured(self) -> bool:
+        """Whether any tenant has a budget (then the tree keeps a per-tenant ledger)."""
+        return bool(self.tenant_quotas) or self.default_tenant_quota is not None
 
     @property
     def page_elems(self) -> int:

@@ -26,9 +26,11 @@ from aiocache_kv.errors import CapacityError, InvalidInputError, OwnershipError
 from aiocache_kv.events import BlockRemoved, BlockStored, EventLog, KVEvent
 from aiocache_kv.events.kv_events import namespace_fields
 from aiocache_kv.fastcheck import INSERT_NOT_HELD
+from aiocache_kv.hardpins import HardPins
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
 from aiocache_kv.pools.sidecar import SidecarPools
+from aiocache_kv.quotas import DEVICE, HOST, QuotaBook
 from aiocache_kv.stats import CacheCounters
 from aiocache_kv.telemetry import Latencies
 from aiocache_kv.tree import Node, RadixTree, Tier
@@ -96,8 +98,15 @@ class CacheCore:
         #: called on the loop when device pages may have become free or evictable (set by
         #: the capacity waiters; see :meth:`capacity_changed`)
         self.on_capacity: Callable[[], None] | None = None
+        #: also called by :meth:`capacity_changed` (``purge.py``: dropped nodes may be idle)
+        self.idle_hooks: list[Callable[[], None]] = []
+        #: a drop's zeroing of freed pages, in flight (``purge.py``; ``flush`` waits for it)
+        self.zeroing: set[asyncio.Task[int]] = set()
         self.tree.on_unpinned = self.capacity_changed
         self._split_hooks: list[SplitHook] = []
+        #: hard pins with expiry (``cache.pin``): the tree pins they hold and their timer
+        self.hard_pins = HardPins(self.tree, config)
+        self._quota_pass = False  # an enforcement pass is scheduled
 
     # ------------------------------------------------------------------ binding
 
@@ -117,6 +126,8 @@ class CacheCore:
         self.loop = loop
         self.owner = threading.get_ident()
         self.tree.bind_owner(self.owner)
+        if cfg.quotas_configured:
+            self.quota_book()
 
     def on_split(self, hook: SplitHook) -> None:
         """Call ``hook(head, tail)`` whenever a node with work in flight, or a
@@ -177,9 +188,15 @@ class CacheCore:
 
     def capacity_changed(self) -> None:
         """Device pages may have become free or evictable (a free, an unpin, a copy that
-        landed): tell whoever waits for them (``on_capacity``)."""
+        landed): tell whoever waits for them (``on_capacity``), and let a tenant still over
+        its quota evict its pages that may have become evictable."""
         if self.on_capacity is not None:
             self.on_capacity()
+        book = self.tree.tenants
+        if book is not None and (book.over[DEVICE] or book.over[HOST]):
+            self._quota_over()
+        for hook in self.idle_hooks:
+            hook()
 
     def unretain(self, pages: np.ndarray) -> None:
         """An insert result that retained the device ``pages`` was released."""
@@ -265,7 +282,10 @@ class CacheCore:
             self.evict_host(n - alloc.num_free)
             if alloc.num_free < n:
                 return None
-        return alloc.alloc(n)
+        pages = alloc.alloc(n)
+        if self.host_pool is not None:  # new bytes will land there: no checksum from before
+            self.host_pool.forget_sums(pages)
+        return pages
 
     def free_device(self, pages: list[torch.Tensor]) -> None:
         """Return device pages (quarantined while a worker holds them)."""
@@ -277,9 +297,10 @@ class CacheCore:
         assert self.host_alloc is not None
         self.host_alloc.free(pages)
 
-    def evict_device(self, num_pages: int) -> int:
-        """Evict at least ``num_pages`` device pages if possible; return pages freed now."""
-        ev = self.tree.evict_device(num_pages, self.stager)
+    def evict_device(self, num_pages: int, tenant: str | None = None) -> int:
+        """Evict at least ``num_pages`` device pages (``tenant``'s alone if given) if
+        possible; return pages freed now."""
+        ev = self.tree.evict_device(num_pages, self.stager, tenant)
         self.free_device(ev.pages)
         self.counters.evicted_pages_device += ev.num_pages
         if ev.host_pages:
@@ -289,15 +310,58 @@ class CacheCore:
         self.emit_removed(ev.host_nodes, Tier.HOST)
         return ev.num_pages
 
-    def evict_host(self, num_pages: int) -> int:
-        """Delete host-only leaves for at least ``num_pages`` host pages if possible."""
+    def evict_host(self, num_pages: int, tenant: str | None = None) -> int:
+        """Delete host-only leaves (``tenant``'s alone if given) for at least ``num_pages``
+        host pages if possible."""
         if self.host_alloc is None:
             return 0
-        ev = self.tree.evict_host(num_pages)
+        ev = self.tree.evict_host(num_pages, tenant)
         self.free_host(ev.pages)
         self.counters.evicted_pages_host += ev.num_pages
         self.emit_removed(ev.nodes, Tier.HOST)
         return ev.num_pages
+
+    # ------------------------------------------------------------------ quotas
+
+    def quota_book(self) -> QuotaBook:
+        """The tree's per-tenant ledger (``quotas.py``), started on first use from the
+        config's quotas (one walk of the tree)."""
+        book = self.tree.tenants
+        if book is None:
+            book = QuotaBook(self.config.default_tenant_quota, self.config.tenant_quotas)
+            book.on_over = self._quota_over
+            self.tree.enable_quotas(book)
+        return book
+
+    def _quota_over(self) -> None:
+        """A tenant went over a budget (inside a mutation): one enforcement pass, soon.  Not
+        with tensor parallelism, where the pass would run at a different point of each rank's
+        loop: there budgets are enforced only after inserts and quota changes, which every
+        rank makes in the same order."""
+        if not self._quota_pass and self.loop is not None and not self.coordinator.deferred:
+            self._quota_pass = True
+            self.loop.call_soon(self.enforce_quotas)
+
+    def enforce_quotas(self) -> None:
+        """Evict every over-budget tenant's own evictable pages down to its budgets (device
+        victims with a host copy demote, host-only leaves are deleted); pinned and in-flight
+        pages stay, so a budget is best effort against them."""
+        book = self.tree.tenants
+        if book is None or self.dev_alloc is None:
+            self._quota_pass = False
+            return
+        self._quota_pass = True  # the pass's own evictions schedule no other
+        try:
+            for tenant in list(book.over[DEVICE]):
+                n = book.excess(tenant, DEVICE)
+                if n:
+                    book.count_evicted(tenant, self.evict_device(n, tenant))
+            for tenant in list(book.over[HOST]):
+                n = book.excess(tenant, HOST)
+                if n:
+                    book.count_evicted(tenant, self.evict_host(n, tenant))
+        finally:
+            self._quota_pass = False
 
     def demote(self, node: Node) -> None:
         """Drop an idle node's device copy (it has a host copy); no-op if it became busy."""
@@ -320,8 +384,9 @@ class CacheCore:
         On CPU a block is announced only once its parent was: a node whose parent is not
         (yet) host-resident and announced stays ``cpu_hidden``, and is announced right after
         its parent is (a consumer never sees a CPU block whose parent it does not know).
+        A node no longer in the tree (dropped while a copy into it ran) is not announced.
         """
-        if not self.events.enabled:
+        if not self.events.enabled or not node.alive:
             return
         if tier is Tier.HOST:
             up = node.parent

@@ -32,6 +32,11 @@ class HandleError(InvalidInputError):
     """A match/insert handle was released twice or belongs to another cache."""
 
 
+class NotCachedError(InvalidInputError):
+    """The operation needs cached pages and the tree holds none of the prefix in the tier it
+    names (e.g. ``cache.pin`` of a prompt not resident there).  Nothing was changed."""
+
+
 # -- lifecycle ------------------------------------------------------------------------------
 
 
@@ -53,6 +58,11 @@ class OwnershipError(KVCacheError, RuntimeError):
 
 class CapacityError(KVCacheError, RuntimeError):
     """A pool has too few free pages, even after evicting every evictable page."""
+
+
+class PinLimitError(CapacityError):
+    """A hard pin would take the pinned pages of a tier beyond ``max_pinned_fraction`` of its
+    pool.  Nothing was pinned."""
 
 
 class HostMemoryError(CapacityError):
@@ -88,6 +98,14 @@ class MooncakeNotInstalledError(StorageUnavailableError, ImportError):
 
 class StorageKeyError(InvalidInputError):
     """A storage key is malformed (wrong type, empty, or too long)."""
+
+
+class DropIncompleteError(StorageError):
+    """``HiCache.drop`` removed the pages from device and host, but removing them from
+    storage failed or timed out: some keys may remain there (call ``drop`` again).
+    ``result`` is what the drop did."""
+
+    result: object = None
 
 
 # -- tensor parallelism, optional parts ------------------------------------------------------

@@ -63,3 +63,5 @@ async def _settle_once(core: CacheCore, transfers: Transfers, l3: StorageTier | 
         await asyncio.wait([op.future for op in copies])
     if l3 is not None:  # the backups those copies started when they landed, too
         await l3.settle(waits + l3.backups_of(_targets(copies)))
+    if core.zeroing:  # freed pages a drop is zeroing (a thread's memset: always returns)
+        await asyncio.wait(list(core.zeroing))

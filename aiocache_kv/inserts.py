@@ -12,6 +12,7 @@ released at once while the request keeps attending over its own rows.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from aiocache_kv.namespace import Namespace
 from aiocache_kv.pins import HandleTable
 from aiocache_kv.transfer.ops import OpKind, Transfers
 from aiocache_kv.tree.node import ABSENT
+from aiocache_kv.tree.retention import check_priority
 from aiocache_kv.validate import slot_array
 
 __all__ = ["insert_tokens"]
@@ -73,13 +75,24 @@ def insert_tokens(
     kv_indices: torch.Tensor,
     prefix: MatchResult | InsertResult | None,
     ns: Namespace,
+    priority: tuple[object, object] = (None, None),
 ) -> InsertResult:
-    """:meth:`HiCache.insert` of checked ``toks`` in ``ns`` (see there).
+    """:meth:`HiCache.insert` of checked ``toks`` in ``ns`` (see there), raising the path to
+    ``priority = (priority, retention)`` (checked here first; ``tree/retention.py``), and the
+    tenant's quota enforced after it (``quotas.py``).
 
     Raises:
-        InvalidTypeError / InvalidInputError: bad slots or prefix (nothing changed).
+        InvalidTypeError / InvalidInputError: bad slots, prefix or priority, or a retention
+            time with tensor parallelism (a rank's clock must not shape the tree; nothing
+            changed).
         HandleError: ``prefix`` was released or belongs to another cache.
     """
+    prio = check_priority(*priority)
+    if prio is not None and prio[1] != math.inf and core.coordinator.deferred:
+        raise InvalidInputError(
+            f"retention={priority[1]!r} is refused with tensor parallelism: a deadline is one "
+            "rank's clock, and ranks that evicted differently would differ"
+        )
     p = core.page_size
     n = len(toks) // p * p
     skip = 0
@@ -100,8 +113,13 @@ def insert_tokens(
         if isinstance(prefix, InsertResult):
             held = handles.retained_by(prefix)
             inherit = _NO_IDS if held is None else held
-    slots = slot_array(kv_indices, n - skip)
+    arr = core.dev_alloc.handed_slots(kv_indices) if core.dev_alloc is not None else None
+    slots = slot_array(kv_indices, n - skip) if arr is None else arr[: n - skip]
     out, retained = core.insert_device(ns, toks, n, slots, skip // p, anchor, inherit)
+    if prio is not None:
+        core.tree.deadlines.raise_path(out.node, *prio)
+    if core.tree.tenants is not None:  # the path is pinned: the tenant's other pages go
+        core.enforce_quotas()
     ack = None
     if core.config.write_policy is WritePolicy.WRITE_THROUGH and n and core.host_pool:
         op = transfers.backup(core.tree.path(out.node), OpKind.WRITE_THROUGH)

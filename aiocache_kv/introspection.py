@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,16 @@ def _tier(alloc: PageAllocator | None, evictable: int, protected: int) -> TierSt
     )
 
 
+def _quota_fields(core: CacheCore) -> dict[str, Any]:
+    book = core.tree.tenants
+    if book is None:
+        return {}
+    return {
+        "quota_evictions": dict(book.evictions),
+        "tenant_pages": {t: book.pages(t) for t in book.usage},
+    }
+
+
 def snapshot(core: CacheCore, transfers: Transfers, l3: StorageTier | None) -> CacheStatistics:
     """A frozen snapshot of sizes, hits and operations in flight (on the loop)."""
     tree = core.tree
@@ -47,6 +58,11 @@ def snapshot(core: CacheCore, transfers: Transfers, l3: StorageTier | None) -> C
         latency=core.latencies.snapshot(),
         storage_in_flight=l3.in_flight if l3 is not None else 0,
         prefetch_reserved_pages=l3.reserved_pages if l3 is not None else 0,
+        **_quota_fields(core),
+        active_pins=len(core.hard_pins),
+        pinned_pages_device=core.hard_pins.pinned_pages(Tier.DEVICE),
+        pinned_pages_host=core.hard_pins.pinned_pages(Tier.HOST),
+        **dataclasses.asdict(core.hard_pins.counters),
         **dataclasses.asdict(core.counters),
         **dataclasses.asdict(l3.counters if l3 is not None else StorageCounters()),
     )
@@ -68,11 +84,18 @@ def check_all(
     handle_pins: dict[int, int] = {}
     for node in pinned:  # one entry per live handle
         handle_pins[id(node)] = handle_pins.get(id(node), 0) + 1
-        assert node.alive, f"a handle pins a removed node {node!r}"
+        assert node.alive or core.tree.is_detached(node), f"a handle pins a removed {node!r}"
     for anchor in l3.anchors() if l3 is not None else []:
-        assert anchor.alive, f"prefetch pins a removed node {anchor!r}"
+        assert anchor.alive or core.tree.is_detached(anchor), f"prefetch pins gone {anchor!r}"
         handle_pins[id(anchor)] = handle_pins.get(id(anchor), 0) + 1
-    core.tree.check_invariants(handle_pins)
+    hard = core.hard_pins
+    hard.check_invariants()
+    for node in hard.nodes(Tier.DEVICE):  # a device hard pin is a tree pin, like a handle's
+        handle_pins[id(node)] = handle_pins.get(id(node), 0) + 1
+    host_pins: dict[int, int] = {}
+    for node in hard.nodes(Tier.HOST):
+        host_pins[id(node)] = host_pins.get(id(node), 0) + 1
+    core.tree.check_invariants(handle_pins, host_pins)
     if core.dev_alloc is not None:
         core.dev_alloc.check_invariants(core.tree.device_pages_in_tree(), retained)
     if core.host_alloc is not None:

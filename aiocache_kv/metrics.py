@@ -20,7 +20,8 @@ thread (e.g. ``prometheus_client.start_http_server``'s) raises ``OwnershipError`
 Exported (every name starts with ``aiocache_kv_``; counters end in ``_total``, latencies are
 ``_seconds`` histograms, bytes ``_bytes_total``): hit tokens per tier, prompt tokens per
 source (when the serving loop's :class:`~aiocache_kv.telemetry.PromptCounters` are given),
-bytes per direction, copies, storage pages and errors, evictions per tier, pool pages per tier
+bytes per direction, copies, storage pages and errors, evictions per tier (and per tenant for
+its quota, with its pages per tier, when quotas are configured), pool pages per tier
 and state, operations in flight, the KV event queue, and load-back / write-through /
 write-back / backup / prefetch latency.
 """
@@ -247,6 +248,47 @@ class CacheCollector:
             "tier",
             [("device", s.evicted_pages_device), ("host", s.evicted_pages_host)],
         )
+        yield one("counter", "drops", "Drops (cache.drop) that removed something.", s.drops)
+        yield family(
+            "counter",
+            "dropped_pages",
+            "Pages removed by drops, per tier (storage: keys removed, any node's).",
+            "tier",
+            [
+                ("device", s.dropped_pages_device),
+                ("host", s.dropped_pages_host),
+                ("storage", s.dropped_pages_storage),
+            ],
+        )
+        yield one(
+            "counter",
+            "zeroized_bytes",
+            "Bytes of freed device and host pages overwritten with zeros by drops.",
+            s.zeroized_bytes,
+        )
+        yield family(
+            "counter",
+            "drop_races",
+            "Work a drop overtook: prefetches that committed nothing, late puts removed.",
+            "kind",
+            [("prefetch", s.prefetch_dropped), ("late_put", s.late_puts_removed)],
+        )
+        yield family(
+            "counter",
+            "quota_evictions",
+            "Pages evicted to bring a tenant down to its quota, per tenant.",
+            "tenant",
+            sorted(s.quota_evictions.items()),
+        )
+        tenant_pages = prom.GaugeMetricFamily(
+            PREFIX + "tenant_pages",
+            "Pages per tenant per tier (kept when per-tenant quotas are configured).",
+            labels=[*const, "tenant", "tier"],
+        )
+        for tenant, tiers_of in sorted(s.tenant_pages.items()):
+            for tier_name, n in tiers_of.items():
+                tenant_pages.add_metric([*cvals, tenant, tier_name], n)
+        yield tenant_pages
         pool = prom.GaugeMetricFamily(
             PREFIX + "pool_pages", "Pages per pool by state.", labels=[*const, "tier", "state"]
         )
@@ -273,6 +315,35 @@ class CacheCollector:
             "prefetch_reserved_pages",
             "Host pages reserved by prefetches in flight.",
             s.prefetch_reserved_pages,
+        )
+        yield family(
+            "gauge",
+            "pinned_pages",
+            "Pages under a hard pin (cache.pin), per tier, each page once.",
+            "tier",
+            [("device", s.pinned_pages_device), ("host", s.pinned_pages_host)],
+        )
+        yield one("gauge", "pins_active", "Hard pins in force.", s.active_pins)
+        yield one("counter", "pins", "Hard pins taken (cache.pin).", s.pins_created)
+        yield family(
+            "counter",
+            "pins_ended",
+            "Hard pins ended, by outcome: released (unpin or close) or expired (ttl).",
+            "outcome",
+            [("released", s.pins_released), ("expired", s.pins_expired)],
+        )
+        yield one("counter", "warms", "Warm-ups (cache.warm, one per prompt).", s.warms)
+        yield one(
+            "counter",
+            "warms_cut_short",
+            "Warm-ups ended by their timeout or cancelled.",
+            s.warms_cut_short,
+        )
+        yield one(
+            "counter",
+            "warm_storage_tokens",
+            "Tokens warm-ups brought in from storage.",
+            s.warm_storage_tokens,
         )
         yield one("counter", "events_published", "KV events published.", s.events_published)
         yield one("counter", "events_dropped", "KV events dropped (buffer full).", s.events_dropped)

@@ -112,7 +112,9 @@ class HandleTable:
 
     def close(self) -> None:
         """The cache closed: its pins and retained rows go with the tree and the pools;
-        dropped handles no longer warn."""
+        dropped handles no longer warn.  Its hard pins are released and their expiry timer
+        cancelled (``hardpins.py``)."""
         self._closed = True
+        self._core.hard_pins.close()
         self._pins.clear()
         self._retained.clear()

@@ -27,6 +27,22 @@ class CacheCounters:
     bytes_host_to_device: int = 0
     evicted_pages_device: int = 0  #: device copies dropped (demoted or deleted)
     evicted_pages_host: int = 0  #: host copies dropped
+    drops: int = 0  #: ``drop`` calls that changed something (``purge.py``)
+    dropped_pages_device: int = 0  #: device pages freed by drops (at once or once idle)
+    dropped_pages_host: int = 0  #: host pages freed by drops
+    zeroized_bytes: int = 0  #: bytes of freed device and host pages overwritten with zeros
+    warms: int = 0  #: ``warm`` calls (one per prompt of ``warm_from``)
+    warms_cut_short: int = 0  #: of those, ended by their timeout (or cancelled)
+    warm_storage_tokens: int = 0  #: tokens warm-ups brought in from storage
+
+
+@dataclass(slots=True)
+class PinCounters:
+    """Counters of the hard pins (``cache.pin``), bumped on the loop."""
+
+    pins_created: int = 0
+    pins_released: int = 0  #: by ``unpin`` or when the cache closed
+    pins_expired: int = 0  #: their ``ttl`` ran out
 
 
 @dataclass(slots=True)
@@ -43,6 +59,9 @@ class StorageCounters:
     prefetch_pages_discarded: int = 0
     storage_errors: int = 0
     evicted_pages_storage: int = 0
+    dropped_pages_storage: int = 0  #: keys removed from the store by drops (any node's)
+    prefetch_dropped: int = 0  #: prefetches that committed nothing because of a drop
+    late_puts_removed: int = 0  #: keys a backup put after their drop, removed again
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +117,27 @@ class CacheStatistics:
     evicted_pages_host: int = 0  #: host copies dropped by eviction
     #: pages the storage backend reported evicted (``BlockRemoved(STORAGE)``, node re-backed up)
     evicted_pages_storage: int = 0
+    drops: int = 0  #: ``drop`` calls that changed something
+    dropped_pages_device: int = 0  #: device pages freed by drops (at once or once idle)
+    dropped_pages_host: int = 0  #: host pages freed by drops
+    dropped_pages_storage: int = 0  #: keys removed from the store by drops
+    zeroized_bytes: int = 0  #: freed device and host bytes overwritten with zeros by drops
+    prefetch_dropped: int = 0  #: prefetches that committed nothing because of a drop
+    late_puts_removed: int = 0  #: keys a backup put after their drop, removed again
     events_pending: int = 0  #: KV events buffered and not yet taken or streamed
     events_dropped: int = 0  #: KV events dropped because the buffer was full
+    warms: int = 0  #: ``warm`` calls (one per prompt of ``warm_from``)
+    warms_cut_short: int = 0  #: warm-ups ended by their timeout (or cancelled)
+    warm_storage_tokens: int = 0  #: tokens warm-ups brought in from storage
+    active_pins: int = 0  #: hard pins in force now
+    pinned_pages_device: int = 0  #: device pages under a hard pin (each page once)
+    pinned_pages_host: int = 0  #: host pages under a hard host pin (each page once)
+    pins_created: int = 0
+    pins_released: int = 0  #: ended by ``unpin`` or by closing the cache
+    pins_expired: int = 0  #: ended by their ``ttl``
     #: seconds per operation: load_back, write_through, write_back, backup, prefetch
     latency: Mapping[str, HistogramSnapshot] = field(default_factory=dict)
+    #: per-tenant quotas (empty when none is configured): pages evicted to bring a tenant
+    #: down to its budget, per tenant; and pages per tenant per tier ("device", "host")
+    quota_evictions: Mapping[str, int] = field(default_factory=dict)
+    tenant_pages: Mapping[str, Mapping[str, int]] = field(default_factory=dict)

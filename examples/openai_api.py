@@ -11,6 +11,9 @@
   - ``stream``: server-sent events, one ``data: {...}`` chunk per token (the last with
     ``finish_reason: "length"``), with ``stream_options.include_usage`` a chunk with
     ``usage`` and no choices, then ``data: [DONE]``;
+  - extension fields ``priority`` (an int in [0, 1000]) and ``retention_seconds``: the
+    retention priority of the request's cached pages (``HiCache.insert``; a bad value is a
+    400 naming it);
   - the tenant (whose namespace of the cache the request reads and fills) is the
     ``X-Tenant`` header when it is present (a gateway in front of the server sets it), else
     the ``user`` field, else the default tenant;
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
-from server_requests import BadRequest, RequestLimits, read_json_body
+from server_requests import BadRequest, RequestLimits, read_json_body, retention_fields
 
 from aiocache_kv import KVCacheError
 from aiocache_kv.serving import Engine, GenerationResult
@@ -63,6 +66,7 @@ NEUTRAL: dict[str, tuple[object, ...]] = {
 }
 FIELDS = frozenset(
     {"model", "prompt", "max_tokens", "stream", "stream_options", "temperature", "user", "seed"}
+    | {"priority", "retention_seconds"}  # extensions: the pages' retention priority
     | set(NEUTRAL)
 )
 NO_TOKENIZER = (
@@ -108,6 +112,8 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     user: str | None
+    priority: int | None = None  #: extension: retention priority of the request's pages
+    retention: float | None = None  #: extension ``retention_seconds``
 
 
 def _short(value: object, limit: int = 40) -> str:
@@ -219,7 +225,14 @@ def validate_completion(obj: object, limits: RequestLimits, model: str) -> Compl
     user = obj.get("user")
     if user is not None and type(user) is not str:
         raise OpenAIError(400, f"user must be a string, got {_short(user)}", "user")
-    return CompletionRequest(prompt, max_tokens, bool(stream), include_usage, user or None)
+    try:
+        priority, retention = retention_fields(obj)
+    except BadRequest as exc:
+        param = "priority" if "priority" in exc.message else "retention_seconds"
+        raise OpenAIError(400, exc.message, param) from None
+    return CompletionRequest(
+        prompt, max_tokens, bool(stream), include_usage, user or None, priority, retention
+    )
 
 
 def usage(result: GenerationResult) -> dict[str, Any]:
@@ -285,7 +298,13 @@ class OpenAIRoutes:
         if req.stream:
             return await self._stream(request, engine, req, tenant, head)
         try:
-            res = await engine.generate(req.prompt, max_new_tokens=req.max_tokens, tenant=tenant)
+            res = await engine.generate(
+                req.prompt,
+                max_new_tokens=req.max_tokens,
+                tenant=tenant,
+                priority=req.priority,
+                retention=req.retention,
+            )
         except KVCacheError as exc:
             return self._fail(*_engine_error(exc))
         server.metrics.record(res)
@@ -307,7 +326,13 @@ class OpenAIRoutes:
         head: dict[str, Any],
     ) -> web.StreamResponse:
         try:
-            stream = engine.open_stream(req.prompt, max_new_tokens=req.max_tokens, tenant=tenant)
+            stream = engine.open_stream(
+                req.prompt,
+                max_new_tokens=req.max_tokens,
+                tenant=tenant,
+                priority=req.priority,
+                retention=req.retention,
+            )
         except KVCacheError as exc:
             return self._fail(*_engine_error(exc))
         resp = web.StreamResponse(

@@ -11,7 +11,9 @@ Run::
 
 Endpoints:
 
-* ``POST /generate`` - ``{"tokens": [int, ...], "max_new_tokens": int}`` ->
+* ``POST /generate`` - ``{"tokens": [int, ...], "max_new_tokens": int}`` (optional:
+  ``"priority"``, an int in [0, 1000], and ``"retention_seconds"``: the retention priority of
+  the request's cached pages, see ``HiCache.insert``) ->
   ``{"tokens": [...], "prompt_tokens", "cached_tokens": {"device", "host", "storage"},
   "computed_tokens", "ttft_ms", "total_ms"}``: ``cached_tokens`` are the prompt tokens the
   model did not recompute, by the tier their KV came from, so cached + computed is the prompt
@@ -30,6 +32,8 @@ Endpoints:
   clients (``examples/openai_api.py``: the prompt and the reply are token ids; the tenant is
   the ``X-Tenant`` header, else the ``user`` field; ``usage.prompt_tokens_details
   .cached_tokens`` are the prompt tokens not recomputed).
+* ``POST /cache/pin``, ``/cache/unpin``, ``/cache/warm`` - operator controls: keep a prompt's
+  prefix resident for a ttl, end it, warm a prompt from storage (``examples/cache_admin.py``).
 * ``GET /metrics`` - Prometheus text format: the cache's metrics from
   :class:`aiocache_kv.metrics.CacheCollector` (hits and prompt tokens per tier, bytes per
   direction, load-back / write-through / backup / prefetch latency, pool pages, evictions,
@@ -89,6 +93,7 @@ from aiocache_kv.serving import Engine, GenerationResult
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (tests): its sibling
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cache_admin import CacheAdminRoutes
 from openai_api import OpenAIRoutes
 from server_requests import BadRequest, RequestLimits, parse_generate_request
 
@@ -333,7 +338,12 @@ class GenerateServer:
             return web.json_response({"error": exc.message}, status=exc.status)
         assert self.engine is not None
         try:  # prefetch on arrival, queue, admission, batched steps: all the engine's
-            res = await self.engine.generate(req.tokens, max_new_tokens=req.max_new_tokens)
+            res = await self.engine.generate(
+                req.tokens,
+                max_new_tokens=req.max_new_tokens,
+                priority=req.priority,
+                retention=req.retention,
+            )
         except KVCacheError as exc:
             self.metrics.requests.labels(outcome="error").inc()
             status = 400 if isinstance(exc, ValueError) else 503
@@ -438,6 +448,7 @@ def make_app(opts: ServerOptions) -> web.Application:
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", server.metrics_handler)
     OpenAIRoutes(server, opts.model.name).add_to(app)  # /v1/completions, /v1/models
+    CacheAdminRoutes(server).add_to(app)  # /cache/pin, /cache/unpin, /cache/warm
     return app
 
 

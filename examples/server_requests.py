@@ -14,6 +14,9 @@ from typing import NoReturn
 
 from aiohttp import web
 
+from aiocache_kv.errors import InvalidInputError, InvalidTypeError
+from aiocache_kv.tree.retention import check_priority
+
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
     "GENERATE_FIELDS",
@@ -39,7 +42,7 @@ JSON_CHARSETS = {
     "utf-32le": "utf-32-le",
     "utf-32be": "utf-32-be",
 }
-GENERATE_FIELDS = frozenset({"tokens", "max_new_tokens"})
+GENERATE_FIELDS = frozenset({"tokens", "max_new_tokens", "priority", "retention_seconds"})
 DEFAULT_MAX_NEW_TOKENS = 16
 
 
@@ -58,6 +61,8 @@ class GenerateRequest:
 
     tokens: list[int]
     max_new_tokens: int
+    priority: int | None = None  #: retention priority of the request's pages, [0, 1000]
+    retention: float | None = None  #: seconds until that priority lapses
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,8 @@ def validate_generate(obj: object, limits: RequestLimits) -> GenerateRequest:
         raise BadRequest(400, "body must be a JSON object")
     unknown = sorted(set(obj) - GENERATE_FIELDS)
     if unknown:
-        raise BadRequest(400, f"unknown fields {_short(unknown)}; known: tokens, max_new_tokens")
+        known = ", ".join(sorted(GENERATE_FIELDS))
+        raise BadRequest(400, f"unknown fields {_short(unknown)}; known: {known}")
     tokens = obj.get("tokens")
     if not isinstance(tokens, list) or not tokens:
         raise BadRequest(400, "tokens must be a non-empty list of token ids")
@@ -172,4 +178,17 @@ def validate_generate(obj: object, limits: RequestLimits) -> GenerateRequest:
             f"{len(tokens)} tokens + max_new_tokens {max_new} need more KV slots than the "
             f"device pool holds ({limits.max_kv_slots})",
         )
-    return GenerateRequest(tokens=tokens, max_new_tokens=max_new)
+    priority, retention = retention_fields(obj)
+    return GenerateRequest(tokens, max_new, priority, retention)
+
+
+def retention_fields(obj: dict[str, object]) -> tuple[int | None, float | None]:
+    """The optional ``priority`` (int in [0, 1000]) and ``retention_seconds`` of a request
+    body, checked as ``HiCache.insert`` checks them (raises :class:`BadRequest`, 400)."""
+    priority = obj.get("priority")
+    retention = obj.get("retention_seconds")
+    try:
+        check_priority(priority, retention)
+    except (InvalidInputError, InvalidTypeError) as exc:
+        raise BadRequest(400, str(exc).replace("retention", "retention_seconds")) from None
+    return priority, retention  # type: ignore[return-value]  # checked just above

@@ -26,7 +26,9 @@ def test_keep_untracks_only_lists_of_ints() -> None:
     mixed: list[object] = [1, [2]]
     gcfree.keep(mixed)  # type: ignore[arg-type]
     assert gc.is_tracked(mixed)  # may hold a cycle: stays tracked
+
     class Big(int): ...
+
     subclassed: list[int] = [1, Big(2)]
     gcfree.keep(subclassed)
     assert gc.is_tracked(subclassed)

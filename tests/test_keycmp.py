@@ -36,7 +36,8 @@ def test_matches_a_brute_force_reference(fn: object) -> None:
         key = shared + [rng.randrange(50) for _ in range(rng.randrange(0, 5))]
         pos = rng.randrange(0, 5)
         tokens = [rng.randrange(50) for _ in range(pos)] + [
-            t if rng.random() < 0.5 else int(str(t)) for t in shared  # equal, not identical
+            t if rng.random() < 0.5 else int(str(t))
+            for t in shared  # equal, not identical
         ]
         tokens += [rng.randrange(50) for _ in range(rng.randrange(0, 5))]
         limit = rng.randrange(0, len(key) + 10)

@@ -55,7 +55,10 @@ SECONDS_FIELDS = [
     "prefetch_timeout_base",
     "prefetch_timeout_per_1k",
     "prefetch_timeout_max",
+    "max_pin_ttl",
 ]
+#: fractions of a pool: finite, in (0, 1]
+FRACTION_FIELDS = ["max_pinned_fraction"]
 
 
 def named(exc: pytest.ExceptionInfo[BaseException], *names: str, value: object) -> None:
@@ -72,7 +75,17 @@ def test_every_numeric_config_field_is_listed() -> None:
         for f in dataclasses.fields(akv.CacheConfig)
         if "int" in str(f.type) or "float" in str(f.type)
     }
-    assert numeric == set(INT_FIELDS) | set(SECONDS_FIELDS)
+    assert numeric == set(INT_FIELDS) | set(SECONDS_FIELDS) | set(FRACTION_FIELDS)
+
+
+@pytest.mark.parametrize("value", [*BAD, 0, 0.0, 1.5, 2], ids=repr)
+@pytest.mark.parametrize("name", FRACTION_FIELDS)
+def test_config_fractions_in_unit_interval(name: str, value: object) -> None:
+    with pytest.raises(ConfigError) as exc:
+        small_config(**{name: value})
+    named(exc, name, value=value)
+    assert getattr(small_config(**{name: 1.0}), name) == 1.0
+    assert getattr(small_config(**{name: 0.25}), name) == 0.25
 
 
 @pytest.mark.parametrize("value", BAD, ids=repr)
@@ -98,7 +111,7 @@ def test_config_seconds_bounds(name: str) -> None:
     named(exc, name, value=MAX_SECONDS * 2)
     assert getattr(small_config(**{name: 0.25}), name) == 0.25
     assert getattr(small_config(**{name: 3}), name) == 3  # an int is a number
-    if name in ("storage_timeout", "storage_open_timeout"):  # a deadline of 0 fails every call
+    if name in ("storage_timeout", "storage_open_timeout", "max_pin_ttl"):  # 0: useless
         with pytest.raises(ConfigError, match=name):
             small_config(**{name: 0})
     else:

@@ -67,9 +67,12 @@ from aiocache_kv.errors import (
     InvalidInputError,
     InvalidTypeError,
     KVCacheError,
+    NotCachedError,
+    PinLimitError,
     TransferError,
 )
 from aiocache_kv.handles import HandleState, InsertResult, MatchResult
+from aiocache_kv.hardpins import CachePin, PinState
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.testing import ManualCopyEngine
 from aiocache_kv.transfer import Direction
@@ -132,7 +135,10 @@ BAD_INPUTS = (
     "device_kv_bad_layer",
     "load_back_released",
     "load_back_insert_handle",
+    "pin_bad_ttl",
+    "pin_storage_tier",
 )
+MAX_PINS = 3  # hard pins the machine holds at once
 
 
 @dataclass
@@ -143,6 +149,8 @@ class Live:
     tenant: Tenant
     tokens: Tokens  #: the query (match) or the inserted page-aligned tokens (insert)
     length: int  #: matched_len / inserted_len when taken; pins keep it
+    #: how much of ``tokens`` the handle still keeps matchable after drops (None: length)
+    floor: int | None = None
 
 
 @dataclass
@@ -190,6 +198,8 @@ class HiCacheMachine(RuleBasedStateMachine):
         self.released: list[MatchResult | InsertResult] = []
         self.held: list[torch.Tensor] = []  # slots from alloc() the machine still holds
         self.tasks: list[LoadTask] = []
+        #: hard pins taken (``cache.pin``), with their namespace and tokens
+        self.pins: list[tuple[CachePin, Tenant, Tokens]] = []
         self.seen: list[Tokens] = []  # every token sequence used, for derived sequences
         self.closed = False
         self.steps_since_drain = 0
@@ -220,8 +230,11 @@ class HiCacheMachine(RuleBasedStateMachine):
         lower = 0
         for h in self.live:
             if h.tenant == tenant:
-                pinned = h.tokens[: h.length]
+                pinned = h.tokens[: h.length if h.floor is None else h.floor]
                 lower = max(lower, aligned_common(pinned, toks, self.p))
+        for pin, ptenant, ptoks in self.pins:  # a pin in force keeps its prefix cached
+            if ptenant == tenant and pin.state is PinState.ACTIVE:
+                lower = max(lower, aligned_common(ptoks[: pin.pinned_len], toks, self.p))
         return lower, upper
 
     def _write_kv(self, tenant: Tenant, toks: Tokens, slots: torch.Tensor) -> None:
@@ -453,6 +466,86 @@ class HiCacheMachine(RuleBasedStateMachine):
         slots = self.held.pop(i % len(self.held))
         self.cache.free(slots)
 
+    # ------------------------------------------------------------------ hard pins
+
+    @precondition(lambda self: self.seen)
+    @rule(
+        base=index_st,
+        cut=st.integers(1, 8),
+        tenant=tenant_st,
+        host=st.booleans(),
+        short=st.booleans(),
+    )
+    def pin_known(self, base: int, cut: int, tenant: Tenant, host: bool, short: bool) -> None:
+        self.pin(self._pick(self.seen, base)[:cut], tenant, host, short)
+
+    @rule(toks=tokens_st, tenant=tenant_st, host=st.booleans(), short=st.booleans())
+    def pin(self, toks: list[int], tenant: Tenant, host: bool, short: bool) -> None:
+        while len(self.pins) >= MAX_PINS:
+            self.cache.unpin(self.pins.pop(0)[0])
+        before = self._snapshot()
+        tier = "host" if host else "device"
+        try:
+            pin = self.cache.pin(toks, ttl=0.001 if short else 60.0, tier=tier, tenant=tenant)
+        except (NotCachedError, PinLimitError) as exc:
+            _event(f"pin refused: {type(exc).__name__}")
+            assert self._snapshot() == before, "a refused pin changed the cache"
+            return
+        _event(f"pin {tier}")
+        assert 0 < pin.pinned_len <= len(toks) // self.p * self.p and pin.pinned_len % self.p == 0
+        self.pins.append((pin, tenant, toks))
+
+    @precondition(lambda self: self.pins)
+    @rule(i=index_st)
+    def unpin(self, i: int) -> None:
+        pin, _, _ = self.pins.pop(i % len(self.pins))
+        active = pin.state is PinState.ACTIVE
+        assert self.cache.unpin(pin) is active  # an expired pin: nothing to do
+        assert pin.state is (PinState.RELEASED if active else PinState.EXPIRED)
+
+    @precondition(lambda self: self.pins)
+    @rule()
+    def let_pins_expire(self) -> None:
+        due = self.loop.time()
+        self._run(asyncio.sleep(0.002))
+        for pin, _, _ in self.pins:
+            if pin.expires_at <= due:
+                assert pin.state is not PinState.ACTIVE, f"{pin!r} outlived its deadline"
+
+    # ------------------------------------------------------------------ drop
+
+    @rule(base=index_st, cut=st.integers(0, 8), tenant=tenant_st, zeroize=st.booleans())
+    def drop(self, base: int, cut: int, tenant: Tenant, zeroize: bool) -> None:
+        """Drop a known prefix (its last whole page and what continues it) or the tenant:
+        nothing of it matches afterwards; live handles keep reading their pages (checked by
+        the data invariant), hard pins on them end, and every page comes back once the
+        handles are released."""
+        p = self.p
+        toks = self._pick(self.seen, base)[:cut] if self.seen else None
+        if toks is not None and len(toks) < p:
+            toks = None
+        self._run(self.cache.drop(toks, tenant=tenant, zeroize=zeroize))
+        self._absorb()
+        _event("drop tenant" if toks is None else "drop prefix")
+        keep = 0 if toks is None else (len(toks) // p - 1) * p
+        page = None if toks is None else toks[: keep + p]
+
+        def floor(held: Tokens, length: int) -> int:
+            if page is None:
+                return 0
+            return keep if length > keep and held[: keep + p] == page else length
+
+        for h in self.live:
+            if h.tenant == tenant:
+                h.floor = floor(h.tokens, h.length if h.floor is None else h.floor)
+        # a hard pin on dropped pages was ended by the drop (RELEASED); the others hold
+        self.pins = [x for x in self.pins if x[0].state is not PinState.RELEASED]
+        if toks is not None:
+            assert self.cache.cached_len(toks, tenant=tenant) <= keep
+        else:
+            for seen in self.seen:
+                assert self.cache.cached_len(seen, tenant=tenant) == 0, seen
+
     # ------------------------------------------------------------------ eviction
 
     @rule(tier=st.sampled_from(["device", "host"]), n=st.integers(0, 6))
@@ -676,6 +769,10 @@ class HiCacheMachine(RuleBasedStateMachine):
             expect = HandleError
             r = self._pick(released, i)
             call = lambda: self._run(c.load_back(r))  # noqa: E731
+        elif kind == "pin_bad_ttl":
+            call = lambda: c.pin(toks, ttl=float("nan"), tenant=tenant)  # noqa: E731
+        elif kind == "pin_storage_tier":
+            call = lambda: c.pin(toks, ttl=1.0, tier="storage", tenant=tenant)  # noqa: E731
         elif kind == "load_back_insert_handle":
             inserts = [h.handle for h in self.live if isinstance(h.handle, InsertResult)]
             if not inserts:
@@ -703,6 +800,9 @@ class HiCacheMachine(RuleBasedStateMachine):
             assert t.task.done(), "load_back ignored its cancellation"
             self._settle(t)
         self.tasks.clear()
+        for pin, _, _ in self.pins:
+            self.cache.unpin(pin)
+        self.pins.clear()
         for h in self.live:
             self.cache.release(h.handle)
         self.live.clear()
@@ -748,15 +848,24 @@ class HiCacheMachine(RuleBasedStateMachine):
         s = self.cache.statistics()
         d, h = s.device, s.host
         assert d.total_pages == DEVICE_PAGES and h.total_pages == HOST_PAGES
-        assert (
-            d.free_pages + d.held_pages + d.evictable_pages + d.protected_pages + d.retained_pages
-            == d.total_pages
-        ), d
+        dev_pages = d.free_pages + d.held_pages + d.evictable_pages + d.protected_pages
+        # retained by insert results; quarantined while a drop's zeroing holds them
+        assert dev_pages + d.retained_pages + d.quarantined_pages == d.total_pages, d
         assert d.held_pages == self._held_pages(), (d, self._held_pages())
-        assert h.held_pages == 0 and h.free_pages + h.evictable_pages + h.protected_pages == (
-            h.total_pages
+        assert h.held_pages == 0 and (
+            h.free_pages + h.evictable_pages + h.protected_pages + h.quarantined_pages
+            == h.total_pages
         ), h
         assert s.ops_in_flight == len(self.engine.pending), s
+
+    @invariant()
+    def pins_keep_their_prefix(self) -> None:
+        if self.closed:
+            return
+        for pin, tenant, toks in self.pins:
+            if pin.state is PinState.ACTIVE:
+                cached = self.cache.cached_len(toks, tenant=tenant)
+                assert cached >= pin.pinned_len, (pin, cached)
 
     @invariant()
     def handles_keep_their_prefix_and_data(self) -> None:

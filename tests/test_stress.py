@@ -302,6 +302,7 @@ class Run:
     midrun_invariants: bool
     systems: list[list[int]] = field(default_factory=list)
     prompts: set[tuple[str | None, tuple[int, ...]]] = field(default_factory=set)
+    pins: list[akv.CachePin] = field(default_factory=list)  #: hard pins chaos took
     trace: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=80))
     failures: list[str] = field(default_factory=list)
     live: dict[str, set[int]] = field(
@@ -547,6 +548,24 @@ class Run:
                 if live:
                     rng.choice(live).cancel()
                     self.note("chaos cancelled a request")
+            elif x < 0.84 and self.prompts:  # a short hard pin of a prompt seen (#26)
+                tenant, toks = rng.choice(sorted(self.prompts, key=repr))
+                tier = rng.choice(["device", "host"])
+                try:
+                    pin = cache.pin(list(toks), ttl=rng.uniform(0.001, 0.05), tier=tier,
+                                    tenant=tenant)  # fmt: skip
+                    self.pins.append(pin)
+                    self.note(f"chaos pin {tier} {tenant or '-'}: {pin.pinned_len}")
+                except (akv.NotCachedError, akv.PinLimitError) as exc:
+                    self.note(f"chaos pin {tier}: {type(exc).__name__}")
+            elif x < 0.88 and self.prompts:  # a bounded warm-up, maybe cancelled (#26)
+                tenant, toks = rng.choice(sorted(self.prompts, key=repr))
+                tier = rng.choice(["device", "host"])
+                res = await self.maybe_cancel(
+                    rng,
+                    cache.warm(list(toks), tier=tier, tenant=tenant, timeout=rng.uniform(0, 0.05)),
+                )
+                self.note(f"chaos warm {tier}: {res}")
             self.drain_events()
 
 
@@ -607,6 +626,8 @@ async def _drive(run: Run) -> None:
     results = await asyncio.gather(*tasks, return_exceptions=True)
     chaos.cancel()
     await asyncio.gather(chaos, return_exceptions=True)
+    for pin in run.pins:  # expired ones: nothing to do
+        cache.unpin(pin)
     for i, res in enumerate(results):
         if isinstance(res, BaseException) and not isinstance(res, asyncio.CancelledError):
             run.fail(f"request r{i} raised {type(res).__name__}: {res}")

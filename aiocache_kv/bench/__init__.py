@@ -21,6 +21,8 @@ SUITE_HELP = {
     "serve": "multi-turn clients (SGLang bench_multiturn shape): no prefix cache vs device vs "
     "device+host vs +storage vs restart from storage vs transformers CB, hit rate per tier "
     "and round; or any OpenAI-compatible server (--url)",
+    "fairness": "per-tenant quotas: one tenant's hit rate alone, under another's flood, and "
+    "with the flooding tenant under a quota",
 }
 SUITES = tuple(SUITE_HELP)
 #: ``bench engine``'s models and sides (here, so the CLI need not import the suite)

@@ -63,6 +63,7 @@ from aiocache_kv.serving.runner import ModelRunner
 from aiocache_kv.serving.scheduler import Slot, plan_step
 from aiocache_kv.serving.stats import EngineCounters, EngineStatistics
 from aiocache_kv.serving.stream import TokenStream
+from aiocache_kv.tree.retention import check_priority
 from aiocache_kv.validate import check_names
 
 log = get_logger(__name__)
@@ -193,11 +194,14 @@ class Engine:
         lora: str | None,
         sends: Any,
         keep_logits: bool = False,
+        priority: int | None = None,
+        retention: float | None = None,
     ) -> Request:
         if self._tg is None or self._closing:
             raise EngineClosedError("engine is not running (use it as `async with Engine(...)`)")
         toks = check_request(self.model, prompt, max_new_tokens)
         check_names(tenant, lora)
+        check_priority(priority, retention)
         if len(toks) + max_new_tokens > self._max_tokens():
             raise InvalidInputError(
                 f"prompt ({len(toks)}) + max_new_tokens ({max_new_tokens}) need "
@@ -207,6 +211,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         req = Request(self._ids, toks, max_new_tokens, tenant, lora, loop.create_future(), sends)
         req.keep_logits = bool(keep_logits)
+        req.priority, req.retention = priority, retention
         self.queues.add(req)
         self.counters.submitted += 1
         assert self._admissions is not None
@@ -224,20 +229,27 @@ class Engine:
         tenant: str | None = None,
         lora: str | None = None,
         keep_logits: bool = False,
+        priority: int | None = None,
+        retention: float | None = None,
     ) -> GenerationResult:
         """Greedy-generate ``max_new_tokens`` after ``prompt``; returns its tokens, timings
         and where its prompt's KV came from (with ``keep_logits``, each token's logits too).
         Cancelling the call (e.g. under ``anyio.fail_after``) aborts the request.
+        ``priority``/``retention`` go with every insert of the request's pages
+        (:meth:`HiCache.insert`: kept longer than lower priorities, for ``retention`` s).
 
         Raises:
-            InvalidTypeError: the prompt is not a sequence of ints, or tenant/lora not str.
+            InvalidTypeError: the prompt is not a sequence of ints, tenant/lora not str, or
+                priority not an int.
             InvalidInputError: an empty prompt, a token outside the vocabulary, bad
-                ``max_new_tokens``, or a request longer than the model's positions or the
-                device pool.
+                ``max_new_tokens``, a priority outside [0, 1000] or a bad retention, or a
+                request longer than the model's positions or the device pool.
             EngineClosedError: the engine is not running or closed before the request ended.
             CapacityError: the device pool cannot hold the request even alone.
         """
-        req = self._submit(prompt, max_new_tokens, tenant, lora, None, keep_logits)
+        req = self._submit(
+            prompt, max_new_tokens, tenant, lora, None, keep_logits, priority, retention
+        )
         try:
             return await asyncio.shield(req.future)
         finally:
@@ -251,6 +263,8 @@ class Engine:
         max_new_tokens: int,
         tenant: str | None = None,
         lora: str | None = None,
+        priority: int | None = None,
+        retention: float | None = None,
     ) -> TokenStream:
         """Submit a request whose tokens are read as they are made
         (:meth:`TokenStream.tokens`), then its :class:`GenerationResult`
@@ -260,7 +274,7 @@ class Engine:
             As :meth:`generate`, at once.
         """
         sends, receives = anyio.create_memory_object_stream[int](max_buffer_size=math.inf)
-        req = self._submit(prompt, max_new_tokens, tenant, lora, sends)
+        req = self._submit(prompt, max_new_tokens, tenant, lora, sends, False, priority, retention)
         return TokenStream(req, receives, self._abort)
 
     async def stream(
@@ -270,6 +284,8 @@ class Engine:
         max_new_tokens: int,
         tenant: str | None = None,
         lora: str | None = None,
+        priority: int | None = None,
+        retention: float | None = None,
     ) -> AsyncIterator[int]:
         """Greedy-generate as :meth:`generate`, yielding each token as it is made.  Leaving
         the iteration early (``break``, cancellation) aborts the request.
@@ -277,7 +293,14 @@ class Engine:
         Raises:
             As :meth:`generate` (at the first iteration for bad input).
         """
-        ts = self.open_stream(prompt, max_new_tokens=max_new_tokens, tenant=tenant, lora=lora)
+        ts = self.open_stream(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            tenant=tenant,
+            lora=lora,
+            priority=priority,
+            retention=retention,
+        )
         try:
             async for token in ts.tokens():
                 yield token
@@ -399,6 +422,8 @@ class Engine:
             prefix=r.handle,
             tenant=r.tenant,
             lora=r.lora,
+            priority=r.priority,
+            retention=r.retention,
         )
         old, r.handle = r.handle, res
         if old is not None:

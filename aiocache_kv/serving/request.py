@@ -94,7 +94,9 @@ class Request:
         "max_new_tokens",
         "preemptions",
         "prefetch",
+        "priority",
         "prompt",
+        "retention",
         "reusable_at_admission",
         "rows",
         "sends",
@@ -121,6 +123,9 @@ class Request:
         self.max_new_tokens = max_new_tokens
         self.tenant = tenant
         self.lora = lora
+        #: retention priority of every insert of its pages (``HiCache.insert``), checked
+        self.priority: int | None = None
+        self.retention: float | None = None
         self.future = future
         self.sends = sends  #: the caller's token stream (``Engine.stream``), if any
         self.arrival = time.perf_counter()

@@ -14,6 +14,10 @@ one zero-copy call; ``get_into`` reads the whole slot and verifies the trailer. 
 is always ``buffer.nbytes - FRAME_OVERHEAD``: a stored page whose length differs from the slot's
 is a miss (counted as corrupt), never a partial read.
 
+A buffer may carry a *presum* (:attr:`PageBuffer.presum`): the host pool's row for its page,
+where the copy that wrote the page recorded the page's checksum in the same pass
+(:mod:`aiocache_kv.storage.presum`).  ``put``'s seal then writes only the trailer.
+
 Results are per key and never truncated: a failure in the middle of a batch is reported for that
 key only and every other key still gets its own result.
 """
@@ -23,8 +27,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from aiocache_kv.errors import InvalidInputError, InvalidTypeError
@@ -35,6 +40,7 @@ __all__ = [
     "StatsCounter",
     "StorageBackend",
     "StorageStats",
+    "TagRemovableStorage",
     "byte_chunks",
     "leading_run",
 ]
@@ -46,22 +52,38 @@ class PageBuffer:
 
     ``ptr``/``nbytes`` serve zero-copy backends (Mooncake); ``view`` (a writable 1-D ``uint8``
     memoryview over the same bytes) serves file I/O; ``tensor`` keeps the memory alive and
-    serves the checksum.  Build it with :meth:`from_tensor`.
+    serves the checksum.  ``presum`` (optional): the 3 ``uint64`` ``(S1, S2, bytes)`` a copy
+    recorded for this slot's payload (``bytes`` 0: none; see :mod:`.presum`).  Build it with
+    :meth:`from_tensor`.
     """
 
     tensor: torch.Tensor
     ptr: int
     nbytes: int
     view: memoryview
+    presum: np.ndarray[Any, Any] | None = None
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor) -> PageBuffer:
-        """Wrap a contiguous CPU ``torch.uint8`` tensor (e.g. a slice of the host pool).
+    def from_tensor(
+        cls, tensor: torch.Tensor, presum: np.ndarray[Any, Any] | None = None
+    ) -> PageBuffer:
+        """Wrap a contiguous CPU ``torch.uint8`` tensor (e.g. a slice of the host pool), with
+        the pool's checksum row for it (``presum``: 3 ``uint64``), if any.
 
         Raises:
             InvalidTypeError: ``tensor`` is not a ``torch.Tensor``.
-            InvalidInputError: wrong dtype, device, not contiguous, not 1-D, or empty.
+            InvalidInputError: wrong dtype, device, not contiguous, not 1-D, or empty; a
+                ``presum`` that is not a contiguous ``uint64`` array of 3.
         """
+        if presum is not None and (
+            not isinstance(presum, np.ndarray)
+            or presum.dtype != np.uint64
+            or presum.shape != (3,)
+            or not presum.flags.c_contiguous
+        ):
+            raise InvalidInputError(
+                f"presum must be a contiguous uint64 array of 3, got {presum!r:.80}"
+            )
         if not isinstance(tensor, torch.Tensor):
             raise InvalidTypeError(f"PageBuffer needs a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype != torch.uint8:
@@ -76,7 +98,13 @@ class PageBuffer:
         if tensor.numel() == 0:
             raise InvalidInputError("PageBuffer needs a non-empty tensor")
         view = tensor.numpy().data.cast("B")
-        return cls(tensor=tensor, ptr=int(tensor.data_ptr()), nbytes=int(tensor.numel()), view=view)
+        return cls(
+            tensor=tensor,
+            ptr=int(tensor.data_ptr()),
+            nbytes=int(tensor.numel()),
+            view=view,
+            presum=presum,
+        )
 
     @classmethod
     def allocate(cls, nbytes: int) -> PageBuffer:
@@ -276,4 +304,23 @@ class ChainAwareStorage(Protocol):
 
     def take_evicted(self) -> list[str]:
         """The keys evicted since the last call (each reported once), oldest first."""
+        ...
+
+
+@runtime_checkable
+class TagRemovableStorage(Protocol):
+    """A backend that can remove every page of one namespace tag, including pages this
+    process never wrote (another node's, a previous run's): ``HiCache.drop`` of a tenant.
+
+    ``FileStorage`` scans its index, ``MooncakeStorage`` asks the master (``remove_by_regex``),
+    ``MemoryStorage`` filters its dict.  Backends without it get the keys the cache knows.
+    """
+
+    def remove_tag(self, tag: str) -> int:
+        """Remove every key ``"{tag}/..."``; return how many were removed.
+
+        Raises:
+            StorageKeyError: ``tag`` is not a valid namespace tag.
+            StorageUnavailableError: the store cannot be reached.
+        """
         ...

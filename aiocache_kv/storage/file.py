@@ -66,8 +66,9 @@ from aiocache_kv.errors import ConfigError, StorageUnavailableError
 from aiocache_kv.logs import get_logger
 from aiocache_kv.storage import integrity, page_file, safe_fs
 from aiocache_kv.storage.base import PageBuffer, StatsCounter, StorageStats, leading_run
+from aiocache_kv.storage.file_quota import tag_of_key
 from aiocache_kv.storage.file_writes import FileWrites
-from aiocache_kv.storage.keys import MAX_KEY_LEN, check_keys
+from aiocache_kv.storage.keys import MAX_KEY_LEN, check_keys, check_tag
 from aiocache_kv.storage.page_file import (
     SUFFIX,
     TMP_SUFFIX,
@@ -110,10 +111,14 @@ class FileStorage(FileWrites):
         ConfigError: ``capacity_bytes`` not a positive int, ``"auto"`` or ``None``, or an
             unknown ``fsync`` policy.
         """
-        if capacity_bytes is not None and capacity_bytes != "auto" and (
-            isinstance(capacity_bytes, bool)
-            or not isinstance(capacity_bytes, int)
-            or capacity_bytes <= 0
+        if (
+            capacity_bytes is not None
+            and capacity_bytes != "auto"
+            and (
+                isinstance(capacity_bytes, bool)
+                or not isinstance(capacity_bytes, int)
+                or capacity_bytes <= 0
+            )
         ):
             raise ConfigError(
                 f"capacity_bytes must be a positive int, 'auto' or None, got {capacity_bytes!r}"
@@ -217,10 +222,10 @@ class FileStorage(FileWrites):
         for _, fname, size in found:
             name = fname[: -len(SUFFIX)]
             try:
-                _, parent = page_file.read_header(self._dirs.get(name[:2]), fname, MAX_KEY_LEN)
+                key, parent = page_file.read_header(self._dirs.get(name[:2]), fname, MAX_KEY_LEN)
             except OSError:
-                parent = None  # unreadable now: its first read decides
-            index.add(name, size, parent)
+                key, parent = None, None  # unreadable now: its first read decides
+            index.add(name, size, parent, None if key is None else tag_of_key(key))
         if self._auto:
             self.capacity_bytes = self._auto_capacity(index.total)
         with self._lock:
@@ -388,6 +393,34 @@ class FileStorage(FileWrites):
         check_keys(keys)
         with self._in_use():
             return self._remove(keys)
+
+    def remove_tag(self, tag: str) -> int:
+        """Delete every page whose key is ``"{tag}/..."`` (a namespace's, whoever wrote it):
+        each indexed file's header names its key.  Files are unlinked by name in their shard
+        (never through a link); a page a put is still writing is not indexed yet and stays.
+        Returns the pages deleted.
+
+        Raises:
+            StorageKeyError: ``tag`` is not a valid tag.
+            StorageUnavailableError: closed or unusable directory.
+        """
+        prefix = check_tag(tag) + "/"
+        with self._in_use():
+            with self._lock:
+                names = self._index.names()
+            doomed: list[str] = []
+            for name in names:
+                try:
+                    key, _ = page_file.read_header(
+                        self._dirs.get(name[:2]), name + SUFFIX, MAX_KEY_LEN
+                    )
+                except OSError:
+                    continue  # gone meanwhile, or junk: its first read decides
+                if key is not None and key.startswith(prefix) and file_name(key) == name:
+                    doomed.append(key)
+            removed = sum(self._remove(doomed))
+        log.info("storage.file.tag_removed", path=self._root_str, tag=tag, pages=removed)
+        return removed
 
     def _remove(self, keys: Sequence[str]) -> list[bool]:
         results: list[bool] = []

@@ -24,6 +24,7 @@ from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.logs import get_logger
 from aiocache_kv.storage import integrity, page_file, safe_fs
 from aiocache_kv.storage.base import PageBuffer, StatsCounter
+from aiocache_kv.storage.file_quota import FileQuotas, tag_of_key
 from aiocache_kv.storage.keys import check_keys
 from aiocache_kv.storage.page_file import SUFFIX, TMP_SUFFIX, chunks, file_name
 from aiocache_kv.storage.page_index import PageIndex
@@ -33,7 +34,7 @@ __all__ = ["FileWrites"]
 log = get_logger("aiocache_kv.storage.file")
 
 
-class FileWrites:
+class FileWrites(FileQuotas):
     """Puts of a :class:`~aiocache_kv.storage.file.FileStorage` (its base; state set there)."""
 
     fsync: str
@@ -185,7 +186,7 @@ class FileWrites:
                             writable = False
                         continue
                     writable = True
-                    self._index.add(names[i], got, parents[i])
+                    self._index.add(names[i], got, parents[i], tag_of_key(keys[i]))
                     written[names[i]] = i
                     nbytes += buffers[i].nbytes
                     results[i] = True
@@ -282,9 +283,8 @@ class FileWrites:
     def _pick_victims_locked(self) -> list[str]:
         """Pages to evict for room, dropped from the index and marked being deleted (the
         caller unlinks them)."""
-        if self.capacity_bytes is None:
-            return []
-        victims = self._index.pick_victims(self.capacity_bytes)
+        victims = self._quota_victims_locked()  # tenants over their budgets (file_quota.py)
+        if self.capacity_bytes is not None:
+            victims += self._index.pick_victims(self.capacity_bytes)
         self._deleting.update(victims)
         return victims
-

@@ -25,6 +25,7 @@ __all__ = [
     "MAX_TAG_LEN",
     "ParsedKey",
     "check_keys",
+    "check_tag",
     "parse_storage_key",
     "storage_key",
     "storage_keys",
@@ -69,6 +70,16 @@ def _bad_hash(page_hash: object) -> StorageKeyError:
         f"page_hash must be {KEY_HASH_BYTES} bytes, got {page_hash!r:.80}"
         + ("" if isinstance(page_hash, bytes) else f" ({type(page_hash).__name__})")
     )
+
+
+def check_tag(tag: object) -> str:
+    """``tag`` if it is a namespace tag as :func:`storage_key` accepts it (for removing every
+    key ``"{tag}/..."``).
+
+    Raises:
+        StorageKeyError: ``tag`` not a ``str``, empty, too long or outside the safe charset.
+    """
+    return _check_name("tag", tag, MAX_TAG_LEN)
 
 
 def storage_key(tag: str, page_hash: bytes, component: str = "kv") -> str:

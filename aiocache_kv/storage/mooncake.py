@@ -74,6 +74,7 @@ from aiocache_kv.storage.base import (
 )
 from aiocache_kv.storage.keys import check_keys
 from aiocache_kv.storage.mooncake_pipeline import PIPELINE_BYTES, pipelined_get, pipelined_put
+from aiocache_kv.storage.mooncake_tags import MooncakeTags
 from aiocache_kv.storage.sizes import env_first as _env
 from aiocache_kv.storage.sizes import parse_size
 
@@ -105,7 +106,7 @@ _DEFAULT_LOCAL_BUFFER = 16 << 20
 _HELPER_THREADS = 4
 
 
-class MooncakeStorage:
+class MooncakeStorage(MooncakeTags):
     """L3 pages in a Mooncake Store cluster; see the module docstring for config and codes.
 
     Construction validates the configuration only (no I/O, safe on the event loop).

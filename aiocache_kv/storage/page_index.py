@@ -20,6 +20,11 @@ Cycles cannot come from hash chains; should hostile parents form one, nothing in
 end and eviction falls back to the least recently used page of all, so the capacity bound
 always holds.
 
+Per-tenant budgets (issue #26): each page records the namespace tag of its key, and the index
+keeps the pages of each tag in least-recently-used order, so the storage can count a tenant's
+pages (the sum over its tags) and evict its oldest pages when it is over its budget
+(:meth:`PageIndex.pick_tag_victims`: chain ends first among the oldest, as above).
+
 Not thread-safe: the owning storage guards every call with its lock.
 """
 
@@ -39,6 +44,12 @@ class _Entry:
     tick: int
     children: int = 0  #: stored pages whose parent this is
     hit: int = 0  #: the newest hit (touch_run) of this page or of a removed page below it
+    tag: str | None = None  #: the namespace tag of its key (``None``: unknown)
+
+
+#: how many of a tag's oldest pages :meth:`PageIndex.pick_tag_victims` looks through for a
+#: chain end before it takes the oldest page itself
+_CHAIN_END_SCAN = 64
 
 
 class PageIndex:
@@ -51,6 +62,8 @@ class PageIndex:
         self._orphans: dict[str, int] = {}
         self._tick = 0
         self.total = 0  #: sum of the sizes
+        #: tag -> its pages, least recently used first
+        self._by_tag: dict[str, OrderedDict[str, None]] = {}
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -80,13 +93,16 @@ class PageIndex:
             self._leaves = [(e.tick, n) for n, e in self._pages.items() if not e.children]
             heapq.heapify(self._leaves)
 
-    def add(self, name: str, size: int, parent: str | None) -> None:
-        """Record a new page (replacing one of the same name) as the most recently used."""
+    def add(self, name: str, size: int, parent: str | None, tag: str | None = None) -> None:
+        """Record a new page (replacing one of the same name) as the most recently used
+        (``tag``: the namespace tag of its key, for per-tenant budgets)."""
         self.remove(name)
         if parent == name:
             parent = None  # a page cannot depend on itself
-        entry = _Entry(size, parent, self._next(), self._orphans.pop(name, 0))
+        entry = _Entry(size, parent, self._next(), self._orphans.pop(name, 0), tag=tag)
         self._pages[name] = entry
+        if tag is not None:
+            self._by_tag.setdefault(tag, OrderedDict())[name] = None
         self.total += size
         if parent is not None:
             up = self._pages.get(parent)
@@ -103,6 +119,11 @@ class PageIndex:
         if entry is None:
             return None
         self.total -= entry.size
+        if entry.tag is not None:
+            mine = self._by_tag[entry.tag]
+            del mine[name]
+            if not mine:
+                del self._by_tag[entry.tag]
         if entry.children:  # its dependants wait for it as orphans
             self._orphans[name] = self._orphans.get(name, 0) + entry.children
         parent = entry.parent
@@ -130,6 +151,8 @@ class PageIndex:
             return
         entry.tick = self._next()
         self._pages.move_to_end(name)
+        if entry.tag is not None:
+            self._by_tag[entry.tag].move_to_end(name)
         if not entry.children:
             self._push_leaf(name, entry)
 
@@ -144,6 +167,8 @@ class PageIndex:
                 continue
             entry.tick = entry.hit = tick
             self._pages.move_to_end(name)
+            if entry.tag is not None:
+                self._by_tag[entry.tag].move_to_end(name)
             if not entry.children:
                 self._push_leaf(name, entry)
 
@@ -157,6 +182,40 @@ class PageIndex:
                 name = next(iter(self._pages))
             self.remove(name)
             victims.append(name)
+        return victims
+
+    def tag_pages(self, tag: str) -> int:
+        """How many pages of ``tag`` are stored."""
+        mine = self._by_tag.get(tag)
+        return 0 if mine is None else len(mine)
+
+    def pick_tag_victims(self, tags: list[str], limit: int) -> list[str]:
+        """Remove and return pages of ``tags`` (one tenant's) until at most ``limit`` are
+        left: the least recently used tag's oldest chain end among its oldest pages (else
+        that oldest page), page by page."""
+        victims: list[str] = []
+        count = sum(self.tag_pages(t) for t in tags)
+        while count > limit:
+            oldest: tuple[int, str] | None = None
+            for t in tags:
+                mine = self._by_tag.get(t)
+                if mine:
+                    first = next(iter(mine))
+                    tick = self._pages[first].tick
+                    if oldest is None or tick < oldest[0]:
+                        oldest = (tick, t)
+            assert oldest is not None, f"{count} pages of {tags} counted, none found"
+            mine = self._by_tag[oldest[1]]
+            name = next(iter(mine))
+            for i, candidate in enumerate(mine):
+                if i >= _CHAIN_END_SCAN:
+                    break
+                if not self._pages[candidate].children:
+                    name = candidate
+                    break
+            self.remove(name)
+            victims.append(name)
+            count -= 1
         return victims
 
     def _pop_leaf(self) -> str | None:
@@ -185,3 +244,9 @@ class PageIndex:
         assert orphans == self._orphans, f"orphans {self._orphans} != {orphans}"
         total = sum(e.size for e in self._pages.values())
         assert self.total == total, f"total {self.total} != {total}"
+        by_tag: dict[str, set[str]] = {}
+        for name, entry in self._pages.items():
+            if entry.tag is not None:
+                by_tag.setdefault(entry.tag, set()).add(name)
+        got = {t: set(names) for t, names in self._by_tag.items()}
+        assert got == by_tag, "pages per tag disagree with the entries"

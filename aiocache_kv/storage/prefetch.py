@@ -102,6 +102,8 @@ class _Prefetch:
     #: no longer in the tree claimed (evicted silently, e.g. by a Mooncake master)
     unclaimed: list[bytes] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    #: a drop of its namespace or of a page it reads ran meanwhile: commit nothing
+    dropped: bool = False
 
 
 def prefetch_timeout(tokens: int, base: float, per_1k: float, cap: float) -> float:
@@ -127,6 +129,8 @@ class PrefetchingTier(StorageTierBase):
         self.reserved: dict[int, torch.Tensor] = {}  # prefetch id -> host pages not yet in tree
         self._jobs: dict[int, _Prefetch] = {}  # prefetches whose anchor is pinned
         self._ids = 0
+        #: drops in progress (``purge.py``): (namespace, page hash or None: all of it)
+        self._fences: list[tuple[Namespace, bytes | None]] = []
 
     def anchors(self) -> list[Node]:
         """Nodes pinned by prefetches in flight (one pin each, like a handle)."""
@@ -138,19 +142,31 @@ class PrefetchingTier(StorageTierBase):
         return sum(p.numel() for p in self.reserved.values())
 
     async def prefetch(
-        self, ns: Namespace, tokens: list[int], n: int, policy: PrefetchPolicy
+        self,
+        ns: Namespace,
+        tokens: list[int],
+        n: int,
+        policy: PrefetchPolicy,
+        min_tokens: int | None = None,
     ) -> PrefetchResult:
         """Bring the storage-resident continuation of ``tokens[:n]`` into the host tier (in
-        an ``aiocache_kv.prefetch`` span when tracing is on)."""
+        an ``aiocache_kv.prefetch`` span when tracing is on).  ``min_tokens``: the fewest
+        uncached tokens worth a storage query (default ``prefetch_threshold_tokens``; a
+        warm-up passes 0)."""
         with span("aiocache_kv.prefetch", tokens=n, policy=policy.value) as sp:
-            res = await self._prefetch(ns, tokens, n, policy)
+            res = await self._prefetch(ns, tokens, n, policy, min_tokens)
             sp.set_attribute("aiocache_kv.status", res.status.value)
             sp.set_attribute("aiocache_kv.cached_tokens", res.cached_tokens)
             sp.set_attribute("aiocache_kv.hit_tokens", res.hit_tokens)
             return res
 
     async def _prefetch(
-        self, ns: Namespace, tokens: list[int], n: int, policy: PrefetchPolicy
+        self,
+        ns: Namespace,
+        tokens: list[int],
+        n: int,
+        policy: PrefetchPolicy,
+        min_tokens: int | None = None,
     ) -> PrefetchResult:
         """See :meth:`prefetch`.
 
@@ -163,7 +179,8 @@ class PrefetchingTier(StorageTierBase):
         p = cfg.page_size
         anchor, cached = tree.match(ns, tokens, n, pin=True)
         self.counters.prefetch_queries += 1
-        if n - cached < max(cfg.prefetch_threshold_tokens, p):
+        least = cfg.prefetch_threshold_tokens if min_tokens is None else min_tokens
+        if n - cached < max(least, p):
             tree.unpin(anchor)
             return PrefetchResult(PrefetchStatus.BELOW_THRESHOLD, cached, 0, 0)
         assert core.host_pool is not None
@@ -196,6 +213,7 @@ class PrefetchingTier(StorageTierBase):
             deadline=time.monotonic() + timeout,
             before=self._valid_before(anchor, cached // p),
         )
+        job.dropped = any(self._fence_hits(job, f) for f in self._fences)
         self.reserved[job.rid] = pages
         self._jobs[job.rid] = job
         loop = asyncio.get_running_loop()
@@ -414,6 +432,25 @@ class PrefetchingTier(StorageTierBase):
             del self._jobs[job.rid]
             self._free_reserved(job.rid)  # pages a late read still holds stay quarantined
 
+    def fence(self, ns: Namespace, page_hash: bytes | None) -> tuple[Namespace, bytes | None]:
+        """A drop of ``ns`` (``page_hash`` None) or of the page ``page_hash`` and what follows
+        it starts: prefetches in flight that would commit it, and those started until
+        :meth:`unfence`, commit nothing (what they read may predate the removal)."""
+        fence = (ns, page_hash)
+        self._fences.append(fence)
+        for job in self._jobs.values():
+            job.dropped = job.dropped or self._fence_hits(job, fence)
+        return fence
+
+    def unfence(self, fence: tuple[Namespace, bytes | None]) -> None:
+        """The drop that set ``fence`` is done."""
+        self._fences.remove(fence)
+
+    @staticmethod
+    def _fence_hits(job: _Prefetch, fence: tuple[Namespace, bytes | None]) -> bool:
+        ns, page_hash = fence
+        return job.ns == ns and (page_hash is None or page_hash in job.hashes)
+
     def _commit(self, job: _Prefetch, end: int) -> int:
         """Attach the first ``end`` loaded pages below the cached prefix; return pages used.
 
@@ -421,6 +458,9 @@ class PrefetchingTier(StorageTierBase):
         ``invalid`` for it (split where that changes), so no prefix ends inside its window.
         """
         if end == 0:
+            return 0
+        if job.dropped or not (job.anchor.alive or job.anchor.parent is None):
+            self.counters.prefetch_dropped += 1  # a drop ran meanwhile: nothing comes back
             return 0
         core = self.core
         tree = core.tree

@@ -54,7 +54,7 @@ import torch
 from aiocache_kv.distributed.acks import AckQueue
 from aiocache_kv.errors import KVCacheError, StorageTimeoutError
 from aiocache_kv.logs import get_logger
-from aiocache_kv.storage.base import PageBuffer, StorageBackend
+from aiocache_kv.storage.base import PageBuffer, StorageBackend, TagRemovableStorage
 from aiocache_kv.storage.prefetch import (
     PrefetchingTier,
     PrefetchResult,
@@ -67,6 +67,7 @@ from aiocache_kv.tree.node import ABSENT, RESIDENT, Node, Tier
 
 if TYPE_CHECKING:
     from aiocache_kv.core import CacheCore
+    from aiocache_kv.namespace import Namespace
 
 log = get_logger(__name__)
 
@@ -86,6 +87,7 @@ class BackupOp:
     __slots__ = (
         "bufs",
         "deadline",
+        "dropped",
         "entry_pages",
         "error",
         "future",
@@ -118,6 +120,10 @@ class BackupOp:
         self.nbytes = 0
         self.release: Callable[[], None] | None = None  #: ends the lease (once)
         self.deadline = 0.0  #: loop time by which its put must have answered
+        #: targets dropped (``HiCache.drop``) while it ran: what it put of them is removed
+        #: again once its workers are done
+        self.dropped: list[Node] = []
+
 
 class StorageTier(PrefetchingTier):
     """L3 for one cache.  Created and driven by :class:`~aiocache_kv.cache.HiCache`."""
@@ -132,6 +138,8 @@ class StorageTier(PrefetchingTier):
         self._queued: collections.deque[BackupOp] = collections.deque()  # waiting for a worker
         self._sending = 0  # backup puts handed to StorageIO and not yet answered
         self._pump_scheduled = False
+        #: backups whose put workers have not returned yet (a drop marks their targets)
+        self._putting: dict[int, BackupOp] = {}
 
     def pending_work(self, *, prefetches: bool = True) -> list[asyncio.Future[Any]]:
         """The backups queued or running and (with ``prefetches``) the background
@@ -286,11 +294,13 @@ class StorageTier(PrefetchingTier):
         releases = [op.release for op in group if op.release is not None]
         for op in group:
             op.release = None
+            self._putting[id(op)] = op
 
         def release() -> None:  # on the loop, once the put's workers are done, late or not
             for r in releases:
                 r()
             self.reconcile_evictions()  # a put that ended after its deadline evicted too
+            self._remove_late(group)
 
         loop = self.core.loop
         assert loop is not None
@@ -410,7 +420,7 @@ class StorageTier(PrefetchingTier):
             node_ok = all(page_ok[i : i + k])
             i += k
             tree.end_backup(node, node_ok)
-            if node_ok:
+            if node_ok and node.alive:  # a dropped node's pages are removed, not claimed
                 ok_pages += k
                 self.remember_stored(node)
                 core.emit_stored(node, Tier.STORAGE)
@@ -426,6 +436,71 @@ class StorageTier(PrefetchingTier):
             log.warning("backup_incomplete", pages=pages, failed=failed, error=op.error)
         if not op.future.done():
             op.future.set_result(None)
+        if tree.detached:
+            core.capacity_changed()  # dropped nodes it read may be freed now
+
+    # ------------------------------------------------------------------ drops (purge.py)
+
+    def node_keys(self, node: Node) -> list[str]:
+        """Every storage key of ``node``'s pages (KV and every component)."""
+        return self.page_keys(node.ns, self.core.tree.block_hashes(node))
+
+    def page_keys(self, ns: Namespace, hashes: list[bytes]) -> list[str]:
+        """Every storage key of the pages ``hashes`` of ``ns`` (KV and every component)."""
+        return [k for pool in range(self.pools) for k in self._keys(ns, hashes, pool)]
+
+    async def workers_done(self, pages: torch.Tensor) -> None:
+        """Until no storage worker holds any of the host ``pages`` (every pool's slot)."""
+        for pool in range(self.pools):
+            await self.io.wait_released(self._bufs(pages, pool))
+
+    def mark_dropped(self, nodes: list[Node]) -> None:
+        """``nodes`` were dropped: a backup still putting one of them removes what it put of
+        them once its workers are done (whether or not it already landed)."""
+        ids = {id(n) for n in nodes}
+        for op in [*self._putting.values(), *self._queued]:
+            op.dropped += [n for n in op.targets if id(n) in ids]
+
+    def _remove_late(self, group: list[BackupOp]) -> None:
+        for op in group:
+            self._putting.pop(id(op), None)
+        keys = [k for op in group for n in op.dropped for k in self.node_keys(n)]
+        if keys:
+            loop = self.core.loop
+            assert loop is not None
+            self._track(loop.create_task(self._remove_keys_late(keys)))
+
+    async def _remove_keys_late(self, keys: list[str]) -> None:
+        try:
+            removed = await self.remove_keys(keys)
+        except KVCacheError as exc:
+            log.warning("drop_late_remove_failed", keys=len(keys), error=repr(exc))
+            return
+        self.counters.late_puts_removed += removed
+
+    async def remove_keys(self, keys: list[str], timeout: float | None = None) -> int:
+        """Remove ``keys`` from the store (on a worker); how many were there.
+
+        Raises:
+            StorageError: the backend failed; StorageTimeoutError: not within ``timeout``.
+        """
+        if not keys:
+            return 0
+        res = await self.io.remove(keys, timeout=timeout)
+        return sum(res)
+
+    async def remove_tag(self, tag: str, timeout: float | None = None) -> int | None:
+        """Remove every key of namespace tag ``tag`` from the store, whoever wrote it; how
+        many (``None``: the backend cannot, see :class:`TagRemovableStorage`).
+
+        Raises:
+            StorageError: the backend failed; StorageTimeoutError: not within ``timeout``.
+        """
+        backend = self.io.backend
+        if not isinstance(backend, TagRemovableStorage):
+            return None
+        n: int = await self.io.call("remove_tag", backend.remove_tag, tag, timeout=timeout)
+        return n
 
     def _evicted_in_flight(self, keys: set[str]) -> None:
         """Fail the pages of ``keys`` in every backup not yet landed (on the loop)."""

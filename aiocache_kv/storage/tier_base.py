@@ -19,6 +19,7 @@ from aiocache_kv.logs import get_logger
 from aiocache_kv.stats import StorageCounters
 from aiocache_kv.storage.base import ChainAwareStorage, PageBuffer, StorageBackend
 from aiocache_kv.storage.executor import StorageIO
+from aiocache_kv.storage.file_quota import TenantQuotaStorage
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
 from aiocache_kv.storage.keys import parse_storage_key, storage_keys
 from aiocache_kv.storage.stored_pages import StoredPages, StoredRun
@@ -27,6 +28,7 @@ from aiocache_kv.tree.node import RESIDENT, Node, Tier
 if TYPE_CHECKING:
     from aiocache_kv.core import CacheCore
     from aiocache_kv.namespace import Namespace
+    from aiocache_kv.quotas import QuotaBook
 
 log = get_logger(__name__)
 
@@ -69,6 +71,10 @@ class StorageTierBase:
         #: absent (backed up again), never present.
         self._stored = StoredPages(ORPHAN_CLAIMS if core.events.enabled else 0)
         core.on_split(self._split_stored)
+        #: a backend enforcing per-tenant storage budgets (FileStorage): told each namespace
+        #: tag's tenant when its first key is made, and the budgets (``quotas.py``)
+        self._quota_store = backend if isinstance(backend, TenantQuotaStorage) else None
+        self._tagged: set[str] = set()
 
     async def start(self) -> None:
         """Open the backend, register the host pool once, build per-page buffer views.
@@ -86,12 +92,22 @@ class StorageTierBase:
             await self.io.register_buffer(raw)
 
         def views() -> list[list[PageBuffer]]:
+            # KV pages carry their checksum row: the copy that wrote one took its sum
+            # (storage/presum.py), so its backup seals only the trailer
+            sums = [pool.sums] + [None] * len(self.core.sidecars)
             return [
-                [PageBuffer.from_tensor(raw[i, : nbytes + FRAME_OVERHEAD]) for i in range(len(raw))]
-                for raw, nbytes in raws
+                [
+                    PageBuffer.from_tensor(
+                        raw[i, : nbytes + FRAME_OVERHEAD], None if table is None else table[i]
+                    )
+                    for i in range(len(raw))
+                ]
+                for (raw, nbytes), table in zip(raws, sums, strict=True)
             ]
 
         self._buffers = await asyncio.to_thread(views)
+        if self.core.tree.tenants is not None:
+            self.apply_storage_quotas(self.core.tree.tenants)
         self.reconcile_evictions()  # what the backend evicted at open, to fit its capacity
 
     # ------------------------------------------------------------------ truth
@@ -117,6 +133,39 @@ class StorageTierBase:
         """Every page this cache still claims in storage, each once, per run of pages it
         remembered (see :meth:`StoredPages.claims`); on the loop."""
         return self._stored.claims()
+
+    def claimed_in(self, ns: Namespace) -> list[bytes]:
+        """The pages of namespace ``ns`` this cache still claims in storage (``drop``)."""
+        return [run.hashes[i] for run, idx in self._stored.claims() if run.ns == ns for i in idx]
+
+    def claimed_below(self, ns: Namespace, page_hash: bytes) -> list[bytes]:
+        """The pages of ``ns`` this cache claims in storage that are ``page_hash`` or continue
+        it (their chain of parents reaches it, through the runs it remembers)."""
+        claims = [(run, idx) for run, idx in self._stored.claims() if run.ns == ns]
+        parent: dict[bytes, bytes | None] = {}
+        for run, _ in claims:
+            for i, h in enumerate(run.hashes):
+                parent[h] = run.parent if i == 0 else run.hashes[i - 1]
+        memo: dict[bytes, bool] = {page_hash: True}
+        out = []
+        for run, idx in claims:
+            for h in (run.hashes[i] for i in idx):
+                path = []
+                cur: bytes | None = h
+                while cur is not None and cur not in memo:
+                    path.append(cur)
+                    cur = parent.get(cur)
+                below = cur is not None and memo[cur]
+                memo.update(dict.fromkeys(path, below))
+                if below:
+                    out.append(h)
+        return out
+
+    def forget_claims(self, hashes: list[bytes]) -> None:
+        """The pages ``hashes`` were removed from storage on purpose (``drop``): their claims
+        are forgotten (the caller publishes the ``BlockRemoved``)."""
+        for h in hashes:
+            self._stored.pop(h)
 
     def lose_stored(self, page_hash: bytes) -> bool:
         """Storage no longer has the page ``page_hash``: its claim is forgotten and the node
@@ -175,7 +224,18 @@ class StorageTierBase:
         its page stored (the backup path overrides this; on the loop)."""
 
     def _keys(self, ns: Namespace, hashes: list[bytes], pool: int = 0) -> list[str]:
+        if self._quota_store is not None and ns.tag not in self._tagged:
+            self._tagged.add(ns.tag)
+            self._quota_store.tag_tenant(ns.tag, ns.tenant)
         return storage_keys(ns.tag, hashes, self._suffixes[pool])
+
+    def apply_storage_quotas(self, book: QuotaBook) -> None:
+        """Hand the tenants' storage budgets to a backend that enforces them (at its next
+        put); a backend that does not (Mooncake: its master evicts) ignores them."""
+        if self._quota_store is not None:
+            default = None if book.default is None else book.default.storage_pages
+            per = {t: q.storage_pages for t, q in book.overrides.items()}
+            self._quota_store.set_storage_quotas(default, per)
 
     def _bufs(self, pages: torch.Tensor, pool: int = 0) -> list[PageBuffer]:
         b = self._buffers[pool]

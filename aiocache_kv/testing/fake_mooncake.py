@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import random
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -144,6 +145,14 @@ class FakeMooncakeClient:
                 ctypes.memmove(p, obj, len(obj))
                 out.append(len(obj))
         return out
+
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        compiled = re.compile(pattern)
+        with self.lock:
+            doomed = [k for k in self.objects if compiled.search(k)]
+            for k in doomed:
+                del self.objects[k]
+        return len(doomed)
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
         with self.lock:

@@ -12,7 +12,7 @@ import torch
 from aiocache_kv.errors import StorageUnavailableError
 from aiocache_kv.storage import integrity
 from aiocache_kv.storage.base import PageBuffer, StatsCounter, StorageStats, leading_run
-from aiocache_kv.storage.keys import check_keys
+from aiocache_kv.storage.keys import check_keys, check_tag
 
 
 class MemoryStorage:
@@ -328,6 +328,18 @@ class MemoryStorage:
         )
         integrity.log_failures("memory", corrupt)
         return results
+
+    def remove_tag(self, tag: str) -> int:
+        """Delete every key ``"{tag}/..."``; how many were present."""
+        prefix = check_tag(tag) + "/"
+        self._ensure_open()
+        with self._lock:
+            self.calls["remove_tag"] = self.calls.get("remove_tag", 0) + 1
+            doomed = [k for k in self._data if k.startswith(prefix)]
+            for k in doomed:
+                del self._data[k]
+        self._stats.add(removed=len(doomed))
+        return len(doomed)
 
     def remove(self, keys: Sequence[str]) -> list[bool]:
         """Delete keys; per key ``True`` if it was present."""

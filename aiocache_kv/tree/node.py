@@ -45,6 +45,7 @@ RESIDENT = TierState.RESIDENT
 
 
 _VALID: frozenset[str] = frozenset()
+_NEVER = float("inf")
 
 
 def lacking(node: Node) -> frozenset[str]:
@@ -70,6 +71,7 @@ class Node:
         "hit_count",
         "host",
         "host_pages",
+        "host_pins",
         "invalid",
         "key",
         "last_access",
@@ -78,6 +80,8 @@ class Node:
         "op",
         "parent",
         "pins",
+        "priority",
+        "retain_until",
         "storage",
     )
 
@@ -91,6 +95,9 @@ class Node:
         self.device_pages: torch.Tensor | None = None
         self.host_pages: torch.Tensor | None = None
         self.pins = 0
+        #: hard host pins (``hardpins.py``) on this node's path: its host copy stays (not a
+        #: host victim, host pages protected) while its device copy may still be demoted
+        self.host_pins = 0
         self.last_access = 0
         self.hit_count = 0
         self.n_dev_children = 0
@@ -109,6 +116,10 @@ class Node:
         #: announced once the parent is, never reported removed otherwise
         self.cpu_hidden = False
         self.alive = True
+        #: retention priority (``tree/retention.py``): evicted after lower ones; falls back
+        #: to the default at ``retain_until`` (monotonic seconds; ``inf``: never)
+        self.priority = 0
+        self.retain_until = _NEVER
 
     @property
     def is_root(self) -> bool:
@@ -119,5 +130,5 @@ class Node:
         return (
             f"<Node tokens={len(self.key)} device={self.device.name} host={self.host.name} "
             f"storage={self.storage.name} "
-            f"pins={self.pins} children={len(self.children)}>"
+            f"pins={self.pins} host_pins={self.host_pins} children={len(self.children)}>"
         )

@@ -44,14 +44,15 @@ import torch
 
 from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.gcfree import keep
+from aiocache_kv.tree.detach import Detacher
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
 from aiocache_kv.tree.keycmp import common_len
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, Tier, TierState
 from aiocache_kv.tree.results import Eviction, InsertOutcome, InsertPlan
-from aiocache_kv.tree.tiers import TierBook
+from aiocache_kv.tree.tiers import check_host_pins
 
 
-class RadixTree(TierBook):
+class RadixTree(Detacher):
     """Page-granular radix tree over a device and a host tier.  Not thread-safe by design."""
 
     def __init__(self, page_size: int, *, on_split: Callable[[Node, Node], None] | None = None):
@@ -86,12 +87,11 @@ class RadixTree(TierBook):
         return self._seeds[ns]
 
     def _reclaim(self, root: Node) -> None:
-        """Forget an empty namespace: no nodes and no handle on its root.
-
-        A root's ``pins`` counts the handles that matched nothing in it, so an empty
-        namespace costs nothing once its last handle is gone (one-off tenant salts).
-        """
-        if not root.children and root.pins == 0 and self._roots.get(root.ns) is root:
+        """Forget an empty namespace: no nodes, no dropped subtree below and no handle on its
+        root (``pins`` counts the handles that matched nothing in it), so an empty namespace
+        costs nothing once its last handle is gone (one-off tenant salts)."""
+        empty = not root.children and not self._reclaim_blocked(root)
+        if empty and root.pins == 0 and self._roots.get(root.ns) is root:
             del self._roots[root.ns]
             del self._seeds[root.ns]
             root.alive = False
@@ -271,6 +271,8 @@ class RadixTree(TierBook):
             node.n_dev_children += 1
             self.num_nodes += 1
             self.dev_evictable += (n - pos) // p
+            if self.tenants is not None:
+                self._acct_tenant(self.tenants, new, 1)
             if not pin:
                 self._dev_heap.offer(new)
             out.created.append(new)
@@ -308,8 +310,10 @@ class RadixTree(TierBook):
         head.invalid = child.invalid
         head.device_complete = child.device_complete
         head.pins = child.pins
+        head.host_pins = child.host_pins
         head.last_access = child.last_access
         head.hit_count = child.hit_count
+        self._inherit_retention(head, child)
         if child.device_pages is not None:
             head.device_pages = child.device_pages[:pg]
             child.device_pages = child.device_pages[pg:]
@@ -359,8 +363,11 @@ class RadixTree(TierBook):
 
     # ---------------------------------------------------------------- eviction
 
-    def evict_device(self, num_pages: int, stage: Callable[[Node], bool] | None = None) -> Eviction:
-        """Free at least ``num_pages`` device pages, least recently used first, if possible.
+    def evict_device(
+        self, num_pages: int, stage: Callable[[Node], bool] | None = None, tenant: str | None = None
+    ) -> Eviction:
+        """Free at least ``num_pages`` device pages (of ``tenant`` alone if given), lowest
+        retention priority then least recently used first, if possible.
 
         A victim with a host copy is demoted (stays matchable from host); one without is
         deleted, unless ``stage(node)`` takes it (write-back: it starts a copy to host and the
@@ -368,9 +375,9 @@ class RadixTree(TierBook):
         """
         self._check_owner()
         out = Eviction()
-        heap = self._dev_heap
+        pop = self._victims(self._dev_heap, tenant)
         while out.num_pages < num_pages:
-            node = heap.pop()
+            node = pop()
             if node is None:
                 break
             if node.host is ABSENT and stage is not None and stage(node):
@@ -390,13 +397,14 @@ class RadixTree(TierBook):
                 self._remove(node)
         return out
 
-    def evict_host(self, num_pages: int) -> Eviction:
-        """Free at least ``num_pages`` host pages by deleting host-only leaves (LRU first)."""
+    def evict_host(self, num_pages: int, tenant: str | None = None) -> Eviction:
+        """Free at least ``num_pages`` host pages (of ``tenant`` alone if given) by deleting
+        host-only leaves (lowest retention priority, then LRU, first)."""
         self._check_owner()
         out = Eviction()
-        heap = self._host_heap
+        pop = self._victims(self._host_heap, tenant)
         while out.num_pages < num_pages:
-            node = heap.pop()
+            node = pop()
             if node is None:
                 break
             out.num_pages += self._npages(node)
@@ -411,7 +419,7 @@ class RadixTree(TierBook):
         stack = list(node.children.values())
         while stack:
             child = stack.pop()
-            if child.backup is not None or child.op is not None or child.pins:
+            if child.backup is not None or child.op is not None or child.pins or child.host_pins:
                 return False
             stack.extend(child.children.values())
         return True
@@ -435,6 +443,7 @@ class RadixTree(TierBook):
         """Unlink a childless node and drop its pages from the accounting."""
         assert not node.children, f"removing {node!r} with children"
         assert node.op is None and node.backup is None and node.pins == 0, f"busy {node!r}"
+        assert node.host_pins == 0, f"removing host-pinned {node!r}"
         parent = node.parent
         assert parent is not None
         self._acct(node, -1)
@@ -445,6 +454,7 @@ class RadixTree(TierBook):
         self.num_nodes -= 1
         self._dev_heap.forget(node)
         self._host_heap.forget(node)
+        self.deadlines.forget(node)
         if parent.parent is None:
             self._reclaim(parent)
         else:
@@ -493,22 +503,29 @@ class RadixTree(TierBook):
         out.reverse()
         return out
 
-    def check_invariants(self, handle_pins: dict[int, int] | None = None) -> None:
+    def check_invariants(
+        self, handle_pins: dict[int, int] | None = None, host_pins: dict[int, int] | None = None
+    ) -> None:
         """Recompute every counter and check every structural invariant; raise on breach.
 
         ``handle_pins`` maps ``id(node)`` to the number of live handles ending at that node;
         when given, every node's pin count must equal the handles in its subtree.
+        ``host_pins`` does the same for the hard host pins (``node.host_pins``).
         """
         p = self.page_size
         counts = {"de": 0, "dp": 0, "he": 0, "hp": 0}
         nodes = 0
         pins_below: dict[int, int] = {}
         order = list(self.walk())
-        for node in order:
+        under = self.check_detached()  # detached subtrees: by id of the parent of their top
+        live = len(order)
+        for node in order + list(self.walk_detached()):
             nodes += 1
             parent = node.parent
-            assert parent is not None and node.alive, f"dead or rootless node in tree {node!r}"
-            assert parent.children.get(self._child_key(node.key, 0)) is node, f"bad link {node!r}"
+            assert parent is not None and node.alive == (nodes <= live), f"bad node {node!r}"
+            assert self.detached.get(id(node)) is node or (
+                parent.children.get(self._child_key(node.key, 0)) is node
+            ), f"bad link {node!r}"
             assert node.key and len(node.key) % p == 0, f"unaligned key on {node!r}"
             assert node.device is not ABSENT or node.host is not ABSENT, f"empty {node!r}"
             if node.device is not ABSENT:
@@ -538,13 +555,16 @@ class RadixTree(TierBook):
             if backing_up:
                 assert node.host is RESIDENT, f"backup without a host copy {node!r}"
             ndc = sum(1 for c in node.children.values() if c.device is not ABSENT)
+            ndc += sum(1 for c in under.get(id(node), ()) if c.device is not ABSENT)
             assert node.n_dev_children == ndc, f"n_dev_children {node.n_dev_children}!={ndc}"
             busy = node.pins > 0 or filling
             n = len(node.key) // p
             if node.device is not ABSENT:
                 counts["dp" if busy else "de"] += n
             if node.host is not ABSENT:
-                counts["hp" if busy or backing_up else "he"] += n
+                counts["hp" if busy or backing_up or node.host_pins else "he"] += n
+            elif node.host_pins:
+                raise AssertionError(f"host pin on a node not on host {node!r}")
         assert nodes == self.num_nodes, f"num_nodes {self.num_nodes} != {nodes}"
         got = {
             "de": self.dev_evictable,
@@ -555,27 +575,24 @@ class RadixTree(TierBook):
         assert got == counts, f"page accounting {got} != recomputed {counts}"
         for root in self._roots.values():
             assert root.device is RESIDENT and root.alive, f"root state changed {root!r}"
-            assert root.children or root.pins, f"empty namespace kept {root!r}"
+            assert root.children or root.pins or id(root) in under, f"empty ns kept {root!r}"
             if handle_pins is not None:
                 want = handle_pins.get(id(root), 0)
                 assert root.pins == want, f"root pins {root.pins} != handles {want} {root!r}"
             ndc = sum(1 for c in root.children.values() if c.device is not ABSENT)
+            ndc += sum(1 for c in under.get(id(root), ()) if c.device is not ABSENT)
             assert root.n_dev_children == ndc, f"root n_dev_children {root.n_dev_children}!={ndc}"
         if handle_pins is not None:
-            for node in reversed(order):
+            for node in reversed(order + list(self.walk_detached())):
                 below = handle_pins.get(id(node), 0) + sum(
-                    pins_below.get(id(c), 0) for c in node.children.values()
+                    pins_below.get(id(c), 0)
+                    for c in [*node.children.values(), *under.get(id(node), ())]
                 )
                 pins_below[id(node)] = below
                 assert node.pins == below, f"pins {node.pins} != live handles {below} {node!r}"
-
-    def device_pages_in_tree(self) -> list[torch.Tensor]:
-        """Every device page tensor held by the tree (for allocator cross-checks)."""
-        return [n.device_pages for n in self.walk() if n.device_pages is not None]
-
-    def host_pages_in_tree(self) -> list[torch.Tensor]:
-        """Every host page tensor held by the tree (for allocator cross-checks)."""
-        return [n.host_pages for n in self.walk() if n.host_pages is not None]
+        if host_pins is not None:
+            check_host_pins(order, host_pins)
+        self._check_retention(order)
 
 
 __all__ = ["Eviction", "InsertOutcome", "RadixTree", "Tier", "TierState"]

@@ -9,15 +9,19 @@ structure (roots, match, insert, split, eviction walks) lives in ``radix.py``.
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from aiocache_kv.errors import OwnershipError
-from aiocache_kv.tree.lru import VictimHeap
+from aiocache_kv.quotas import QuotaBook, tenant_of
+from aiocache_kv.tree.lru import TenantVictims, VictimHeap
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, TierState
+from aiocache_kv.tree.retention import Deadlines
 
 _get_ident = threading.get_ident  # one global lookup on every ownership check
 
@@ -38,10 +42,78 @@ class TierBook:
         self._host_heap: VictimHeap[Node] = VictimHeap(is_host_candidate)
         #: called after an unpin left a node with no pin (its pages may be evictable now)
         self.on_unpinned: Callable[[], None] | None = None
+        #: retention deadlines (lapsed before every eviction); per-tenant page ledger, kept
+        #: only once a quota is configured (:meth:`enable_quotas`)
+        self.deadlines = Deadlines(self._offer)
+        self.tenants: QuotaBook | None = None
 
     def _reclaim(self, root: Node) -> None:
         """Forget an empty namespace (the tree's structure decides; see ``RadixTree``)."""
         raise NotImplementedError
+
+    def walk(self) -> Iterator[Node]:
+        """Every non-root node, parents before children (``RadixTree``'s)."""
+        raise NotImplementedError
+
+    def device_pages_in_tree(self) -> list[torch.Tensor]:
+        """Every device page tensor held by the tree (for allocator cross-checks)."""
+        return [n.device_pages for n in self.walk() if n.device_pages is not None]
+
+    def host_pages_in_tree(self) -> list[torch.Tensor]:
+        """Every host page tensor held by the tree (for allocator cross-checks)."""
+        return [n.host_pages for n in self.walk() if n.host_pages is not None]
+
+    # ---------------------------------------------------------------- retention, quotas
+
+    def enable_quotas(self, book: QuotaBook) -> None:
+        """Keep the per-tenant page ledger ``book`` and per-tenant victim heaps from now on
+        (one walk of the tree, to count what it holds)."""
+        self._check_owner()
+        assert self.tenants is None, "quotas already enabled"
+        self.tenants = book
+        self._dev_heap = TenantVictims(is_device_candidate, _node_tenant, book.over[0])
+        self._host_heap = TenantVictims(is_host_candidate, _node_tenant, book.over[1])
+        for node in self.walk():
+            self._acct_tenant(book, node, 1)
+            self._offer(node)
+
+    def _acct_tenant(self, book: QuotaBook, node: Node, sign: int) -> None:
+        n = sign * (len(node.key) // self.page_size)
+        book.add(
+            tenant_of(node.ns),
+            n if node.device is not ABSENT else 0,
+            n if node.host is not ABSENT else 0,
+        )
+
+    def _victims(self, heap: VictimHeap[Node], tenant: str | None) -> Callable[[], Node | None]:
+        """The pop of an eviction walk (after lapsing due retention deadlines): the tier's
+        next victim, or with ``tenant`` that tenant's alone."""
+        self.deadlines.lapse()
+        return heap.pop if tenant is None else functools.partial(heap.pop_own, tenant)
+
+    def _inherit_retention(self, head: Node, tail: Node) -> None:
+        """A split's new ``head`` keeps the priority and deadline of the node it came from."""
+        head.priority = tail.priority
+        head.retain_until = tail.retain_until
+        if tail.retain_until != math.inf:
+            self.deadlines.track(head)
+
+    def _check_retention(self, nodes: list[Node]) -> None:
+        """Priorities and deadlines (``Deadlines.check``) and the tenant ledger."""
+        self.deadlines.check(nodes)
+        if self.tenants is not None:
+            self.tenants.check(self.tenant_pages())
+
+    def tenant_pages(self) -> dict[str, list[int]]:
+        """Pages per tenant per tier (device, host), recounted from the tree."""
+        out: dict[str, list[int]] = {}
+        p = self.page_size
+        for node in self.walk():
+            u = out.setdefault(tenant_of(node.ns), [0, 0])
+            n = len(node.key) // p
+            u[0] += n if node.device is not ABSENT else 0
+            u[1] += n if node.host is not ABSENT else 0
+        return out
 
     # ---------------------------------------------------------------- ownership
 
@@ -125,9 +197,50 @@ class TierBook:
         if node.device is not ABSENT:
             self.dev_evictable -= n
             self.dev_protected += n
-        if node.host is not ABSENT and node.storage is not FILLING:
+        if node.host is not ABSENT and node.storage is not FILLING and node.host_pins == 0:
             self.host_evictable -= n
             self.host_protected += n
+
+    def pin_host(self, node: Node) -> None:
+        """Hard-pin the host copies of ``node`` and its ancestors (``hardpins.py``): none of
+        them is a host victim until :meth:`unpin_host`; their device copies may still go.
+        Every node of the path must be host-RESIDENT."""
+        self._check_owner()
+        p = self.page_size
+        while node.parent is not None:
+            assert node.host is RESIDENT, f"host pin of a node not on host {node!r}"
+            node.host_pins += 1
+            if node.host_pins == 1:
+                self._protect_host(node, len(node.key) // p)
+            node = node.parent
+
+    def unpin_host(self, node: Node) -> None:
+        """Drop one hard host pin from ``node`` and its ancestors (``on_unpinned`` runs once
+        if a node was left without one: its pages may be evictable, or reapable, now)."""
+        self._check_owner()
+        p = self.page_size
+        hook = self.on_unpinned
+        while node.parent is not None:
+            assert node.host_pins > 0, f"host unpin of a node not host-pinned {node!r}"
+            node.host_pins -= 1
+            if node.host_pins == 0:
+                self._protect_host(node, -(len(node.key) // p))
+                self._offer(node)
+                if hook is not None:  # only schedules work: the walk goes on undisturbed
+                    hook()
+                    hook = None
+            node = node.parent
+
+    def _protect_host(self, node: Node, n: int) -> None:
+        """A node's first hard host pin came (``n`` > 0) or its last went: its host pages
+        move between evictable and protected, unless something else protects them anyway
+        (``_acct``'s rule: a pin, a copy in flight, a backup reading them)."""
+        if node.host is ABSENT or node.storage is FILLING or node.pins > 0:
+            return
+        if node.device is FILLING or node.host is FILLING:
+            return
+        self.host_evictable -= n
+        self.host_protected += n
 
     # ---------------------------------------------------------------- tier transitions
 
@@ -135,6 +248,8 @@ class TierBook:
         return len(node.key) // self.page_size
 
     def _acct(self, node: Node, sign: int) -> None:
+        if self.tenants is not None:
+            self._acct_tenant(self.tenants, node, sign)
         n = sign * (len(node.key) // self.page_size)
         busy = node.pins > 0 or node.device is FILLING or node.host is FILLING
         if node.device is not ABSENT:
@@ -143,7 +258,7 @@ class TierBook:
             else:
                 self.dev_evictable += n
         if node.host is not ABSENT:
-            if busy or node.storage is FILLING:
+            if busy or node.storage is FILLING or node.host_pins:
                 self.host_protected += n
             else:
                 self.host_evictable += n
@@ -279,6 +394,10 @@ class TierBook:
         return pages
 
 
+def _node_tenant(node: Node) -> str:
+    return tenant_of(node.ns)
+
+
 def is_device_candidate(node: Node) -> bool:
     """Whether ``node`` may be chosen as a device victim now."""
     return (
@@ -299,9 +418,20 @@ def is_host_candidate(node: Node) -> bool:
         and node.storage is not FILLING
         and node.device is ABSENT
         and node.pins == 0
+        and node.host_pins == 0
         and not node.children
         and node.parent is not None
     )
+
+
+def check_host_pins(order: list[Node], host_pins: dict[int, int]) -> None:
+    """Each node of ``order`` (parents before children) holds as many hard host pins as end
+    in its subtree (``host_pins``: ``id(node)`` -> pins ending there)."""
+    below: dict[int, int] = {}
+    for node in reversed(order):
+        n = host_pins.get(id(node), 0) + sum(below.get(id(c), 0) for c in node.children.values())
+        below[id(node)] = n
+        assert node.host_pins == n, f"host pins {node.host_pins} != live host pins {n} {node!r}"
 
 
 _DEVICE_OK = {
@@ -335,4 +465,4 @@ _HOST_OK = {
     ]
 }
 
-__all__ = ["TierBook", "is_device_candidate", "is_host_candidate"]
+__all__ = ["TierBook", "check_host_pins", "is_device_candidate", "is_host_candidate"]

@@ -153,6 +153,19 @@ BAD: dict[str, tuple[dict[str, Any], int, str, str]] = {
     "top_p": ({"prompt": [1, 2], "top_p": 0.5}, 400, "top_p", "not supported"),
     "context": ({"prompt": [1] * 510, "max_tokens": 5}, 413, "prompt", "context"),
     "device_pool": ({"prompt": [1] * 300, "max_tokens": 32}, 413, "prompt", "pool"),
+    "priority_negative": (
+        {"prompt": [1, 2], "extra_body": {"priority": -1}},
+        400,
+        "priority",
+        "[0, 1000]",
+    ),
+    "priority_float": ({"prompt": [1, 2], "extra_body": {"priority": 2.5}}, 400, "priority", "int"),
+    "retention_negative": (
+        {"prompt": [1, 2], "extra_body": {"priority": 3, "retention_seconds": -5}},
+        400,
+        "retention_seconds",
+        "retention_seconds",
+    ),
     "usage_without_stream": (
         {"prompt": [1, 2], "stream_options": {"include_usage": True}},
         400,
@@ -210,6 +223,16 @@ async def test_engine_closed_is_503(live: Live, monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(openai.InternalServerError) as err:
         await live.complete([1, 2, 3], 2, stream=True)
     assert err.value.status_code == 503
+
+
+async def test_priority_extension_reaches_the_cache(live: Live) -> None:
+    prompt = random_tokens(51, 33)
+    await live.complete(prompt, 1, extra_body={"priority": 7, "retention_seconds": 60})
+    # streamed, and long enough to complete a new page: its insert raises the whole path
+    await collect(await live.complete(prompt, 8, stream=True, extra_body={"priority": 8}))
+    cache = live.srv.runner.app[server_mod.SERVER].engine.cache
+    node, n = cache._core.tree.match(cache._ns(None, None), prompt, 32)
+    assert n == 32 and node.priority == 8
 
 
 async def test_tenant_header_wins_over_user(live: Live) -> None:

@@ -181,6 +181,26 @@ async def test_bad_requests(server: Running) -> None:
     assert metric(text, 'aiocache_kv_requests_total{outcome="bad_request"}') == 16
 
 
+async def test_generate_priority_fields(server: Running) -> None:
+    for body in (
+        {"tokens": [1, 2], "priority": -1},
+        {"tokens": [1, 2], "priority": 1001},
+        {"tokens": [1, 2], "priority": True},
+        {"tokens": [1, 2], "priority": "high"},
+        {"tokens": [1, 2], "priority": 5, "retention_seconds": 0},
+        {"tokens": [1, 2], "priority": 5, "retention_seconds": 1e300},
+        {"tokens": [1, 2], "priority": 5, "retention_seconds": "1m"},
+    ):
+        status, reply = await server.post("/generate", body)
+        assert status == 400 and (
+            "priority" in reply["error"] or "retention_seconds" in reply["error"]
+        ), reply
+    status, reply = await server.post(
+        "/generate", {"tokens": [1, 2, 3, 4, 5], "priority": 9, "retention_seconds": 30}
+    )
+    assert status == 200, reply
+
+
 async def test_concurrent_requests_and_health_while_busy(server: Running, gpt2: Any) -> None:
     system = random_tokens(40, 32)
     prompts = [system + random_tokens(41 + i, 10 + 3 * i) for i in range(4)]
@@ -523,3 +543,42 @@ async def test_metrics_off_the_loop_thread_is_refused(server: Running) -> None:
     app_server = server.runner.app[server_mod.SERVER]
     with pytest.raises(akv.OwnershipError):
         await asyncio.to_thread(generate_latest, app_server.registry)
+
+
+async def test_cache_admin_pin_unpin_warm(tmp_path: Path, gpt2: Any) -> None:
+    """``/cache/pin``, ``/cache/unpin`` and ``/cache/warm`` (examples/cache_admin.py)."""
+    prompt = random_tokens(40, 32)
+    srv = await start(options(tmp_path / "kv"))
+    try:
+        status, out = await srv.post("/generate", {"tokens": prompt, "max_new_tokens": 2})
+        assert status == 200, out
+        status, pin = await srv.post("/cache/pin", {"tokens": prompt, "ttl": 30})
+        assert status == 200, pin
+        assert pin["tier"] == "device" and pin["pinned_len"] == 32 and pin["pages"] == 4
+        assert 0 < pin["expires_in_s"] <= 30
+        for body, want in (
+            ({"tokens": prompt, "ttl": -1}, 400),
+            ({"tokens": prompt, "ttl": 30, "tier": "storage"}, 400),
+            ({"tokens": random_tokens(41, 16), "ttl": 30}, 404),  # not cached
+            ({"tokens": prompt}, 400),
+            ({"tokens": prompt, "ttl": 30, "bogus": 1}, 400),
+        ):
+            status, err = await srv.post("/cache/pin", body)
+            assert status == want, (body, err)
+        status, out = await srv.post("/cache/unpin", {"pin_id": pin["pin_id"]})
+        assert (status, out) == (200, {"released": True})
+        status, out = await srv.post("/cache/unpin", {"pin_id": pin["pin_id"]})
+        assert status == 404, out
+        await srv.post("/flush", {})
+    finally:
+        await stop(srv)
+    srv = await start(options(tmp_path / "kv"))  # a restart: the prompt is only in storage
+    try:
+        status, res = await srv.post("/cache/warm", {"tokens": prompt, "timeout": 10})
+        assert status == 200, res
+        assert res["device_len"] == 32 and res["storage_tokens"] == 32, res
+        assert not res["timed_out"]
+        status, err = await srv.post("/cache/warm", {"tokens": prompt, "timeout": "soon"})
+        assert status == 400, err
+    finally:
+        await stop(srv)

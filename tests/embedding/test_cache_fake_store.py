@@ -232,7 +232,6 @@ async def test_many_tasks_on_overlapping_hashes(ns: str) -> None:
     want = {h: emb(i, tokens=1 + i % 5) for i, h in enumerate(hashes)}
     rng = random.Random(3)
     async with node(client, ns, pool=6 * 512) as a, node(client, ns, pool=4 * 512) as b:
-
         pushed: dict[int, set[str]] = {id(a): set(), id(b): set()}
 
         async def worker(cache: EmbeddingCache, seed: int) -> None:

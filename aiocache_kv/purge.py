@@ -1,0 +1,419 @@
+"""Purge: ``HiCache.drop`` removes a prefix's subtree, or a tenant's pages, from every tier.
+
+What is dropped
+---------------
+With ``tokens`` (``L`` whole pages, ``L >= 1``): the page ``L - 1`` of the prompt (its last
+whole page) and every cached page that continues it, in every namespace chosen (below).  The
+pages before it stay, so a match of ``tokens`` afterwards ends one page short, and a sibling
+that leaves the prompt before its last page is untouched.  Without ``tokens``: every page of
+the namespaces chosen.  The namespaces: ``(model, tenant, lora)`` with ``tenant=None`` the
+default tenant; ``lora=None`` means every adapter of the tenant the cache knows of (the tree's
+roots) plus the tenant's base namespace (no adapter).  An adapter this node never saw has a
+storage tag only its name can give (a digest): pass ``lora=`` to drop it from storage.
+
+Device and host (``"device"`` and ``"host"`` are dropped together: a node must keep a copy in
+one of them).  The subtree's top is *detached* at once (``tree/detach.py``): nothing can match
+it again, so a new request for the same tokens is a miss and recomputes, and one
+``BlockRemoved`` per medium says so at once for every announced copy.  Its idle nodes are
+freed at once, children first; a node still in use (a handle of a running request, a
+prefetch's anchor, a copy or backup in flight, a hard pin) keeps its pages until its user is
+done, then the reaper frees it (it runs on the loop after every unpin, landed copy and landed
+backup: ``CacheCore.idle_hooks``).  A request holding a match on dropped pages reads them
+until it releases the match; a copy in flight lands (never announced), then frees.  A hard
+pin (``cache.pin``) on dropped pages ends at the drop (``RELEASED``): its pages are gone.
+
+Storage (``"storage"``).  The keys of every dropped node the cache put or read are removed,
+and so are the keys of page ``L - 1`` (whoever wrote them: without that page no prefetch can
+reach the pages after it).  A tenant drop removes every key of the namespaces' tags
+(``TagRemovableStorage.remove_tag``: FileStorage scans its index, Mooncake removes by regex on
+the master), so pages other nodes wrote over the same store go too.  A backend without
+``remove_tag`` gets the keys the cache knows (nodes and claims).  ``BlockRemoved(STORAGE)`` is
+published for the pages this cache claimed.  Pages after ``L - 1`` that only another node
+wrote stay (unreachable: a prefetch needs their leading page) until evicted.
+
+Races.  A backup putting dropped pages (queued, in flight, or landed while its worker still
+runs) removes what it put once its workers are done, and never claims it; a prefetch that
+would commit a dropped page (in flight at the drop, or started while the drop runs) commits
+nothing (``PrefetchingTier.fence``); one anchored in a dropped subtree commits nothing either.
+An eviction meanwhile finds detached nodes in no victim heap.
+
+Zeroization (``zeroize=True``).  Freed device and host pages (and their sidecar pages) are
+leased, freed (so they wait in quarantine: never reused), overwritten with zeros on a worker
+thread, after any storage worker still holding a host page returned it, and only then
+unleased, so they reach the free list zeroed.  ``drop`` awaits the zeroing of the pages it
+freed at once (bounded by its timeout); nodes freed later are zeroed the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from aiocache_kv.errors import (
+    DropIncompleteError,
+    InvalidInputError,
+    InvalidTypeError,
+    KVCacheError,
+)
+from aiocache_kv.events import BlockRemoved
+from aiocache_kv.logs import get_logger
+from aiocache_kv.namespace import Namespace
+from aiocache_kv.tree import Node, Tier
+from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
+from aiocache_kv.tree.node import ABSENT, RESIDENT
+
+if TYPE_CHECKING:
+    from aiocache_kv.core import CacheCore
+    from aiocache_kv.storage.tier import StorageTier
+
+log = get_logger(__name__)
+
+_NONE = torch.empty(0, dtype=torch.int64)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DropResult:
+    """What one :meth:`HiCache.drop` did."""
+
+    nodes: int  #: tree nodes dropped (detached; freed at once or once idle)
+    device_pages: int  #: device pages freed at once
+    host_pages: int  #: host pages freed at once
+    deferred_nodes: int  #: nodes in use, freed when their users are done
+    storage_pages: int  #: keys removed from storage (a tenant's: any node's)
+    storage_claims: int  #: pages this cache claimed in storage, published removed
+    zeroized_bytes: int  #: bytes of the pages freed at once, overwritten with zeros
+
+
+class Purger:
+    """The drop logic of one cache (loop-owned)."""
+
+    def __init__(self, core: CacheCore, storage: Callable[[], StorageTier | None]) -> None:
+        self.core = core
+        self._storage = storage
+        #: ids of detached nodes whose pages are zeroed when freed
+        self._zero: set[int] = set()
+        self._scheduled = False
+        self._tasks = core.zeroing  # flush waits for them
+        core.idle_hooks.append(self._poke)
+
+    # ------------------------------------------------------------------ reaper
+
+    def _poke(self) -> None:
+        """Dropped nodes may be idle now: free them soon (never inside the caller's step)."""
+        if self.core.tree.detached and not self._scheduled and self.core.loop is not None:
+            self._scheduled = True
+            self.core.loop.call_soon(self._run_reap)
+
+    def _run_reap(self) -> None:
+        self._scheduled = False
+        self.reap()
+
+    def reap(self) -> tuple[int, int, asyncio.Task[int] | None]:
+        """Free the detached nodes that are idle now (on the loop): device and host pages
+        freed (zeroed first where asked; their ``BlockRemoved`` went out at the drop).
+        Returns the device and host pages freed and the zeroing task, if any."""
+        core = self.core
+        out = core.tree.reap()
+        if not out.nodes:
+            return 0, 0, None
+        zero = self._zero
+        dev_pairs = list(zip(out.device_nodes, out.device_pages, strict=True))
+        host_pairs = list(zip(out.host_nodes, out.host_pages, strict=True))
+        dz = [p for n, p in dev_pairs if id(n) in zero]
+        hz = [p for n, p in host_pairs if id(n) in zero]
+        dk = [p for n, p in dev_pairs if id(n) not in zero]
+        hk = [p for n, p in host_pairs if id(n) not in zero]
+        for node in out.nodes:
+            zero.discard(id(node))
+        dev = sum(p.numel() for p in out.device_pages)
+        host = sum(p.numel() for p in out.host_pages)
+        c = core.counters
+        c.dropped_pages_device += dev
+        c.dropped_pages_host += host
+        if dk:
+            core.free_device(dk)
+        if hk:
+            core.free_host(hk)
+        task = self._zeroize(dz, hz) if dz or hz else None
+        return dev, host, task
+
+    # ------------------------------------------------------------------ zeroize
+
+    def _zeroize(self, dev: list[torch.Tensor], host: list[torch.Tensor]) -> asyncio.Task[int]:
+        """Quarantine ``dev`` and ``host`` pages (leased, then freed), zero them on a thread,
+        then release them to the free list; the task's result is the bytes zeroed."""
+        core = self.core
+        dflat = torch.cat(dev) if dev else _NONE
+        hflat = torch.cat(host) if host else _NONE
+        if dflat.numel():
+            assert core.dev_alloc is not None
+            core.dev_alloc.lease(dflat)
+            core.free_device([dflat])
+        if hflat.numel():
+            assert core.host_alloc is not None
+            core.host_alloc.lease(hflat)
+            core.free_host([hflat])
+        assert core.loop is not None
+        task = core.loop.create_task(self._zero_and_release(dflat, hflat))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _zero_and_release(self, dflat: torch.Tensor, hflat: torch.Tensor) -> int:
+        core = self.core
+        l3 = self._storage()
+        if hflat.numel() and l3 is not None:
+            await l3.workers_done(hflat)  # a late put still reading them keeps them until then
+        try:
+            nbytes = await asyncio.to_thread(self._zero_pages, dflat, hflat)
+        except Exception as exc:  # never reused unzeroed: they stay quarantined
+            log.error(
+                "zeroize_failed",
+                device_pages=dflat.numel(),
+                host_pages=hflat.numel(),
+                error=repr(exc),
+            )
+            raise
+        if dflat.numel():
+            assert core.dev_alloc is not None
+            core.dev_alloc.unlease(dflat)
+        if hflat.numel():
+            assert core.host_alloc is not None
+            core.host_alloc.unlease(hflat)
+        core.counters.zeroized_bytes += nbytes
+        return nbytes
+
+    def _zero_pages(self, dflat: torch.Tensor, hflat: torch.Tensor) -> int:
+        """Overwrite the pages with zeros (a worker thread: nothing else touches them now)."""
+        core = self.core
+        nbytes = 0
+        pool = core.device_pool
+        if dflat.numel() and pool is not None:
+            buf = pool.buffer
+            idx = dflat.to(buf.device)
+            buf.index_fill_(2, idx, 0)
+            nbytes += dflat.numel() * (pool.nbytes // pool.num_pages)
+            for sc in core.sidecars:
+                sc.device.index_fill_(0, idx, 0)
+                nbytes += dflat.numel() * sc.device[0].numel() * sc.device.element_size()
+            if buf.is_cuda:
+                torch.cuda.current_stream(buf.device).synchronize()
+        host = core.host_pool
+        if hflat.numel() and host is not None:
+            host.raw.index_fill_(0, hflat, 0)
+            nbytes += hflat.numel() * host.raw.shape[1]
+            for sc in core.sidecars:
+                sc.host_raw.index_fill_(0, hflat, 0)
+                nbytes += hflat.numel() * sc.host_raw.shape[1]
+        return nbytes
+
+    # ------------------------------------------------------------------ drop
+
+    def _subtree_tops(self, ns: Namespace, tokens: list[int] | None) -> list[Node]:
+        """The nodes to detach: the namespace's top nodes, or the node that starts with the
+        prompt's last whole page (split there if needed); none if it is not cached."""
+        tree = self.core.tree
+        if tokens is None:
+            return [c for r in tree.roots() if r.ns == ns for c in r.children.values()]
+        p = self.core.page_size
+        n = len(tokens) // p * p
+        if tree.peek(ns, tokens, n) < n:
+            return []  # its last page is not in the tree
+        node, at = tree.match(ns, tokens, n - p)  # splits at the page boundary
+        assert at == n - p, f"peek saw {n} tokens but match {at}"
+        key = tokens[n - p] if p == 1 else tuple(tokens[n - p : n])
+        child = node.children.get(key)
+        return [] if child is None else [child]
+
+    async def drop(
+        self,
+        namespaces: list[Namespace],
+        tokens: list[int] | None,
+        *,
+        memory: bool,
+        storage: bool,
+        zeroize: bool,
+        timeout: float,
+    ) -> DropResult:
+        """See :meth:`HiCache.drop` (arguments checked there).
+
+        Raises:
+            DropIncompleteError: storage removal failed or timed out (device and host done).
+        """
+        core = self.core
+        tree = core.tree
+        l3 = self._storage() if storage else None
+        p = core.page_size
+        fences: list[tuple[Namespace, bytes | None]] = []
+        lead: dict[Namespace, bytes] = {}  # prefix drops: the hash of the prompt's last page
+        if l3 is not None:
+            for ns in namespaces:
+                if tokens is not None:
+                    n = len(tokens) // p * p
+                    lead[ns] = chain_hashes(namespace_seed(ns.tag), tokens[:n], p)[-1]
+                fences.append(l3.fence(ns, lead.get(ns)))
+        dropped: list[Node] = []
+        if memory:
+            tops = [t for ns in namespaces for t in self._subtree_tops(ns, tokens)]
+            doomed = {id(n) for t in tops for n in _subtree(t)}
+            if doomed:  # a hard pin on dropped pages ends (RELEASED): they are gone
+                core.hard_pins.release_if(lambda n: id(n) in doomed)
+            for top in tops:
+                dropped += tree.detach(top)
+            # gone for every consumer at once (nothing can match them), whenever freed
+            core.emit_removed([n for n in dropped if n.device is RESIDENT], Tier.DEVICE)
+            core.emit_removed([n for n in dropped if n.host is RESIDENT], Tier.HOST)
+            if zeroize:
+                self._zero.update(id(n) for n in dropped)
+            if l3 is not None:
+                l3.mark_dropped(dropped)
+        elif l3 is not None:  # storage only: the nodes stay in the tree, storage-ABSENT
+            tops = [t for ns in namespaces for t in self._subtree_tops(ns, tokens)]
+            dropped = [n for t in tops for n in _subtree(t)]
+            busy = l3.backups_of(dropped)
+            if busy:  # let them land (bounded: each has its deadline), then remove
+                await asyncio.wait(busy, timeout=timeout)
+            dropped = [n for n in dropped if n.alive]
+        stored = [n for n in dropped if n.storage is not ABSENT]
+        claimed = [h for n in dropped if n.storage is RESIDENT for h in tree.block_hashes(n)]
+        if not memory:
+            for node in stored:
+                tree.lose_storage(node)  # a later hit backs it up again, as after an eviction
+        dev, host, task = self.reap() if memory else (0, 0, None)
+        deferred = sum(1 for n in dropped if memory and not _freed(n))
+        removed = 0
+        error: BaseException | None = None
+        try:
+            if l3 is not None:
+                removed, claims = await self._drop_storage(
+                    l3, namespaces, tokens, stored, lead, timeout
+                )
+                claimed = list(dict.fromkeys(claimed + claims))
+        except (KVCacheError, asyncio.TimeoutError) as exc:
+            error = exc
+        finally:
+            for fence in fences:
+                assert l3 is not None
+                l3.unfence(fence)
+        if claimed and l3 is not None:
+            l3.forget_claims(claimed)
+            core.emit(BlockRemoved(claimed, Tier.STORAGE.medium))
+        zeroed = 0
+        if task is not None:
+            done, _ = await asyncio.wait([task], timeout=timeout)
+            zeroed = task.result() if done and not task.exception() else 0
+        result = DropResult(
+            nodes=len(dropped) if memory else 0,
+            device_pages=dev,
+            host_pages=host,
+            deferred_nodes=deferred,
+            storage_pages=removed,
+            storage_claims=len(claimed),
+            zeroized_bytes=zeroed,
+        )
+        if dropped or removed or claimed:
+            core.counters.drops += 1
+        log.info("drop", **dataclasses.asdict(result), error=None if error is None else repr(error))
+        if error is not None:
+            incomplete = DropIncompleteError(
+                f"drop: device and host done, but storage removal failed: {error!r}"
+            )
+            incomplete.result = result
+            raise incomplete from error
+        return result
+
+    async def _drop_storage(
+        self,
+        l3: StorageTier,
+        namespaces: list[Namespace],
+        tokens: list[int] | None,
+        stored: list[Node],
+        lead: dict[Namespace, bytes],
+        timeout: float,
+    ) -> tuple[int, list[bytes]]:
+        """Remove the keys from storage; return how many and the claims of whole namespaces.
+
+        Raises:
+            StorageError / StorageTimeoutError: the backend failed or was too slow.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+
+        def left() -> float:
+            return max(deadline - loop.time(), 1e-3)
+
+        keys: list[str] = []
+        claims: list[bytes] = []
+        removed = 0
+        if tokens is None:
+            for ns in namespaces:
+                own = l3.claimed_in(ns)
+                claims += own
+                n = await l3.remove_tag(ns.tag, timeout=left())
+                if n is None:  # the backend cannot: the keys the cache knows
+                    keys += [k for node in stored if node.ns == ns for k in l3.node_keys(node)]
+                    keys += l3.page_keys(ns, own)
+                else:
+                    removed += n
+        else:
+            keys = [k for node in stored for k in l3.node_keys(node)]
+            for ns, h in lead.items():
+                own = l3.claimed_below(ns, h)  # pages of nodes that left the tree too
+                claims += own
+                keys += l3.page_keys(ns, [h, *own])
+        keys = list(dict.fromkeys(keys))
+        removed += await l3.remove_keys(keys, timeout=left())
+        l3.counters.dropped_pages_storage += removed
+        return removed, claims
+
+
+_TIER_NAMES = {"device": Tier.DEVICE, "host": Tier.HOST, "storage": Tier.STORAGE}
+
+
+def check_drop_tiers(tiers: object) -> frozenset[Tier]:
+    """The tiers of a drop: names (``"device"``, ``"host"``, ``"storage"``) or ``Tier``s;
+    device and host go together (a node must keep a copy in one of them).
+
+    Raises:
+        InvalidTypeError: not an iterable of names (a bare ``str`` is refused).
+        InvalidInputError: empty, an unknown tier, or device without host (or the reverse).
+    """
+    if isinstance(tiers, (str, bytes)) or not isinstance(tiers, (list, tuple, set, frozenset)):
+        raise InvalidTypeError(
+            f"tiers must be a list/tuple/set of tier names, got {type(tiers).__name__} {tiers!r}"
+        )
+    out: set[Tier] = set()
+    for t in tiers:
+        tier = t if isinstance(t, Tier) else _TIER_NAMES.get(t) if isinstance(t, str) else None
+        if tier is None:
+            raise InvalidInputError(f"tiers: unknown tier {t!r}; use some of {sorted(_TIER_NAMES)}")
+        out.add(tier)
+    if not out:
+        raise InvalidInputError("tiers must name at least one tier")
+    if (Tier.DEVICE in out) != (Tier.HOST in out):
+        raise InvalidInputError(
+            f"tiers {sorted(t.name.lower() for t in out)}: device and host are dropped "
+            "together (a node must keep a copy in one of them; use evict for one tier)"
+        )
+    return frozenset(out)
+
+
+def _subtree(top: Node) -> list[Node]:
+    out: list[Node] = []
+    stack = [top]
+    while stack:
+        cur = stack.pop()
+        out.append(cur)
+        stack.extend(cur.children.values())
+    return out
+
+
+def _freed(node: Node) -> bool:
+    return node.device is ABSENT and node.host is ABSENT
+
+
+__all__ = ["DropResult", "Purger", "check_drop_tiers"]
