@@ -65,9 +65,9 @@ class ServeBenchOptions:
     """Options of ``aiocache-kv bench serve``."""
 
     clients: int = 12
-    rounds: int = 6
-    system_tokens: int = 256
-    user_tokens: int = 64
+    rounds: int = 8
+    system_tokens: int = 2048
+    user_tokens: int = 256
     output_len: int = 16
     max_in_flight: int = 4
     request_rate: float = math.inf
