@@ -328,7 +328,8 @@ async def test_the_core_forgets_sums_when_it_hands_host_pages_out() -> None:
         await asyncio.sleep(0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 async def test_cuda_waiter_records_sums_after_the_event(tmp_path: Path) -> None:
     async with akv.HiCache(_cfg(FileStorage(tmp_path), device="cuda")) as cache:
         slots = cache.alloc(len(PROMPT))
