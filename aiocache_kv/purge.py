@@ -28,7 +28,8 @@ reach the pages after it).  A tenant drop removes every key of the namespaces' t
 (``TagRemovableStorage.remove_tag``: FileStorage scans its index, Mooncake removes by regex on
 the master), so pages other nodes wrote over the same store go too.  A backend without
 ``remove_tag`` gets the keys the cache knows (nodes and claims).  ``BlockRemoved(STORAGE)`` is
-published for the pages this cache claimed.  Pages after ``L - 1`` that only another node
+published for the pages this cache claimed (also when the removal fails, times out or is
+cancelled: its worker may still remove them).  Pages after ``L - 1`` that only another node
 wrote stay (unreachable: a prefetch needs their leading page) until evicted.
 
 Races.  A backup putting dropped pages (queued, in flight, or landed while its worker still
@@ -287,21 +288,25 @@ class Purger:
         deferred = sum(1 for n in dropped if memory and not _freed(n))
         removed = 0
         error: BaseException | None = None
+        claims: list[bytes] = []  # the namespaces' claims, filled before the removal starts
         try:
             if l3 is not None:
-                removed, claims = await self._drop_storage(
-                    l3, namespaces, tokens, stored, lead, timeout
+                removed = await self._drop_storage(
+                    l3, namespaces, tokens, stored, lead, timeout, claims
                 )
-                claimed = list(dict.fromkeys(claimed + claims))
         except (KVCacheError, asyncio.TimeoutError) as exc:
             error = exc
         finally:
             for fence in fences:
                 assert l3 is not None
                 l3.unfence(fence)
-        if claimed and l3 is not None:
-            l3.forget_claims(claimed)
-            core.emit(BlockRemoved(claimed, Tier.STORAGE.medium))
+            # retracted even if the removal failed, timed out or was cancelled: its worker
+            # may still remove the keys, and a claim the store does not back is the worse
+            # error (a key left unclaimed is only a miss; ``drop`` again removes it)
+            claimed = list(dict.fromkeys(claimed + claims))
+            if claimed and l3 is not None:
+                l3.forget_claims(claimed)
+                core.emit(BlockRemoved(claimed, Tier.STORAGE.medium))
         zeroed = 0
         if task is not None:
             done, _ = await asyncio.wait([task], timeout=timeout)
@@ -334,8 +339,11 @@ class Purger:
         stored: list[Node],
         lead: dict[Namespace, bytes],
         timeout: float,
-    ) -> tuple[int, list[bytes]]:
-        """Remove the keys from storage; return how many and the claims of whole namespaces.
+        claims: list[bytes],
+    ) -> int:
+        """Remove the keys from storage; return how many.  The claims of the pages it
+        removes that left the tree (whole namespaces', or below a prefix) are appended to
+        ``claims`` before their removal starts.
 
         Raises:
             StorageError / StorageTimeoutError: the backend failed or was too slow.
@@ -347,7 +355,6 @@ class Purger:
             return max(deadline - loop.time(), 1e-3)
 
         keys: list[str] = []
-        claims: list[bytes] = []
         removed = 0
         if tokens is None:
             for ns in namespaces:
@@ -368,7 +375,7 @@ class Purger:
         keys = list(dict.fromkeys(keys))
         removed += await l3.remove_keys(keys, timeout=left())
         l3.counters.dropped_pages_storage += removed
-        return removed, claims
+        return removed
 
 
 _TIER_NAMES = {"device": Tier.DEVICE, "host": Tier.HOST, "storage": Tier.STORAGE}

@@ -427,3 +427,67 @@ async def test_drop_metrics(engine: ManualCopyEngine) -> None:
         assert val(s, "aiocache_kv_dropped_pages_total", tier="storage") == 3
         assert val(s, "aiocache_kv_zeroized_bytes_total") == res.zeroized_bytes > 0
         assert val(s, "aiocache_kv_drop_races_total", kind="prefetch") == 0
+
+
+async def test_timed_out_tenant_drop_still_retracts_its_storage_claims(
+    engine: ManualCopyEngine,
+) -> None:
+    """Found by the stress test: a tenant drop whose ``remove_tag`` timed out kept the claims
+    of pages that had left the tree, while its worker went on and removed the keys (claims
+    the store no longer backs).  They are retracted whatever the removal's outcome."""
+
+    class GatedRemoveTag(MemoryStorage):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = threading.Event()
+
+        def remove_tag(self, tag: str) -> int:
+            self.gate.wait(self.gate_timeout)
+            return super().remove_tag(tag)
+
+    store = GatedRemoveTag()
+    cfg = small_config(storage=store, enable_kv_events=True)
+    async with akv.HiCache(cfg, copy_engine=engine) as cache:
+        await populated(cache, engine, A)
+        await cache.flush()
+        cache.evict(100)
+        cache.evict(100, "host")  # the nodes are gone; their storage claims stay
+        assert cache.cached_len(A) == 0 and len(store.contents()) == 3
+        cache.take_events()
+        with pytest.raises(DropIncompleteError):
+            await cache.drop(timeout=0.05)  # the removal waits in its worker
+        want = {page_hash(A, i) for i in range(3)}
+        assert removed(cache.take_events(), "STORAGE") == want
+        store.gate.set()
+        await until(lambda: not store.contents())  # the worker removed them after all
+        cache.check_invariants()
+
+
+async def test_drop_between_backup_pump_and_put_removes_the_late_put() -> None:
+    """Found by the stress test: a backup taken off the queue for a put whose task has not
+    run yet was neither queued nor putting, so a drop in that window did not mark it, and
+    its put stored the dropped pages for good.  It is marked and its put removed again."""
+    store = MemoryStorage()
+    async with akv.HiCache(small_config(storage=store)) as cache:
+        l3 = cache._l3
+        assert l3 is not None
+        pump = l3._pump
+        drops: list[asyncio.Task[object]] = []
+
+        def drop_then_pump() -> None:  # the drop's first step runs before the put's task
+            l3._pump = pump  # type: ignore[method-assign]
+            drops.append(asyncio.ensure_future(cache.drop()))
+            pump()
+
+        l3._pump = drop_then_pump  # type: ignore[method-assign]
+        r = insert(cache, A)
+        await r.write_through  # type: ignore[misc]
+        cache.release(r)
+        await until(lambda: bool(drops))
+        await drops[0]
+        await cache.flush()  # the put lands on dropped nodes: never claimed
+        await cache.flush()  # the late put's removal
+        await settle(cache)
+        assert not store.contents()
+        assert cache.statistics().late_puts_removed == 3
+        cache.check_invariants()

@@ -43,6 +43,7 @@ Budgets and seeds come from the Hypothesis profile that ``tests/conftest.py`` lo
 from __future__ import annotations
 
 import asyncio
+import collections
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,8 +138,18 @@ BAD_INPUTS = (
     "load_back_insert_handle",
     "pin_bad_ttl",
     "pin_storage_tier",
+    "priority_out_of_range",
+    "retention_nan",
+    "quota_tenant_none",
+    "quota_not_a_quota",
 )
 MAX_PINS = 3  # hard pins the machine holds at once
+#: rule -> runs per machine class, over every example (the teardown of a class's test asserts
+#: that each of #26's rules ran: a precondition or draw that starves one fails loudly)
+COVERAGE: collections.defaultdict[str, collections.Counter[str]] = collections.defaultdict(
+    collections.Counter
+)
+MUST_RUN = ("insert_with_priority", "set_quota", "set_quota_over_budget", "remove_quota")
 
 
 @dataclass
@@ -276,7 +287,10 @@ class HiCacheMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ insert / match
 
-    def _insert(self, tenant: Tenant, toks: Tokens, keep: bool) -> None:
+    def _insert(
+        self, tenant: Tenant, toks: Tokens, keep: bool, priority: int | None = None,
+        retention: float | None = None,
+    ) -> None:  # fmt: skip
         self.seen.append(toks)
         p = self.p
         n = len(toks) // p * p
@@ -288,7 +302,9 @@ class HiCacheMachine(RuleBasedStateMachine):
         self._absorb()  # alloc may have evicted
         self._write_kv(tenant, toks, slots[: len(toks)])
         want = self._insert_stop(tenant, toks, n)
-        r = self.cache.insert(list(toks), slots[: len(toks)], tenant=tenant)
+        r = self.cache.insert(
+            list(toks), slots[: len(toks)], tenant=tenant, priority=priority, retention=retention
+        )
         self._absorb(insert=(tenant, toks[:n]))
         if len(toks) % p:  # the unaligned tail page stays ours
             self.cache.free(slots[n:])
@@ -349,6 +365,23 @@ class HiCacheMachine(RuleBasedStateMachine):
     def insert(self, toks: list[int], tenant: Tenant, keep: bool) -> None:
         self._make_room()
         self._insert(tenant, tuple(toks), keep)
+
+    @rule(
+        toks=tokens_st,
+        tenant=tenant_st,
+        keep=st.booleans(),
+        priority=st.integers(0, 1000),
+        retention=st.one_of(st.none(), st.sampled_from([0.001, 0.01, 60.0])),
+    )
+    def insert_with_priority(
+        self, toks: list[int], tenant: Tenant, keep: bool, priority: int, retention: float | None
+    ) -> None:
+        """An insert with a retention priority (lapsing after ``retention`` seconds): the
+        model's bounds and the KV oracle hold as for any insert."""
+        self._make_room()
+        _event(f"insert with priority, retention {retention}")
+        self._insert(tenant, tuple(toks), keep, priority, retention)
+        COVERAGE[type(self).__name__]["insert_with_priority"] += 1
 
     @precondition(lambda self: self.seen)
     @rule(
@@ -546,6 +579,79 @@ class HiCacheMachine(RuleBasedStateMachine):
             for seen in self.seen:
                 assert self.cache.cached_len(seen, tenant=tenant) == 0, seen
 
+    # ------------------------------------------------------------------ quotas
+
+    @rule(
+        tenant=tenant_st,
+        # mostly below what a tenant holds, so that a change often finds it over
+        device=st.one_of(st.none(), st.integers(0, 2), st.integers(0, DEVICE_PAGES)),
+        host=st.one_of(st.none(), st.integers(0, 2), st.integers(0, HOST_PAGES)),
+        remove=st.booleans(),
+        shrink=st.booleans(),
+    )
+    def set_quota(
+        self, tenant: Tenant, device: int | None, host: int | None, remove: bool, shrink: bool
+    ) -> None:
+        """Set (small budgets) or remove a tenant's quota, maybe while it is over it: only
+        that tenant's pages go, and those of tenants over their own budgets (the pass
+        enforces every budget: one held over by pins since may go now); another tenant's
+        cached prefixes stay exactly as they were, its own never grow, and handles and pins
+        keep theirs (the invariants)."""
+        name = tenant or ""
+        usage = self.cache.tenant_usage(name)
+        if shrink:  # a page below what it holds now: over it at once
+            device = usage["device"] - 1 if usage["device"] else device
+            host = usage["host"] - 1 if usage["host"] else host
+        quota = None if remove else akv.TenantQuota(device_pages=device, host_pages=host)
+        known = set(self.seen)
+        others = [(t, x, self.cache.cached_len(x, tenant=t)) for t in TENANTS for x in known]
+        over_before = {t for t in TENANTS if self._over_budget(t or "")}
+        over = quota is not None and (
+            (device is not None and usage["device"] > device)
+            or (host is not None and usage["host"] > host)
+        )
+        self.cache.set_tenant_quota(name, quota)
+        self._absorb()
+        self._tick()  # a pass scheduled by the change runs too
+        self._absorb()
+        assert self.cache.tenant_quota(name) == quota, (name, quota)
+        for t, x, before in others:
+            now = self.cache.cached_len(x, tenant=t)
+            if t == tenant or t in over_before:
+                assert now <= before, f"{t!r} {x}: {before} -> {now} after its quota {quota}"
+            else:
+                assert now == before, (
+                    f"quota {quota} of {tenant!r} changed {t!r} {x}: {before} -> {now}"
+                )
+        kind = "remove_quota" if remove else "set_quota_over_budget" if over else "set_quota"
+        _event(f"quota: {kind}")
+        counts = COVERAGE[type(self).__name__]
+        counts[kind] += 1
+        counts["set_quota"] += kind == "set_quota_over_budget"
+        if over:  # enforced at once, best effort against what cannot go (device victims
+            # may move to host: write-back stages them there)
+            after = self.cache.tenant_usage(name)
+            assert after["device"] <= usage["device"], (usage, after, quota)
+
+    def _holding(self) -> list[Tenant]:
+        return [t for t in TENANTS if any(self.cache.tenant_usage(t or "").values())]
+
+    @precondition(lambda self: not self.closed and self._holding())
+    @rule(i=index_st)
+    def quota_below_usage(self, i: int) -> None:
+        """A quota a page below what a tenant holds now (so a change finds it over)."""
+        self.set_quota(self._pick(self._holding(), i), None, None, remove=False, shrink=True)
+
+    def _over_budget(self, name: str) -> bool:
+        quota = self.cache.tenant_quota(name)
+        if quota is None:
+            return False
+        usage = self.cache.tenant_usage(name)
+        return any(
+            (limit := quota.limit(i)) is not None and usage[tier] > limit
+            for i, tier in enumerate(("device", "host"))
+        )
+
     # ------------------------------------------------------------------ eviction
 
     @rule(tier=st.sampled_from(["device", "host"]), n=st.integers(0, 6))
@@ -646,8 +752,19 @@ class HiCacheMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ bad input
 
     def _expect_error(
-        self, exc_type: type[KVCacheError], call: Callable[[], object], *, insert: bool = False
+        self,
+        exc_type: type[KVCacheError],
+        call: Callable[[], object],
+        *,
+        insert: bool = False,
+        runs_loop: bool = False,
     ) -> None:
+        if runs_loop:  # what the loop would do meanwhile happens first: short pins expire,
+            # a drop's zeroing (on a thread) hands its pages back
+            self._run(asyncio.sleep(0.002))
+            purger = self.cache._purger
+            if purger is not None and purger._tasks:
+                self._run(asyncio.wait(list(purger._tasks)))
         before = self._snapshot()
         with pytest.raises(exc_type):
             call()
@@ -771,6 +888,23 @@ class HiCacheMachine(RuleBasedStateMachine):
             call = lambda: self._run(c.load_back(r))  # noqa: E731
         elif kind == "pin_bad_ttl":
             call = lambda: c.pin(toks, ttl=float("nan"), tenant=tenant)  # noqa: E731
+        elif kind == "priority_out_of_range":  # outside [0, 1000]
+            slots = need_slots(n)
+            if slots is None:
+                return
+            call = lambda: c.insert(toks, slots[:n], tenant=tenant, priority=1001)  # noqa: E731
+        elif kind == "retention_nan":
+            slots = need_slots(n)
+            if slots is None:
+                return
+            nan = float("nan")
+            call = lambda: c.insert(toks, slots[:n], priority=5, retention=nan)  # noqa: E731
+        elif kind == "quota_tenant_none":  # the default tenant is "", None is refused
+            expect = InvalidTypeError
+            call = lambda: c.set_tenant_quota(None, akv.TenantQuota(1))  # type: ignore[arg-type]  # noqa: E731
+        elif kind == "quota_not_a_quota":
+            expect = InvalidTypeError
+            call = lambda: c.set_tenant_quota("", {"device_pages": 1})  # type: ignore[arg-type]  # noqa: E731
         elif kind == "pin_storage_tier":
             call = lambda: c.pin(toks, ttl=1.0, tier="storage", tenant=tenant)  # noqa: E731
         elif kind == "load_back_insert_handle":
@@ -785,7 +919,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         insert = call is None
         if call is None:
             call = lambda: c.insert(tok_arg, slot_arg, tenant=tenant)  # noqa: E731
-        self._expect_error(expect, call, insert=insert)
+        self._expect_error(expect, call, insert=insert, runs_loop=kind.startswith("load_back"))
         if fresh is not None:
             c.free(fresh)
 
@@ -816,7 +950,7 @@ class HiCacheMachine(RuleBasedStateMachine):
                 else:
                     self.engine.complete(0)
                 self._tick()
-            self._run(self.cache.flush())
+            self._flush()
             freed = self.cache.evict(1 << 30, "device") + self.cache.evict(1 << 30, "host")
             if not freed and not self.engine.pending:
                 break
@@ -829,6 +963,21 @@ class HiCacheMachine(RuleBasedStateMachine):
             assert tier.held_pages == tier.evictable_pages == tier.protected_pages == 0, tier
         for medium, hashes in self.ledger.resident.items():
             assert not hashes, f"{len(hashes)} blocks still stored on {medium} per events"
+
+    def _flush(self) -> None:
+        """``flush``, completing the copies it waits for: a quota pass that runs meanwhile may
+        stage write-backs (the hand-driven engine completes nothing by itself)."""
+        task = self.loop.create_task(self.cache.flush())
+        for _ in range(2000):
+            if task.done():
+                task.result()
+                return
+            if self.engine.pending:
+                self.engine.complete(0)
+                self._tick()
+            else:  # zeroing on a thread, or nothing left: let time pass
+                self._run(asyncio.wait([task], timeout=0.005))
+        raise AssertionError(f"flush hangs with nothing pending: {self.cache!r}")
 
     @precondition(lambda self: self.steps_since_drain >= 12)
     @rule(fail=st.lists(st.booleans(), max_size=4))
@@ -944,7 +1093,20 @@ class HiCacheMachine(RuleBasedStateMachine):
 def _variant(policy: str, page_size: int) -> type[HiCacheMachine]:
     name = f"HiCacheMachine_{policy}_p{page_size}"
     cls = type(name, (HiCacheMachine,), {"POLICY": policy, "PAGE_SIZE": page_size})
-    cls.TestCase.settings = PROFILE
+    base = cls.TestCase
+
+    class TestCase(base):  # type: ignore[valid-type,misc]
+        settings = PROFILE
+
+        def runTest(self) -> None:
+            COVERAGE.pop(name, None)
+            super().runTest()
+            ran = COVERAGE[name]
+            starved = [r for r in MUST_RUN if not ran[r]]
+            assert not starved, f"{name}: rules never ran over the examples: {starved} ({ran})"
+
+    TestCase.__name__ = TestCase.__qualname__ = f"{name}.TestCase"
+    cls.TestCase = TestCase  # type: ignore[misc]
     return cls
 
 

@@ -259,12 +259,14 @@ class Scenario:
     requests: int
     concurrency: int
     components: bool = False  #: hybrid model: SWA, Mamba and indexer sidecars too
+    #: every tenant's page budgets (#26; ``None``: none until chaos sets one)
+    default_quota: akv.TenantQuota | None = None
 
     @classmethod
     def from_seed(cls, seed: int) -> Scenario:
         rng = random.Random(seed)
         page_size = rng.choice([1, 2])
-        return cls(
+        sc = cls(
             seed=seed,
             page_size=page_size,
             write_policy=rng.choice(POLICIES),
@@ -283,6 +285,15 @@ class Scenario:
             requests=int(os.environ.get("AKV_STRESS_REQUESTS", "150")),
             concurrency=rng.randint(3, 8),
         )
+        # #26's knobs from their own stream: the draws above stay what they were
+        extra = random.Random(seed * 7919 + 26)
+        if extra.random() < 0.5:  # the per-tenant victim heaps on from the start
+            sc.default_quota = akv.TenantQuota(
+                device_pages=extra.randint(sc.device_pages // 2, sc.device_pages),
+                host_pages=extra.randint(sc.host_pages // 2, sc.host_pages),
+                storage_pages=extra.choice([None, extra.randint(8, 30)]),
+            )
+        return sc
 
 
 class Cancelled:
@@ -290,6 +301,24 @@ class Cancelled:
 
 
 CANCELLED = Cancelled()
+
+
+@dataclass
+class TenantDrop:
+    """The last ``drop(tenant=...)`` of a tenant: the prompts whose pages may have been
+    written after it began (requests of the tenant running then or started since); every
+    other page of the tenant was written before it and must never be served again."""
+
+    tainted: set[tuple[int, ...]] = field(default_factory=set)
+    complete: bool = False  #: it returned (storage removal included)
+
+    def allowed(self, tokens: tuple[int, ...], p: int) -> int:
+        """Leading whole pages of ``tokens`` that a tainted prompt also holds."""
+        pages = {t[: (j + 1) * p] for t in self.tainted for j in range(len(t) // p)}
+        n = 0
+        while (n + 1) * p <= len(tokens) and tokens[: (n + 1) * p] in pages:
+            n += 1
+        return n
 
 
 @dataclass
@@ -303,6 +332,12 @@ class Run:
     systems: list[list[int]] = field(default_factory=list)
     prompts: set[tuple[str | None, tuple[int, ...]]] = field(default_factory=set)
     pins: list[akv.CachePin] = field(default_factory=list)  #: hard pins chaos took
+    #: requests running now per (tenant, prompt), and drops per tenant so far (#26)
+    active: collections.Counter[tuple[str | None, tuple[int, ...]]] = field(
+        default_factory=collections.Counter
+    )
+    drops: collections.Counter[str | None] = field(default_factory=collections.Counter)
+    tenant_drops: dict[str | None, TenantDrop] = field(default_factory=dict)
     trace: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=80))
     failures: list[str] = field(default_factory=list)
     live: dict[str, set[int]] = field(
@@ -420,6 +455,19 @@ class Run:
         handles: list[MatchResult | InsertResult] = []
         held: torch.Tensor | None = None
         tag = f"r{rid} {tenant or '-'} len={len(tokens)}"
+        # #26: a retention priority on some inserts (own stream: the draws below stay put)
+        xrng = random.Random(self.sc.seed * 7919 + rid)
+        prio: dict[str, Any] = {}
+        if xrng.random() < 0.3:
+            prio = dict(
+                priority=xrng.randint(0, 1000),
+                retention=xrng.choice([None, xrng.uniform(0.0, 0.05)]),
+            )
+        me = (tenant, tuple(tokens))
+        self.active[me] += 1
+        if tenant in self.tenant_drops:  # may write pages after the tenant's last drop
+            self.tenant_drops[tenant].tainted.add(me[1])
+        drops = self.drops[tenant]  # a drop of the tenant from now on may cut the prefix
         try:
             if rng.random() < 0.5:
                 policy = rng.choice(["timeout", "best_effort", "wait_complete"])
@@ -480,13 +528,23 @@ class Run:
                     )
                 return
             held = slots
+            if xrng.random() < 0.3:  # the forward pass takes a while: a drop may cut in
+                await asyncio.sleep(xrng.uniform(0, 0.005))
             write_rows(cache, slots[:n_new], expected_kv(tenant, tokens)[:, :, d:])
             if self.sc.components:
                 write_sidecars(cache, slots[:n_new], tenant, tokens, d)
-            if rng.random() < 0.5:  # only the new slots: the match's own pages serve the rest
-                r = cache.insert(tokens, slots[:n_new], prefix=m, tenant=tenant)
-            else:
-                r = cache.insert(tokens, torch.cat([dev_idx, slots[:n_new]]), tenant=tenant)
+            try:
+                if rng.random() < 0.5:  # only the new slots: the match's pages serve the rest
+                    r = cache.insert(tokens, slots[:n_new], prefix=m, tenant=tenant, **prio)
+                else:
+                    rows = torch.cat([dev_idx, slots[:n_new]])
+                    r = cache.insert(tokens, rows, tenant=tenant, **prio)
+            except akv.InvalidInputError as exc:
+                if self.drops[tenant] == drops:
+                    raise
+                # the matched prefix was dropped meanwhile: its rows are no longer the tree's
+                self.note(f"{tag} insert after a drop of its prefix: {exc}")
+                return
             handles.append(r)
             held = slots[-p:] if len(tokens) % p else None  # the unaligned tail stays ours
             if held is not None:
@@ -505,7 +563,8 @@ class Run:
             # unless this insert gave it the request's pages (computed whole): matches may
             # not end inside such a hole, and only there may they be shorter)
             holes = self.sc.components and any(lacking(n) for n in r.core.tree.path(r.node))
-            if m2.matched_len < r.inserted_len and not holes:
+            dropped = self.drops[tenant] != drops  # a drop may have cut the pinned path
+            if m2.matched_len < r.inserted_len and not holes and not dropped:
                 self.fail(f"{tag}: match {m2.matched_len} < pinned insert {r.inserted_len}")
             self.check_rows(m2, tenant, tokens, f"{tag} re-match")
             if m2.host_len and rng.random() < 0.5:
@@ -516,6 +575,7 @@ class Run:
                 self.check_rows(m2, tenant, tokens, f"{tag} re-match after load_back")
             await asyncio.sleep(rng.uniform(0, 0.01))
         finally:
+            self.active[me] -= 1
             if held is not None:
                 cache.free(held)
             rng.shuffle(handles)
@@ -566,7 +626,63 @@ class Run:
                     cache.warm(list(toks), tier=tier, tenant=tenant, timeout=rng.uniform(0, 0.05)),
                 )
                 self.note(f"chaos warm {tier}: {res}")
+            elif x < 0.91:  # a tenant's budgets set or removed, maybe while it is over (#26)
+                self.set_quota(rng)
+            elif x < 0.935 and self.prompts:  # drop a prefix seen (#26)
+                tenant, toks = rng.choice(sorted(self.prompts, key=repr))
+                p = self.sc.page_size
+                if len(toks) >= p:
+                    await self.drop(rng, tenant, list(toks[: rng.randint(p, len(toks))]))
+            elif x < 0.96:  # drop a whole tenant (#26)
+                await self.drop(rng, rng.choice(TENANTS), None)
             self.drain_events()
+
+    def set_quota(self, rng: random.Random) -> None:
+        sc = self.sc
+        tenant = rng.choice(TENANTS) or ""
+        quota = None
+        if rng.random() < 0.7:
+            quota = akv.TenantQuota(
+                device_pages=rng.choice([None, rng.randint(0, sc.device_pages)]),
+                host_pages=rng.choice([None, rng.randint(0, sc.host_pages)]),
+                storage_pages=rng.choice([None, rng.randint(2, 30)]),
+            )
+        self.cache.set_tenant_quota(tenant, quota)
+        self.note(f"chaos quota {tenant or '-'}: {quota} usage {self.cache.tenant_usage(tenant)}")
+
+    async def drop(self, rng: random.Random, tenant: str | None, toks: list[int] | None) -> None:
+        """Drop a prefix or a tenant, racing the requests, backups and prefetches in flight;
+        after a tenant drop, nothing of the tenant written before it matches."""
+        zeroize = rng.random() < 0.5
+        what = f"chaos drop {tenant or '-'} {'tenant' if toks is None else toks} z={zeroize}"
+        self.drops[tenant] += 1
+        record = None
+        if toks is None:  # requests running now may still write the tenant's pages
+            record = TenantDrop({t for (who, t), n in self.active.items() if who == tenant and n})
+            self.tenant_drops[tenant] = record
+        try:
+            res = await self.cache.drop(toks, tenant=tenant, zeroize=zeroize)
+        except akv.DropIncompleteError as exc:
+            self.note(f"{what}: {exc}")
+            return
+        self.note(f"{what}: {res}")
+        if record is None:
+            return
+        record.complete = True
+        p = self.sc.page_size
+        for who, prompt in sorted(self.prompts, key=repr):
+            if who != tenant or prompt in record.tainted:
+                continue
+            m = self.cache.match_prefix(list(prompt), tenant=tenant)
+            try:
+                allowed = record.allowed(prompt, p) * p
+                if m.matched_len > allowed:
+                    self.fail(
+                        f"{what}: right after it a match of {list(prompt)} serves "
+                        f"{m.matched_len} tokens, of which only {allowed} were written after"
+                    )
+            finally:
+                self.cache.release(m)
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -602,6 +718,8 @@ def _config(sc: Scenario, storage: Store, **kw: Any) -> akv.CacheConfig:
     )
     if sc.components:
         opts["components"] = stress_components(sc.page_size)
+    if sc.default_quota is not None:
+        opts["default_tenant_quota"] = sc.default_quota
     opts.update(kw)
     return small_config(**opts)
 
@@ -626,8 +744,9 @@ async def _drive(run: Run) -> None:
     results = await asyncio.gather(*tasks, return_exceptions=True)
     chaos.cancel()
     await asyncio.gather(chaos, return_exceptions=True)
-    for pin in run.pins:  # expired ones: nothing to do
-        cache.unpin(pin)
+    for pin in run.pins:  # expired ones: nothing to do; a drop ended (released) some
+        if pin.state is not akv.PinState.RELEASED:
+            cache.unpin(pin)
     for i, res in enumerate(results):
         if isinstance(res, BaseException) and not isinstance(res, asyncio.CancelledError):
             run.fail(f"request r{i} raised {type(res).__name__}: {res}")
@@ -871,6 +990,7 @@ async def stress(
                 await asyncio.wait_for(cache.aclose(), timeout=10)
                 closed = True
             _check_storage(run, events=False)  # again: puts that landed late, at close
+            _check_dropped_storage(run)
             try:
                 await asyncio.wait_for(_fresh_check(run), timeout=30)
             except asyncio.TimeoutError:
@@ -899,10 +1019,64 @@ async def _fresh_check(run: Run) -> None:
         write_policy="write_through",
         storage_timeout=5.0,
         prefetch_policy="wait_complete",
+        default_tenant_quota=None,  # budgets would evict what the check reads back
     )
     run.cache = akv.HiCache(cfg)
     async with run.cache as fresh:
         await _serve_all(run, fresh)
+        await _check_dropped_fresh(run, fresh)
+
+
+def _clean_prompts(run: Run) -> list[tuple[str | None, tuple[int, ...], TenantDrop]]:
+    """Each prompt of a tenant dropped (completely) that no request used after the drop."""
+    out = []
+    for tenant, record in run.tenant_drops.items():
+        if record.complete:
+            for who, toks in sorted(run.prompts, key=repr):
+                if who == tenant and toks not in record.tainted:
+                    out.append((tenant, toks, record))
+    return out
+
+
+def _check_dropped_storage(run: Run) -> None:
+    """No page of a dropped tenant written before its drop is left in the store (a backup
+    in flight at the drop removed what it put)."""
+    p = run.sc.page_size
+    contents = run.storage.contents()
+    comps = [None, *run.cache.config.components]
+    for tenant, toks, record in _clean_prompts(run):
+        tag = Namespace(MODEL, tenant or "", "").tag
+        n = len(toks) // p
+        hashes = chain_hashes(namespace_seed(tag), list(toks[: n * p]), p)
+        for j in range(record.allowed(toks, p), n):
+            for comp in comps:
+                key = storage_key(tag, hashes[j], "kv" if comp is None else comp.name)
+                if key in contents:  # (pages a later prompt shares are before ``allowed``)
+                    run.fail(
+                        f"storage still holds {key} (tenant={tenant!r} prefix "
+                        f"{list(toks[: (j + 1) * p])}) written before the tenant was dropped"
+                    )
+
+
+async def _check_dropped_fresh(run: Run, fresh: akv.HiCache) -> None:
+    """A second cache over the same store serves nothing of a dropped tenant written before
+    the drop: a prefetch and match of its prompts stops where pages written later end."""
+    p = run.sc.page_size
+    for tenant, toks, record in _clean_prompts(run):
+        allowed = record.allowed(toks, p) * p
+        res = await fresh.prefetch(list(toks), tenant=tenant)
+        m = fresh.match_prefix(list(toks), tenant=tenant)
+        try:
+            if m.matched_len > allowed:
+                run.fail(
+                    f"fresh cache tenant={tenant!r} tokens={list(toks)}: serves "
+                    f"{m.matched_len} tokens of a tenant dropped, only {allowed} written after "
+                    f"the drop ({res})"
+                )
+        finally:
+            fresh.release(m)
+        fresh.evict(1 << 30)
+        fresh.evict(1 << 30, "host")
 
 
 def _usable_stored_run(

@@ -276,6 +276,8 @@ class StorageTier(PrefetchingTier):
                 idle = self.io.workers - self._sending
                 parts = max(1, min(idle, pages, size // BACKUP_PART_BYTES))
             self._sending += parts
+            for op in group:  # putting from now on: a drop before the task runs marks it
+                self._putting[id(op)] = op
             loop.create_task(self._run_backup(group, parts))
 
     @property
@@ -294,7 +296,6 @@ class StorageTier(PrefetchingTier):
         releases = [op.release for op in group if op.release is not None]
         for op in group:
             op.release = None
-            self._putting[id(op)] = op
 
         def release() -> None:  # on the loop, once the put's workers are done, late or not
             for r in releases:

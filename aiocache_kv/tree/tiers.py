@@ -55,6 +55,10 @@ class TierBook:
         """Every non-root node, parents before children (``RadixTree``'s)."""
         raise NotImplementedError
 
+    def walk_detached(self) -> Iterator[Node]:
+        """Every node of a dropped subtree not freed yet (``Detacher``'s)."""
+        raise NotImplementedError
+
     def device_pages_in_tree(self) -> list[torch.Tensor]:
         """Every device page tensor held by the tree (for allocator cross-checks)."""
         return [n.device_pages for n in self.walk() if n.device_pages is not None]
@@ -76,6 +80,8 @@ class TierBook:
         for node in self.walk():
             self._acct_tenant(book, node, 1)
             self._offer(node)
+        for node in self.walk_detached():  # dropped, holding pages until freed: no victims
+            self._acct_tenant(book, node, 1)
 
     def _acct_tenant(self, book: QuotaBook, node: Node, sign: int) -> None:
         n = sign * (len(node.key) // self.page_size)
