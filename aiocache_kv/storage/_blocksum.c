@@ -22,7 +22,10 @@
  * Fused passes (storage/presum.py): seal takes an optional 4th argument, one presum per page
  * (the sum the copy that wrote the page took): where it covers the payload only the trailer is
  * written.  verify takes an optional 5th, the sums a read took as the bytes arrived
- * (_pageio.c): compared with the trailer's instead of summing again.  gather_sum is the CPU
+ * (_pageio.c): compared with the trailer's instead of summing again, and an optional 6th,
+ * one writable row of 3 uint64 per page: then only the trailer is checked (the payload is
+ * verified at load-back, storage/deferred.py) and its (S1, S2, payload bytes) go to the row
+ * (bytes 0 where a check failed).  gather_sum is the CPU
  * device->host copy that sums each 16 KiB block right after gathering it (still in L1);
  * slot_sums sums host slots into the pool's table (a CUDA copy's waiter thread).
  */
@@ -266,8 +269,11 @@ static void write_trailer(uint8_t *t, uint64_t n, uint64_t s1, uint64_t s2,
 }
 
 static int check_frame(const uint8_t *p, Py_ssize_t len, Py_ssize_t got, const uint8_t *ident,
-                       uint32_t kcrc, const uint64_t *given)
+                       uint32_t kcrc, const uint64_t *given, uint8_t *trailer_out)
 {
+    if (trailer_out != NULL) { /* trailer only: (S1, S2, n) go out, bytes 0 until checked */
+        memset(trailer_out, 0, 24);
+    }
     if (got != len || len <= TRAILER) {
         return V_BAD_LENGTH;
     }
@@ -290,6 +296,11 @@ static int check_frame(const uint8_t *p, Py_ssize_t len, Py_ssize_t got, const u
     }
     if (memcmp(t + 32, ident, IDENT) != 0) {
         return V_BAD_IDENTITY;
+    }
+    if (trailer_out != NULL) { /* the payload is verified later, by whoever reads it next */
+        uint64_t row[3] = {load_le(t + 16, 8), load_le(t + 24, 8), (uint64_t)n};
+        memcpy(trailer_out, row, sizeof(row));
+        return V_OK;
     }
     uint64_t s1, s2;
     if (given != NULL && given[2] == (uint64_t)n) { /* summed while it was read */
@@ -444,9 +455,13 @@ done:
 static PyObject *verify(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *seq, *keyseq, *identseq, *sizeseq, *givenseq = NULL;
-    if (!PyArg_ParseTuple(args, "OOOO|O", &seq, &keyseq, &identseq, &sizeseq, &givenseq)) {
+    PyObject *seq, *keyseq, *identseq, *sizeseq, *givenseq = NULL, *outseq = NULL;
+    if (!PyArg_ParseTuple(args, "OOOO|OO", &seq, &keyseq, &identseq, &sizeseq, &givenseq,
+                          &outseq)) {
         return NULL;
+    }
+    if (outseq == Py_None) {
+        outseq = NULL;
     }
     PyObject *fast = PySequence_Fast(seq, "verify needs a sequence of buffers");
     if (fast == NULL) {
@@ -478,6 +493,8 @@ static PyObject *verify(PyObject *self, PyObject *args)
     Py_ssize_t *got = NULL;
     int *codes = NULL;
     uint64_t *given = NULL;
+    PyObject *outfast = NULL;
+    Py_buffer *outs = NULL;
     if (PySequence_Fast_GET_SIZE(keys) != count || PySequence_Fast_GET_SIZE(sizes) != count ||
         PySequence_Fast_GET_SIZE(idents) != count) {
         PyErr_SetString(PyExc_ValueError,
@@ -499,6 +516,25 @@ static PyObject *verify(PyObject *self, PyObject *args)
     if ((views = hold_all(fast, count, PyBUF_SIMPLE)) == NULL) {
         goto done;
     }
+    if (outseq != NULL) { /* trailer only: one writable row of 3 uint64 per page */
+        if ((outfast = PySequence_Fast(outseq, "verify's rows must be a sequence")) == NULL) {
+            goto done;
+        }
+        if (PySequence_Fast_GET_SIZE(outfast) != count) {
+            PyErr_SetString(PyExc_ValueError, "verify needs one row per buffer");
+            goto done;
+        }
+        if ((outs = hold_all(outfast, count, PyBUF_WRITABLE)) == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (outs[i].len < 24) {
+                PyErr_Format(PyExc_ValueError, "row %zd holds %zd bytes, not 3 uint64", i,
+                             outs[i].len);
+                goto done;
+            }
+        }
+    }
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *size = PySequence_Fast_GET_ITEM(sizes, i);
         if (size == Py_None) {
@@ -517,7 +553,8 @@ static PyObject *verify(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
         codes[i] = check_frame((const uint8_t *)views[i].buf, views[i].len, got[i],
-                               ids + (size_t)i * IDENT, crcs[i], given + 3 * i);
+                               ids + (size_t)i * IDENT, crcs[i], given + 3 * i,
+                               outs != NULL ? (uint8_t *)outs[i].buf : NULL);
     }
     Py_END_ALLOW_THREADS
     result = PyList_New(count);
@@ -533,6 +570,10 @@ done:
     if (views != NULL) {
         release_all(views, count);
     }
+    if (outs != NULL) {
+        release_all(outs, count);
+    }
+    Py_XDECREF(outfast);
     PyMem_Free(crcs);
     PyMem_Free(ids);
     PyMem_Free(got);

@@ -18,7 +18,7 @@ import torch
 import aiocache_kv as akv
 from aiocache_kv.namespace import namespace_of
 from aiocache_kv.pools.kv_pool import HostKVPool
-from aiocache_kv.storage import MooncakeStorage, PageBuffer, presum
+from aiocache_kv.storage import MooncakeStorage, PageBuffer, deferred, presum
 from aiocache_kv.storage.deferred import first_bad, verify_trailers
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD, Verdict, seal_many
 from aiocache_kv.storage.keys import storage_key
@@ -51,7 +51,14 @@ def _pool(pages: int, seed: int) -> HostKVPool:
     return host
 
 
-def test_trailer_check_records_the_trailers_sum_and_leaves_the_payload_unread() -> None:
+@pytest.mark.parametrize("impl", ["c", "python"])
+def test_trailer_check_records_the_trailers_sum_and_leaves_the_payload_unread(
+    impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if impl == "python":
+        monkeypatch.setattr(deferred, "_EXT", None)
+    elif deferred._EXT is None:
+        pytest.skip("the _blocksum C extension is not built")
     host = _pool(4, 1)
     bufs = [
         PageBuffer.from_tensor(host.raw[i, : host.page_bytes + FRAME_OVERHEAD], host.sums[i])
@@ -67,6 +74,18 @@ def test_trailer_check_records_the_trailers_sum_and_leaves_the_payload_unread() 
     wrong = [*idents[:3], bytes(32)]  # page 3 was computed from other tokens
     assert verify_trailers(bufs, keys, sizes, wrong) == [Verdict.OK] * 3 + [Verdict.BAD_IDENTITY]
     assert (host.sums[:3] == want[:3]).all() and host.sums[3, 2] == 0
+    # a short object and another key's page: misses, no row
+    short: list[int | None] = [sizes[0], int(bufs[1].nbytes) - 1, sizes[2], sizes[3]]
+    other = [keys[0], keys[1], "ns/other/kv", keys[3]]
+    assert verify_trailers(bufs, other, short, idents) == [
+        Verdict.OK,
+        Verdict.BAD_LENGTH,
+        Verdict.BAD_KEY,
+        Verdict.OK,
+    ]
+    assert host.sums[1, 2] == 0 and host.sums[2, 2] == 0
+    assert (host.sums[[0, 3]] == want[[0, 3]]).all()
+    verify_trailers(bufs, keys, sizes, wrong)
     assert first_bad(host.raw, host.page_bytes, np.arange(3), host.sums[:3]) == 2
     host.raw[2, 7] ^= 0x10
     assert first_bad(host.raw, host.page_bytes, np.arange(3), host.sums[:3]) == -1
