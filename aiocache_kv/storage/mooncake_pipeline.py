@@ -114,10 +114,14 @@ def pipelined_get(
     defer: bool = False,
 ) -> tuple[list[int], list[int], list[integrity.Verdict]]:
     """Read every chunk (chunk k + 1 on a helper while chunk k is verified against
-    ``idents``: in full, or with ``defer`` only the trailers, :func:`.deferred.verify_trailers`).
+    ``idents``: in full, or with ``defer`` only the trailers, :func:`.deferred.verify_trailers`:
+    then, where every page has a checksum row, there is nothing to overlap and the batch goes
+    in one call).
     Returns the codes of every index in order, the indices read (code > 0) and their
     verdicts."""
     verify = verify_trailers if defer else integrity.verify_many
+    if defer and len(chunks) > 1 and all(buffers[i].presum is not None for c in chunks for i in c):
+        chunks = [[i for c in chunks for i in c]]  # nothing to overlap: one call, as raw does
     codes: list[int] = []
     read: list[int] = []
     verdicts: list[integrity.Verdict] = []

@@ -117,6 +117,34 @@ def test_h2d_job_copies_only_the_pages_before_the_first_failure(bad_at: int) -> 
     assert not device[:, :, bad_at:].any(), f"seed {seed}: failed bytes reached the device"
 
 
+def test_a_deferred_mooncake_get_is_one_call() -> None:
+    """Checking trailers only leaves nothing to overlap with the next chunk's get: one call
+    for the batch, as the raw client makes (pages without a row: chunk by chunk, in full)."""
+    from aiocache_kv.storage.mooncake_pipeline import pipelined_get
+
+    host = _pool(6, 3)
+    bufs = [
+        PageBuffer.from_tensor(host.raw[i, : host.page_bytes + FRAME_OVERHEAD], host.sums[i])
+        for i in range(6)
+    ]
+    keys = [f"t/{i}" for i in range(6)]
+    idents = [bytes([i]) * 32 for i in range(6)]
+    seal_many(bufs, keys, idents)
+    calls: list[list[int]] = []
+
+    def get(idx: list[int]) -> list[int]:
+        calls.append(idx)
+        return [bufs[i].nbytes for i in idx]
+
+    chunks = [[0, 1], [2, 3], [4, 5]]
+    _, read, verdicts = pipelined_get(chunks, keys, bufs, idents, get, lambda fn, *a: None, True)
+    assert calls == [[0, 1, 2, 3, 4, 5]] and read == list(range(6))
+    assert verdicts == [Verdict.OK] * 6
+    calls.clear()
+    pipelined_get(chunks, keys, bufs, idents, get, lambda fn, *a: None)
+    assert calls == chunks
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
 async def test_cuda_waiter_verifies_the_pinned_pages_after_the_event() -> None:
     from aiocache_kv.transfer.engine import CudaCopyEngine
