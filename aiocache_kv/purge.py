@@ -335,14 +335,15 @@ class Purger:
         core = self.core
         tree = core.tree
         p = core.page_size
-        if at:
-            tree.split_at(node, at * p)  # ``node`` keeps the part from the failed page on
-        node.corrupt = True
         l3 = self._storage()
         if l3 is not None:
             l3.counters.load_back_corrupt_pages += 1
         if not node.alive or core.loop is None:
-            return  # dropped meanwhile: already gone for every consumer
+            node.corrupt = True  # dropped meanwhile: gone for every consumer but its holders
+            return
+        if at:
+            tree.split_at(node, at * p)  # ``node`` keeps the part from the failed page on
+        node.corrupt = True
         tokens = [int(t) for n in tree.path(node) for t in n.key]
         tokens = tokens[: len(tokens) - len(node.key) + p]  # up to the failed page
         log.warning("load_back_corrupt", tokens=len(tokens) - p, namespace=str(node.ns))

@@ -227,10 +227,11 @@ class Transfers:
         # backup's seal (storage/presum.py)
         sums = not load and core.config.storage is not None
         expect = None
-        if load and host.unverified.any():  # pages a prefetch read unverified: check them
+        if load:  # pages a Mooncake prefetch read unverified: the copy checks them
             ids = src.numpy()
-            if host.unverified[ids].any():
-                expect = host.sums[ids] * host.unverified[ids, None]
+            flags = host.unverified[ids]
+            if flags.any():
+                expect = host.sums[ids] * flags[:, None]
         job = CopyJob(
             kind.direction,
             core.device_pool.buffer,

@@ -213,25 +213,30 @@ async def _write(
 
 @pytest.mark.mooncake
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("flip", [0, 3, 5])
 async def test_a_flipped_byte_in_mooncake_is_found_at_load_back(
-    mooncake_master: MasterProc, mc_storage: MooncakeStorage, tag: str
+    mooncake_master: MasterProc, mc_storage: MooncakeStorage, tag: str, flip: int
 ) -> None:
+    """Page ``flip`` of 8 was stored with a byte that does not match its checksum.  The load
+    covers two nodes (pages 0-3 and 4-7): the failure cuts the first or the second."""
     engine = ManualCopyEngine()
+    keep = 2 * flip  # tokens before the failed page
     async with akv.HiCache(_cfg(tag, mooncake_master), copy_engine=engine) as writer:
-        written = await _write(writer, engine, flip=3)
+        written = await _write(writer, engine, flip=flip)
         assert mc_storage.exists(_keys(tag)) == [True] * PAGES
         async with akv.HiCache(_cfg(tag, mooncake_master)) as cache:
             cache.take_events()
             res = await cache.prefetch(PROMPT)
             # only the trailers were checked: every page comes, unverified
             assert res.status is PrefetchStatus.COMPLETE and res.hit_tokens == 16
+            cache.release(cache.match_prefix(PROMPT[:8]))  # splits the node: two nodes
             m = cache.match_prefix(PROMPT)
             assert m.host_len == 16
             await cache.load_back(m)
-            assert (m.device_len, m.host_len, m.matched_len) == (6, 0, 6)
+            assert (m.device_len, m.host_len, m.matched_len) == (keep, 0, keep)
             got = read_kv(cache, m.device_indices)
             for a, b in zip(got, written, strict=True):
-                assert torch.equal(a, b[:6])  # what is served is exactly what was computed
+                assert torch.equal(a, b[:keep])  # what is served is exactly what was computed
             await cache.flush()  # the drop of the failed pages ran
             stats = cache.statistics()
             assert stats.load_back_corrupt_pages == 1
@@ -241,13 +246,14 @@ async def test_a_flipped_byte_in_mooncake_is_found_at_load_back(
             media = {e.medium for e in removed}
             assert media == {"CPU", "STORAGE"}, media
             for e in removed:
-                assert hashes[3] in e.block_hashes, e
+                assert hashes[flip] in e.block_hashes, e
+                assert not set(hashes[:flip]) & set(e.block_hashes), e
             # the key and those after it are gone from the store, the verified ones stay
-            assert mc_storage.exists(_keys(tag)) == [True] * 3 + [False] * 5
+            assert mc_storage.exists(_keys(tag)) == [True] * flip + [False] * (PAGES - flip)
             cache.check_invariants()
             cache.release(m)
             again = cache.match_prefix(PROMPT)
-            assert (again.device_len, again.host_len) == (6, 0)
+            assert (again.device_len, again.host_len) == (keep, 0)
             cache.release(again)
             cache.check_invariants()
 
