@@ -10,10 +10,12 @@ leaves the trailer's ``(S1, S2, bytes)`` in the page's checksum row
 (:attr:`~aiocache_kv.pools.kv_pool.HostKVPool.sums`); the loop marks the committed pages
 ``unverified`` (:attr:`~aiocache_kv.pools.kv_pool.HostKVPool.unverified`).
 
-At load-back the copy's worker sums the unverified host pages it copies (on CPU right before
-the copy, page by page, so the copy reads them from cache; on CUDA the waiter thread after the
-copy's event: the pinned pages did not change, the device pages are not yet anyone's) and
-compares with the rows (:func:`first_bad`); it reports the first page that fails on the job.
+At load-back the copy's worker sums the unverified host pages it copies and compares with the
+rows: on CPU in the copy itself (:func:`copy_to_device`, C: each 16 KiB block summed and then
+scattered while in L1, like the backup's ``gather_sum`` the other way; without the extension,
+:func:`first_bad` before a torch copy of the pages before the failure); on CUDA the waiter
+thread after the copy's event (:func:`first_bad`: the pinned pages did not change, the device
+pages are not yet anyone's).  It reports the first page that fails on the job.
 The loop then applies it (``transfer/ops.py``, ``transfer/corrupt.py``): the nodes before the
 failed page become device-resident, the rest of the load fails back (device pages freed,
 never read by a caller), the failed node is split at the page and marked ``corrupt`` (no match
@@ -42,7 +44,7 @@ from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD, Verdict
 from aiocache_kv.storage.presum import sum_slots
 
-__all__ = ["first_bad", "verify_trailers"]
+__all__ = ["copy_to_device", "first_bad", "verify_trailers"]
 
 _EXT = optional_extension("aiocache_kv.storage._blocksum")
 _VERDICTS = tuple(Verdict)  # the C's codes, in the enum's order (see integrity.verify_many)
@@ -88,6 +90,62 @@ def verify_trailers(
         else:
             row[0], row[1], row[2] = res[0], res[1], buf.nbytes - FRAME_OVERHEAD
     return verdicts
+
+
+def _fits(device: torch.Tensor, raw: torch.Tensor, page_bytes: int) -> bool:
+    """Whether :func:`copy_to_device` can copy between these two layouts in C."""
+    return (
+        _EXT is not None
+        and hasattr(_EXT, "scatter_check")
+        and device.device.type == "cpu"
+        and device.dim() == 4
+        and device.is_contiguous()
+        and raw.dtype == torch.uint8
+        and raw.dim() == 2
+        and raw.is_contiguous()
+        and device.shape[0] * device.shape[1] * device.shape[3] * device.element_size()
+        == page_bytes
+        and page_bytes <= raw.shape[1]
+    )
+
+
+def copy_to_device(
+    raw: torch.Tensor,
+    page_bytes: int,
+    device: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    expect: np.ndarray[Any, Any],
+) -> int | None:
+    """Copy host slots ``src`` (``raw``: ``[pages, slot_bytes]`` uint8, the payload first) into
+    device pages ``dst`` (``device``: ``[layers, 2, pages, elems]`` on the CPU), checking each
+    page whose ``expect`` row (``(S1, S2, bytes)``, by position; ``bytes`` 0: not to check) is
+    set, block by block in the same pass (``_blocksum.scatter_check``).  Returns the position
+    of the first page that failed (it and what follows may be partly copied: their device
+    pages must be freed unread) or -1; ``None``: nothing was done (no C extension, or layouts
+    it does not take).
+
+    Raises:
+        IndexError: a page id out of range (nothing was copied).
+    """
+    if not _fits(device, raw, page_bytes):
+        return None
+    assert _EXT is not None
+    layers, two, pages, elems = device.shape
+    seg = elems * device.element_size()
+    bad: int = _EXT.scatter_check(
+        raw.numpy(),
+        raw.shape[1],
+        np.ascontiguousarray(src.numpy(), dtype=np.int64),
+        device.view(torch.uint8).numpy(),
+        seg,
+        layers * two,
+        pages * seg,
+        np.ascontiguousarray(dst.numpy(), dtype=np.int64),
+        np.ascontiguousarray(expect, dtype=np.uint64),
+        torch.get_num_threads(),  # the copy worker's setting (``copy_threads``)
+    )
+    return bad
 
 
 def first_bad(

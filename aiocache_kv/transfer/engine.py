@@ -15,9 +15,10 @@ the same C pass as the copy, on CUDA on the waiter thread right after the event.
 the sums are written before the completion is handed to the loop.
 
 A host->device job given ``expect`` (pages a Mooncake prefetch read without verifying their
-payload, :mod:`aiocache_kv.storage.deferred`) sums those source pages and compares: on CPU
-right before the copy, which then copies only the pages before the first failure; on CUDA on
-the waiter thread after the event.  The first failure's position goes in ``CopyJob.bad``.
+payload, :mod:`aiocache_kv.storage.deferred`) sums those source pages and compares: on CPU in
+the same C pass as the copy (block by block; without the extension, before a torch copy of
+the pages before the first failure); on CUDA on the waiter thread after the event.  The first
+failure's position goes in ``CopyJob.bad``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 
 from aiocache_kv.logs import get_logger
 from aiocache_kv.priority import lower_current_thread
-from aiocache_kv.storage.deferred import first_bad
+from aiocache_kv.storage.deferred import copy_to_device, first_bad
 from aiocache_kv.storage.presum import copy_to_host, sum_slots
 from aiocache_kv.transfer.copy import copy_page_first, device_to_host, host_to_device
 
@@ -98,9 +99,20 @@ class CopyJob:
                 copy_page_first(dev, host, self.src, self.dst, non_blocking=nb)
         else:
             src, dst = self.src, self.dst
-            if not nb and self._check():  # CPU: verify first, copy only what verified
-                src, dst = src[: self.bad[0]], dst[: self.bad[0]]
-            host_to_device(self.host, self.device, src, dst, non_blocking=nb)
+            fused = None
+            if not nb and self.expect is not None and self.host_raw is not None:
+                # CPU: verified block by block in the copy itself (storage/deferred.py)
+                fused = copy_to_device(
+                    self.host_raw, self._page_bytes, self.device, src, dst, self.expect
+                )
+            if fused is not None:
+                if fused >= 0:
+                    self.bad.append(fused)
+                    src, dst = src[:fused], dst[:fused]
+            else:
+                if not nb and self._check():  # verify first, copy only what verified
+                    src, dst = src[: self.bad[0]], dst[: self.bad[0]]
+                host_to_device(self.host, self.device, src, dst, non_blocking=nb)
             for dev, host in self.sidecars:
                 copy_page_first(host, dev, src, dst, non_blocking=nb)
 

@@ -96,8 +96,17 @@ def test_trailer_check_records_the_trailers_sum_and_leaves_the_payload_unread(
     assert first_bad(host.raw, host.page_bytes, np.arange(3), rows) == -1
 
 
+@pytest.mark.parametrize("impl", ["fused", "separate"])
 @pytest.mark.parametrize("bad_at", [0, 3, 5])
-def test_h2d_job_copies_only_the_pages_before_the_first_failure(bad_at: int) -> None:
+def test_h2d_job_serves_only_the_pages_before_the_first_failure(
+    bad_at: int, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU the check runs in the copy itself (C, block by block: the failed page was copied,
+    nothing after it) or, without the extension, before a copy of the pages before it."""
+    if impl == "separate":
+        monkeypatch.setattr(deferred, "_EXT", None)
+    elif deferred._EXT is None:
+        pytest.skip("the _blocksum C extension is not built")
     seed = random.randrange(1 << 30)
     host = _pool(8, seed)
     src = torch.tensor([6, 1, 2, 3, 7, 0], dtype=torch.int64)
@@ -105,16 +114,53 @@ def test_h2d_job_copies_only_the_pages_before_the_first_failure(bad_at: int) -> 
     table = np.zeros_like(host.sums)
     presum.sum_slots(host.raw, host.page_bytes, src, table)
     rows[:] = table[src.numpy()]
+    rows[1, 2] = 0  # a page verified already: copied without a check
     host.raw[int(src[bad_at]), 3] ^= 0x01  # a flipped byte in the host copy
     device = torch.zeros(2, 2, 8, 64)
     dst = torch.arange(6, dtype=torch.int64)
     job = CopyJob(Direction.H2D, device, host.pages, src, dst, host_raw=host.raw, expect=rows)
     job.run()
-    assert job.bad == [bad_at], f"seed {seed}"
+    want = [] if bad_at == 1 else [bad_at]
+    assert job.bad == want, f"seed {seed}"
     for k in range(6):
         copied = torch.equal(device[:, :, k], host.pages[int(src[k])])
-        assert copied == (k < bad_at), f"seed {seed} page {k}"
-    assert not device[:, :, bad_at:].any(), f"seed {seed}: failed bytes reached the device"
+        if k < bad_at or not want:
+            assert copied, f"seed {seed} page {k}"
+        elif k > bad_at or impl == "separate":
+            assert not device[:, :, k].any(), f"seed {seed}: page {k} reached the device"
+
+
+@pytest.mark.skipif(deferred._EXT is None, reason="the _blocksum C extension is not built")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fused_h2d_check_matches_the_torch_copy_over_threads(dtype: torch.dtype) -> None:
+    """Pages of several 16 KiB blocks and a partial one, over several threads: a clean copy
+    equals torch's; a failure in a later thread's range is found, the first one wins."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    elems = 8192 + 5  # 2 layers x 2 x elems: blocks and a tail
+    n = 96  # 80 pages of 64-128 KiB: 2-4 threads of at least 2 MiB each
+    host = HostKVPool(n, 2, elems, dtype, extra_bytes=FRAME_OVERHEAD)
+    host.pages.copy_(torch.randn(host.pages.shape).to(dtype))
+    src = torch.tensor(rng.sample(range(n), 80), dtype=torch.int64)
+    dst = torch.tensor(rng.sample(range(n), 80), dtype=torch.int64)
+    table = np.zeros_like(host.sums)
+    presum.sum_slots(host.raw, host.page_bytes, src, table)
+    rows = table[src.numpy()].copy()
+    device = torch.zeros(2, 2, n, elems, dtype=dtype)
+    ref = torch.zeros_like(device)
+    ref[:, :, dst] = host.pages[src].permute(1, 2, 0, 3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # the copy worker's setting decides how many threads it uses
+    try:
+        bad = deferred.copy_to_device(host.raw, host.page_bytes, device, src, dst, rows)
+        assert bad == -1 and torch.equal(device, ref), f"seed {seed}"
+        late, early = 70, 30  # in the last thread's range, then in the first's
+        host.raw[int(src[late]), 100] ^= 4
+        assert deferred.copy_to_device(host.raw, host.page_bytes, device, src, dst, rows) == late
+        host.raw[int(src[early]), host.page_bytes - 1] ^= 4  # in the tail
+        assert deferred.copy_to_device(host.raw, host.page_bytes, device, src, dst, rows) == early
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_deferred_mooncake_get_is_one_call() -> None:
