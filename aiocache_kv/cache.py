@@ -84,7 +84,7 @@ class HiCache(CacheControls):
         self._state = Lifecycle.NEW
         self._handles = HandleTable(self._core)
         self._l3: StorageTier | None = None
-        self._transfers = Transfers(self._core, self._engine, self._backup_to_storage)
+        self._transfers = Transfers(self._core, self._engine, self._backup_to_storage, self._rotten)
         self._waiters = CapacityWaiters(self._core)
         if config.write_policy is WritePolicy.WRITE_BACK:
             self._core.stager = self._transfers.stage

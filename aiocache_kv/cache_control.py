@@ -20,7 +20,7 @@ from aiocache_kv.namespace import Namespace
 from aiocache_kv.numeric import check_real
 from aiocache_kv.purge import DropResult, Purger, check_drop_tiers
 from aiocache_kv.quotas import TenantQuota, check_quota, check_tenant
-from aiocache_kv.tree import Tier
+from aiocache_kv.tree import Node, Tier
 from aiocache_kv.validate import check_names, check_tokens
 from aiocache_kv.warm import WarmResult, warm
 
@@ -263,6 +263,13 @@ class CacheControls:
             zeroize=zeroize and memory,
             timeout=seconds,
         )
+
+    def _rotten(self, node: Node, at: int) -> None:
+        """A load-back's deferred verification failed at page ``at`` of ``node`` (on the
+        loop): drop it from there on (``Purger.drop_corrupt``)."""
+        if self._purger is None:
+            self._purger = Purger(self._core, lambda: self._l3)
+        self._purger.drop_corrupt(node, at, self.config.storage_timeout)
 
     # ------------------------------------------------------------------ quotas
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -100,8 +101,9 @@ class CacheCore:
         self.on_capacity: Callable[[], None] | None = None
         #: also called by :meth:`capacity_changed` (``purge.py``: dropped nodes may be idle)
         self.idle_hooks: list[Callable[[], None]] = []
-        #: a drop's zeroing of freed pages, in flight (``purge.py``; ``flush`` waits for it)
-        self.zeroing: set[asyncio.Task[int]] = set()
+        #: a drop's zeroing of freed pages, or the drop of pages that failed verification at
+        #: load-back, in flight (``purge.py``; ``flush`` waits for them)
+        self.zeroing: set[asyncio.Task[Any]] = set()
         self.tree.on_unpinned = self.capacity_changed
         self._split_hooks: list[SplitHook] = []
         #: hard pins with expiry (``cache.pin``): the tree pins they hold and their timer

@@ -107,6 +107,8 @@ class MatchResult(Handle):
             i += 1
         j = i
         while j < len(path) and path[j].host is RESIDENT and path[j].device is not RESIDENT:
+            if path[j].corrupt:  # failed verification at load-back: a miss from here on
+                break
             j += 1
         d = len(core.usable_path(path[:i]))
         u = len(core.usable_path(path[:j]))  # >= d; when > d, also > i (d is the last <= i)
@@ -138,7 +140,7 @@ class MatchResult(Handle):
                 else:
                     host = host if run is _HOST_ONLY else 0
                     dev, run = k, _ON_DEVICE
-            elif node.host is RESIDENT:
+            elif node.host is RESIDENT and not node.corrupt:
                 if run is _HOST_ONLY:
                     host += k
                 else:
@@ -153,7 +155,9 @@ class MatchResult(Handle):
     @property
     def matched_len(self) -> int:
         """Tokens matched in any tier (and usable for every component)."""
-        return sum(len(n.key) for n in self.core.usable_path(self._path()))
+        path = self._path()
+        cut = next((k for k, n in enumerate(path) if n.corrupt), len(path))
+        return sum(len(n.key) for n in self.core.usable_path(path[:cut]))
 
     @property
     def device_len(self) -> int:

@@ -58,7 +58,9 @@ class PinState(enum.Enum):
     """Lifecycle of a :class:`CachePin`."""
 
     ACTIVE = "active"  #: its pages are held in its tier
-    RELEASED = "released"  #: ``cache.unpin`` (or the cache closed) ended it
+    #: ``cache.unpin``, the cache closing, a ``drop`` of its pages or their failing
+    #: verification at load-back (``storage/deferred.py``) ended it
+    RELEASED = "released"
     EXPIRED = "expired"  #: its ``ttl`` ran out
 
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -330,6 +330,38 @@ class Purger:
             incomplete.result = result
             raise incomplete from error
         return result
+
+    def drop_corrupt(self, node: Node, at: int, timeout: float) -> None:
+        """A load-back found that page ``at`` of host-only ``node`` failed its deferred
+        verification (``storage/deferred.py``; on the loop, in the load's apply): split
+        ``node`` there, mark the rest ``corrupt`` (no match extends through it from now on)
+        and drop it and everything below it from host and storage in the background (the
+        keys removed, ``BlockRemoved`` for host and storage; ``flush`` waits for it)."""
+        core = self.core
+        tree = core.tree
+        p = core.page_size
+        l3 = self._storage()
+        if l3 is not None:
+            l3.counters.load_back_corrupt_pages += 1
+        if not node.alive or core.loop is None:
+            node.corrupt = True  # dropped meanwhile: gone for every consumer but its holders
+            return
+        if at:
+            tree.split_at(node, at * p)  # ``node`` keeps the part from the failed page on
+        node.corrupt = True
+        tokens = [int(t) for n in tree.path(node) for t in n.key]
+        tokens = tokens[: len(tokens) - len(node.key) + p]  # up to the failed page
+        log.warning("load_back_corrupt", tokens=len(tokens) - p, namespace=str(node.ns))
+        task = core.loop.create_task(
+            self.drop([node.ns], tokens, memory=True, storage=True, zeroize=False, timeout=timeout)
+        )
+        core.zeroing.add(task)
+        task.add_done_callback(self._dropped_corrupt)
+
+    def _dropped_corrupt(self, task: asyncio.Task[Any]) -> None:
+        self.core.zeroing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("load_back_corrupt_drop_failed", error=repr(task.exception()))
 
     async def _drop_storage(
         self,

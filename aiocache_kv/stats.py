@@ -62,6 +62,8 @@ class StorageCounters:
     dropped_pages_storage: int = 0  #: keys removed from the store by drops (any node's)
     prefetch_dropped: int = 0  #: prefetches that committed nothing because of a drop
     late_puts_removed: int = 0  #: keys a backup put after their drop, removed again
+    #: prefetched pages that failed their verification at load-back (``storage/deferred.py``)
+    load_back_corrupt_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,8 @@ class CacheStatistics:
     zeroized_bytes: int = 0  #: freed device and host bytes overwritten with zeros by drops
     prefetch_dropped: int = 0  #: prefetches that committed nothing because of a drop
     late_puts_removed: int = 0  #: keys a backup put after their drop, removed again
+    #: prefetched pages that failed their verification at load-back (``storage/deferred.py``)
+    load_back_corrupt_pages: int = 0
     events_pending: int = 0  #: KV events buffered and not yet taken or streamed
     events_dropped: int = 0  #: KV events dropped because the buffer was full
     warms: int = 0  #: ``warm`` calls (one per prompt of ``warm_from``)

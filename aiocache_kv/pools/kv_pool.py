@@ -88,10 +88,17 @@ class HostKVPool:
         #: loop, read by storage workers after; cleared on the loop whenever a page is handed
         #: out again (:meth:`forget_sums`), so a recycled page never carries an old sum.
         self.sums: np.ndarray[Any, Any] = np.zeros((num_pages, 3), dtype=np.uint64)
+        #: per page: its bytes came from storage unverified (a deferred read: only the
+        #: trailer was checked, and its ``sums`` row is the *trailer's* sum, to compare with
+        #: at load-back, which verifies it in the host->device copy; see
+        #: ``storage/deferred.py``).  Set and cleared on the loop only.
+        self.unverified: np.ndarray[Any, Any] = np.zeros(num_pages, dtype=np.bool_)
 
     def forget_sums(self, pages: torch.Tensor) -> None:
         """Drop the recorded checksums of ``pages`` (ids): their bytes are about to change."""
-        self.sums[pages.numpy(), 2] = 0
+        ids = pages.numpy()
+        self.sums[ids, 2] = 0
+        self.unverified[ids] = False
 
     @property
     def nbytes(self) -> int:

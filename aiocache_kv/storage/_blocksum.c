@@ -22,7 +22,11 @@
  * Fused passes (storage/presum.py): seal takes an optional 4th argument, one presum per page
  * (the sum the copy that wrote the page took): where it covers the payload only the trailer is
  * written.  verify takes an optional 5th, the sums a read took as the bytes arrived
- * (_pageio.c): compared with the trailer's instead of summing again.  gather_sum is the CPU
+ * (_pageio.c): compared with the trailer's instead of summing again, and an optional 6th,
+ * one writable row of 3 uint64 per page: then only the trailer is checked (the payload is
+ * verified at load-back, storage/deferred.py) and its (S1, S2, payload bytes) go to the row
+ * (bytes 0 where a check failed); scatter_check is the load-back's CPU copy that verifies those
+ * pages block by block as it scatters them.  gather_sum is the CPU
  * device->host copy that sums each 16 KiB block right after gathering it (still in L1);
  * slot_sums sums host slots into the pool's table (a CUDA copy's waiter thread).
  */
@@ -266,8 +270,11 @@ static void write_trailer(uint8_t *t, uint64_t n, uint64_t s1, uint64_t s2,
 }
 
 static int check_frame(const uint8_t *p, Py_ssize_t len, Py_ssize_t got, const uint8_t *ident,
-                       uint32_t kcrc, const uint64_t *given)
+                       uint32_t kcrc, const uint64_t *given, uint8_t *trailer_out)
 {
+    if (trailer_out != NULL) { /* trailer only: (S1, S2, n) go out, bytes 0 until checked */
+        memset(trailer_out, 0, 24);
+    }
     if (got != len || len <= TRAILER) {
         return V_BAD_LENGTH;
     }
@@ -290,6 +297,11 @@ static int check_frame(const uint8_t *p, Py_ssize_t len, Py_ssize_t got, const u
     }
     if (memcmp(t + 32, ident, IDENT) != 0) {
         return V_BAD_IDENTITY;
+    }
+    if (trailer_out != NULL) { /* the payload is verified later, by whoever reads it next */
+        uint64_t row[3] = {load_le(t + 16, 8), load_le(t + 24, 8), (uint64_t)n};
+        memcpy(trailer_out, row, sizeof(row));
+        return V_OK;
     }
     uint64_t s1, s2;
     if (given != NULL && given[2] == (uint64_t)n) { /* summed while it was read */
@@ -444,9 +456,13 @@ done:
 static PyObject *verify(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *seq, *keyseq, *identseq, *sizeseq, *givenseq = NULL;
-    if (!PyArg_ParseTuple(args, "OOOO|O", &seq, &keyseq, &identseq, &sizeseq, &givenseq)) {
+    PyObject *seq, *keyseq, *identseq, *sizeseq, *givenseq = NULL, *outseq = NULL;
+    if (!PyArg_ParseTuple(args, "OOOO|OO", &seq, &keyseq, &identseq, &sizeseq, &givenseq,
+                          &outseq)) {
         return NULL;
+    }
+    if (outseq == Py_None) {
+        outseq = NULL;
     }
     PyObject *fast = PySequence_Fast(seq, "verify needs a sequence of buffers");
     if (fast == NULL) {
@@ -478,6 +494,8 @@ static PyObject *verify(PyObject *self, PyObject *args)
     Py_ssize_t *got = NULL;
     int *codes = NULL;
     uint64_t *given = NULL;
+    PyObject *outfast = NULL;
+    Py_buffer *outs = NULL;
     if (PySequence_Fast_GET_SIZE(keys) != count || PySequence_Fast_GET_SIZE(sizes) != count ||
         PySequence_Fast_GET_SIZE(idents) != count) {
         PyErr_SetString(PyExc_ValueError,
@@ -499,6 +517,25 @@ static PyObject *verify(PyObject *self, PyObject *args)
     if ((views = hold_all(fast, count, PyBUF_SIMPLE)) == NULL) {
         goto done;
     }
+    if (outseq != NULL) { /* trailer only: one writable row of 3 uint64 per page */
+        if ((outfast = PySequence_Fast(outseq, "verify's rows must be a sequence")) == NULL) {
+            goto done;
+        }
+        if (PySequence_Fast_GET_SIZE(outfast) != count) {
+            PyErr_SetString(PyExc_ValueError, "verify needs one row per buffer");
+            goto done;
+        }
+        if ((outs = hold_all(outfast, count, PyBUF_WRITABLE)) == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (outs[i].len < 24) {
+                PyErr_Format(PyExc_ValueError, "row %zd holds %zd bytes, not 3 uint64", i,
+                             outs[i].len);
+                goto done;
+            }
+        }
+    }
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *size = PySequence_Fast_GET_ITEM(sizes, i);
         if (size == Py_None) {
@@ -517,7 +554,8 @@ static PyObject *verify(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
         codes[i] = check_frame((const uint8_t *)views[i].buf, views[i].len, got[i],
-                               ids + (size_t)i * IDENT, crcs[i], given + 3 * i);
+                               ids + (size_t)i * IDENT, crcs[i], given + 3 * i,
+                               outs != NULL ? (uint8_t *)outs[i].buf : NULL);
     }
     Py_END_ALLOW_THREADS
     result = PyList_New(count);
@@ -533,6 +571,10 @@ done:
     if (views != NULL) {
         release_all(views, count);
     }
+    if (outs != NULL) {
+        release_all(outs, count);
+    }
+    Py_XDECREF(outfast);
     PyMem_Free(crcs);
     PyMem_Free(ids);
     PyMem_Free(got);
@@ -742,6 +784,178 @@ done:
     return result;
 }
 
+/* scatter_check(src, slot_bytes, src_pages, dst, seg_bytes, nseg, seg_stride, dst_pages,
+ *               expect, threads) -> the position of the first page that failed, or -1
+ *
+ * The CPU host->device page copy of a load-back, with the deferred verification of pages a
+ * Mooncake prefetch read unverified (storage/deferred.py) taken in the same pass: gather_sum
+ * the other way.  Source page s is the contiguous payload of ``nseg * seg_bytes`` at
+ * ``src + s * slot_bytes`` (a host pool slot); destination page d is ``nseg`` segments at
+ * ``dst + j * seg_stride + d * seg_bytes`` (the device layout).  Each 16 KiB block of the payload
+ * is summed and then scattered while it is in L1.  ``expect`` (None, or count x 3 uint64, by
+ * position): where a row's bytes are not 0 the page's (S1, S2, bytes) must equal it; a thread
+ * stops at the first page that does not (that page was copied: its device page must be freed
+ * unread), so the result is the first failure in the order of the pages.  Runs without the
+ * GIL. */
+typedef struct {
+    const uint8_t *src;
+    uint8_t *dst;
+    const int64_t *si, *di;
+    Py_ssize_t seg, nseg, seg_stride, slot, first, last, bad;
+    const uint64_t *expect;
+} scatter_part;
+
+static void *scatter_range(void *arg)
+{
+    scatter_part *g = (scatter_part *)arg;
+    Py_ssize_t seg = g->seg, n = g->seg * g->nseg;
+    g->bad = -1;
+    for (Py_ssize_t i = g->first; i < g->last; i++) {
+        const uint8_t *from = g->src + g->si[i] * g->slot;
+        uint8_t *to = g->dst + g->di[i] * seg;
+        const uint64_t *want = g->expect != NULL ? g->expect + 3 * i : NULL;
+        int check = want != NULL && want[2] != 0;
+        uint64_t s1 = 0, s2 = 0;
+        Py_ssize_t pos = 0, block = 0;
+        while (pos < n) {
+            Py_ssize_t end = (pos / FL_BLOCK_BYTES + 1) * FL_BLOCK_BYTES;
+            if (end > n) {
+                end = n;
+            }
+            if (check && end - pos == FL_BLOCK_BYTES) { /* a whole block: sum it, then copy */
+                fl_blocks(from, block, block + 1, &s1, &s2);
+                block++;
+            }
+            for (Py_ssize_t p = pos; p < end;) {
+                Py_ssize_t j = p / seg, off = p % seg, piece = seg - off;
+                if (p + piece > end) {
+                    piece = end - p;
+                }
+                memcpy(to + j * g->seg_stride + off, from + p, (size_t)piece);
+                p += piece;
+            }
+            pos = end;
+        }
+        if (check) {
+            fl_finish(from, n, &s1, &s2);
+            if (want[2] != (uint64_t)n || want[0] != s1 || want[1] != s2) {
+                g->bad = i;
+                return NULL;
+            }
+        }
+    }
+    return NULL;
+}
+
+static PyObject *scatter_check(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *srcobj, *srcids, *dstobj, *dstids, *expobj;
+    Py_ssize_t seg, nseg, seg_stride, slot;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "OnOOnnnOO|i", &srcobj, &slot, &srcids, &dstobj, &seg, &nseg,
+                          &seg_stride, &dstids, &expobj, &threads)) {
+        return NULL;
+    }
+    Py_buffer src = {0}, dst = {0}, sp = {0}, dp = {0}, exp = {0};
+    int held = 0;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(srcobj, &src, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    held = 1;
+    if (PyObject_GetBuffer(dstobj, &dst, PyBUF_WRITABLE) < 0) {
+        goto done;
+    }
+    held = 2;
+    if (hold_ids(srcids, &sp, "src_pages") < 0) {
+        goto done;
+    }
+    held = 3;
+    if (hold_ids(dstids, &dp, "dst_pages") < 0) {
+        goto done;
+    }
+    held = 4;
+    if (expobj != Py_None && PyObject_GetBuffer(expobj, &exp, PyBUF_C_CONTIGUOUS) < 0) {
+        goto done;
+    }
+    held = 5;
+    Py_ssize_t count = sp.len / 8;
+    Py_ssize_t n = seg * nseg;
+    if (dp.len / 8 != count) {
+        PyErr_SetString(PyExc_ValueError, "src_pages and dst_pages differ in length");
+        goto done;
+    }
+    if (exp.obj != NULL && exp.len < count * 3 * (Py_ssize_t)sizeof(uint64_t)) {
+        PyErr_SetString(PyExc_ValueError, "expect needs one (S1, S2, bytes) row per page");
+        goto done;
+    }
+    if (seg <= 0 || nseg <= 0 || seg_stride < 0 || n > slot || slot <= 0) {
+        PyErr_Format(PyExc_ValueError, "bad geometry: seg %zd x %zd, stride %zd, slot %zd", seg,
+                     nseg, seg_stride, slot);
+        goto done;
+    }
+    const int64_t *si = (const int64_t *)sp.buf, *di = (const int64_t *)dp.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t s = si[i], d = di[i];
+        if (s < 0 || d < 0 || s * slot + n > src.len ||
+            (d + 1) * seg + (nseg - 1) * seg_stride > dst.len) {
+            PyErr_Format(PyExc_IndexError, "page pair %zd (%lld -> %lld) out of range", i,
+                         (long long)s, (long long)d);
+            goto done;
+        }
+    }
+    Py_ssize_t parts = threads < 1 ? 1 : (threads > GATHER_MAX_THREADS ? GATHER_MAX_THREADS : threads);
+    Py_ssize_t by_size = count * n / GATHER_BYTES_PER_THREAD;
+    if (parts > by_size) {
+        parts = by_size < 1 ? 1 : by_size;
+    }
+    if (parts > count) {
+        parts = count < 1 ? 1 : count;
+    }
+    scatter_part work[GATHER_MAX_THREADS];
+    pthread_t tids[GATHER_MAX_THREADS];
+    int started[GATHER_MAX_THREADS] = {0};
+    for (Py_ssize_t k = 0; k < parts; k++) {
+        work[k] = (scatter_part){(const uint8_t *)src.buf, (uint8_t *)dst.buf, si, di, seg, nseg,
+                                 seg_stride, slot, count * k / parts, count * (k + 1) / parts, -1,
+                                 (const uint64_t *)exp.buf};
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 1; k < parts; k++) {
+        started[k] = pthread_create(&tids[k], NULL, scatter_range, &work[k]) == 0;
+    }
+    scatter_range(&work[0]);
+    for (Py_ssize_t k = 1; k < parts; k++) {
+        if (started[k]) {
+            pthread_join(tids[k], NULL);
+        } else {
+            scatter_range(&work[k]);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_ssize_t bad = -1;
+    for (Py_ssize_t k = 0; k < parts && bad < 0; k++) { /* ranges in order: the first failure */
+        bad = work[k].bad;
+    }
+    result = PyLong_FromSsize_t(bad);
+done:
+    if (held >= 5 && exp.obj != NULL) {
+        PyBuffer_Release(&exp);
+    }
+    if (held >= 4) {
+        PyBuffer_Release(&dp);
+    }
+    if (held >= 3) {
+        PyBuffer_Release(&sp);
+    }
+    if (held >= 2) {
+        PyBuffer_Release(&dst);
+    }
+    PyBuffer_Release(&src);
+    return result;
+}
+
 /* slot_sums(dst, slot_bytes, nbytes, pages, table): the sums of the first ``nbytes`` of each
  * slot ``pages[i]`` of ``dst`` (rows ``slot_bytes`` apart) into row pages[i] of ``table``
  * (a CUDA copy's pinned destination, summed by its waiter thread right after its event). */
@@ -798,6 +1012,8 @@ static PyMethodDef methods[] = {
     {"gather_sum", gather_sum, METH_VARARGS,
      "Device->host page copy (CPU) with each page's checksum taken in the same pass."},
     {"slot_sums", slot_sums, METH_VARARGS, "Checksums of host slots into a per-page table."},
+    {"scatter_check", scatter_check, METH_VARARGS,
+     "Host->device page copy (CPU) verifying pages against expected checksums in the same pass."},
     {"sums", sums, METH_VARARGS, "Block-Fletcher (S1, S2) of the first nbytes of each buffer."},
     {"seal", seal, METH_VARARGS, "Checksum each slot's payload and write its trailer."},
     {"verify", verify, METH_VARARGS, "Check each slot's frame; one verdict code per slot."},

@@ -10,5 +10,7 @@ def verify(
     keys: Sequence[str],
     identities: Sequence[bytes],
     sizes: Sequence[int | None],
+    given: Sequence[Any] | None = None,
+    rows: Sequence[Any] | None = None,
     /,
 ) -> list[int]: ...

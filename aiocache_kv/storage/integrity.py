@@ -496,6 +496,10 @@ def _check_trailer(
     return s1, s2
 
 
+#: every check but the checksum (the deferred read, ``deferred.py``): a Verdict or ``(S1, S2)``
+check_trailer = _check_trailer
+
+
 def verify(
     buffer: PageBuffer, key: str, nbytes_read: int | None = None, identity: bytes | None = None
 ) -> Verdict:

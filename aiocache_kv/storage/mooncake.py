@@ -5,23 +5,20 @@ the names SGLang's Mooncake backend reads (so one deployment config serves both)
 
 * ``master``: ``MOONCAKE_MASTER``, default ``127.0.0.1:50051``
 * ``metadata_server``: ``MOONCAKE_TE_META_DATA_SERVER``, then the legacy
-  ``MOONCAKE_METADATA_SERVER``, default ``http://127.0.0.1:8080/metadata``
-* ``local_hostname``: ``MOONCAKE_LOCAL_HOSTNAME``, default ``127.0.0.1``
-* ``protocol``: ``MOONCAKE_PROTOCOL``, default ``tcp``
-* ``device_name``: ``MOONCAKE_DEVICE``, default ``""``
+  ``MOONCAKE_METADATA_SERVER``, default ``http://127.0.0.1:8080/metadata``; ``local_hostname``:
+  ``MOONCAKE_LOCAL_HOSTNAME``, default ``127.0.0.1``; ``protocol``: ``MOONCAKE_PROTOCOL``,
+  default ``tcp``; ``device_name``: ``MOONCAKE_DEVICE``, default ``""``
 * ``global_segment_size``: ``MOONCAKE_GLOBAL_SEGMENT_SIZE``, default 1 GiB; 0 (this client
-  mounts no memory: it only reads and writes other clients' segments) or at least 16 MiB, the
-  smallest segment the client accepts (a smaller one fails ``setup`` with -600)
-* ``local_buffer_size``: ``MOONCAKE_LOCAL_BUFFER_SIZE``, default 16 MiB
+  mounts no memory, it only uses other clients' segments) or >= 16 MiB (less fails ``setup``
+  with -600); ``local_buffer_size``: ``MOONCAKE_LOCAL_BUFFER_SIZE``, default 16 MiB
 
-Sizes accept an int or a string with a unit (``"4gb"``, ``"512MB"``, ``"64k"``; binary units).
-The client's own ``MC_*`` variables are read by the C++ client at :meth:`open`:
-``MC_RPC_TIMEOUT_MS`` bounds every call to a hung master (default 30 s; set it, or pass
-``rpc_timeout_ms``, which writes it into ``os.environ`` before ``setup``), and
-``MC_LOG_LEVEL`` defaults to ``ERROR`` here (set it to see the client's INFO lines).
-``MC_TCP_BIND_ADDRESS`` is the address the client publishes (when unset and ``local_hostname``
-is an IP literal, :meth:`open` sets it to that address so a loopback deployment stays on
-loopback).  ``MC_STORE_CLIENT_SETUP_RETRIES`` bounds ``setup`` when no master answers.
+Sizes: an int or a string with a unit (``"4gb"``, ``"512MB"``, ``"64k"``; binary units).  The
+client's own ``MC_*`` variables are read by the C++ client at :meth:`open`: ``MC_RPC_TIMEOUT_MS``
+bounds every call to a hung master (default 30 s; set it, or pass ``rpc_timeout_ms``, written
+into ``os.environ`` before ``setup``), and ``MC_LOG_LEVEL`` defaults to ``ERROR`` here (set it
+to see the client's INFO lines).  ``MC_TCP_BIND_ADDRESS`` is the address the client publishes
+(unset and ``local_hostname`` an IP literal: :meth:`open` sets it to that, so loopback stays
+on loopback).  ``MC_STORE_CLIENT_SETUP_RETRIES`` bounds ``setup`` when no master answers.
 
 Semantics.  ``put`` seals every slot (trailer written into it, batched checksums, the page's
 identity bound) and sends it zero-copy with ``batch_put_from``.  A Mooncake put on a key the
@@ -34,12 +31,13 @@ price is in the counters: a key the store already had counts as ``put_ok`` (and 
 flight) and does not send present keys, which keeps those counters exact.  A batch of several
 chunks (:data:`PIPELINE_BYTES`) is pipelined: chunk k is sent on a helper thread while chunk
 k + 1 is sealed (:mod:`.mooncake_pipeline`); ``get_into`` verifies chunk k while chunk k + 1
-is read.  Return codes: ``-704`` = missing (a miss); ``-900``/``-901``/``-800`` = unavailable
-(master dead, master hung, data holder dead); ``-200`` = no space: the failed keys are
-retried once after ``no_space_retry_delay`` seconds (the master evicts meanwhile), then
-reported as failures per key.  When *every* key of a batch fails as unavailable the call
-raises :class:`~aiocache_kv.errors.StorageUnavailableError`; otherwise each key gets its own
-result.  A page that fails the integrity check or was computed from other tokens
+is read (with :attr:`defer_checksum`, only the trailers: :mod:`.deferred`).  Return codes:
+``-704`` = missing (a miss); ``-900``/``-901``/``-800`` = unavailable (master dead, master
+hung, data holder dead); ``-200`` = no space: the failed keys are retried once after
+``no_space_retry_delay`` seconds (the master evicts meanwhile), then reported as failures per
+key.  When *every* key of a batch fails as unavailable the call raises
+:class:`~aiocache_kv.errors.StorageUnavailableError`; otherwise each key gets its own result.
+A page that fails the integrity check or was computed from other tokens
 (``BAD_IDENTITY``), or whose object is larger/smaller than the slot (``-600`` / short read),
 is a miss, counted as corrupt, and removed from the store so a later put can replace it.
 """
@@ -108,12 +106,13 @@ _HELPER_THREADS = 4
 
 class MooncakeStorage(MooncakeTags):
     """L3 pages in a Mooncake Store cluster; see the module docstring for config and codes.
-
     Construction validates the configuration only (no I/O, safe on the event loop).
     :meth:`open` (called lazily by every method, run it via ``StorageIO``) imports mooncake and
     connects; it blocks for the client's setup (~1 s; far longer with no master unless
     ``MC_STORE_CLIENT_SETUP_RETRIES`` is small).
     """
+
+    defer_checksum = False  #: reads into buffers with a checksum row check only the trailer
 
     def __init__(
         self,
@@ -532,7 +531,8 @@ class MooncakeStorage(MooncakeTags):
         def get(idx: list[int]) -> list[int]:
             return self._get(store, idx, keys, buffers)
 
-        codes, read, verdicts = pipelined_get(chunks, keys, buffers, idents, get, self._submit)
+        sub, defer = self._submit, self.defer_checksum
+        codes, read, verdicts = pipelined_get(chunks, keys, buffers, idents, get, sub, defer)
         ok = integrity.Verdict.OK
         if len(read) == n and all(v is ok for v in verdicts):  # every page read and intact
             self._stats.add(gets=n, hits=n, bytes_read=sum(codes))

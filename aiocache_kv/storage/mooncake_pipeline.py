@@ -22,6 +22,7 @@ from typing import Any
 
 from aiocache_kv.storage import integrity
 from aiocache_kv.storage.base import PageBuffer
+from aiocache_kv.storage.deferred import verify_trailers
 from aiocache_kv.storage.presum import covers
 
 __all__ = ["PIPELINE_BYTES", "Submit", "pipelined_get", "pipelined_put", "settle"]
@@ -110,10 +111,17 @@ def pipelined_get(
     idents: Sequence[bytes],
     get: Call,
     submit: Submit,
+    defer: bool = False,
 ) -> tuple[list[int], list[int], list[integrity.Verdict]]:
     """Read every chunk (chunk k + 1 on a helper while chunk k is verified against
-    ``idents``).  Returns the codes of every index in order, the indices read (code > 0) and
-    their verdicts."""
+    ``idents``: in full, or with ``defer`` only the trailers, :func:`.deferred.verify_trailers`:
+    then, where every page has a checksum row, there is nothing to overlap and the batch goes
+    in one call).
+    Returns the codes of every index in order, the indices read (code > 0) and their
+    verdicts."""
+    verify = verify_trailers if defer else integrity.verify_many
+    if defer and len(chunks) > 1 and all(buffers[i].presum is not None for c in chunks for i in c):
+        chunks = [[i for c in chunks for i in c]]  # nothing to overlap: one call, as raw does
     codes: list[int] = []
     read: list[int] = []
     verdicts: list[integrity.Verdict] = []
@@ -129,11 +137,11 @@ def pipelined_get(
             # every page was read, verify the caller's lists as they are
             if len(chunks) == 1 and len(chunk) == len(buffers) and all(c > 0 for c in got):
                 read += chunk
-                verdicts += integrity.verify_many(buffers, keys, got, idents)
+                verdicts += verify(buffers, keys, got, idents)
                 continue
             done = [i for i, code in zip(chunk, got, strict=True) if code > 0]
             read += done
-            verdicts += integrity.verify_many(
+            verdicts += verify(
                 [buffers[i] for i in done],
                 [keys[i] for i in done],
                 [codes[i] for i in done],

@@ -474,6 +474,9 @@ class PrefetchingTier(StorageTierBase):
             self.reserved[job.rid] = torch.cat([job.pages[:first], job.pages[end:]])
             (node,) = new
             node.hashes = job.hashes[first:end]
+            if self.deferred_verify:  # read with their trailers checked only (deferred.py)
+                assert core.host_pool is not None
+                core.host_pool.unverified[job.pages[first:end].numpy()] = True
             pieces = self._segments(node, first, end, job)
             for piece, lo, hi in pieces:
                 piece.invalid = frozenset(

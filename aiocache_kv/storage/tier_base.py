@@ -75,6 +75,7 @@ class StorageTierBase:
         #: tag's tenant when its first key is made, and the budgets (``quotas.py``)
         self._quota_store = backend if isinstance(backend, TenantQuotaStorage) else None
         self._tagged: set[str] = set()
+        self.deferred_verify = False  #: set at start (see there)
 
     async def start(self) -> None:
         """Open the backend, register the host pool once, build per-page buffer views.
@@ -106,6 +107,13 @@ class StorageTierBase:
             ]
 
         self._buffers = await asyncio.to_thread(views)
+        # Mooncake reads check only trailers, the load-back verifies (deferred.py); not with
+        # tensor parallelism (ranks would have to agree on which pages failed)
+        backend = self.io.backend
+        if hasattr(backend, "defer_checksum") and not self.core.coordinator.deferred:
+            backend.defer_checksum = True
+        #: prefetched KV pages come unverified (the load-back verifies them)
+        self.deferred_verify = bool(getattr(backend, "defer_checksum", False))
         if self.core.tree.tenants is not None:
             self.apply_storage_quotas(self.core.tree.tenants)
         self.reconcile_evictions()  # what the backend evicted at open, to fit its capacity

@@ -13,6 +13,12 @@ A device->host job given the host pool's checksum table (``CopyJob.sums``) recor
 page's block-Fletcher checksum while it copies (:mod:`aiocache_kv.storage.presum`): on CPU in
 the same C pass as the copy, on CUDA on the waiter thread right after the event.  Either way
 the sums are written before the completion is handed to the loop.
+
+A host->device job given ``expect`` (pages a Mooncake prefetch read without verifying their
+payload, :mod:`aiocache_kv.storage.deferred`) sums those source pages and compares: on CPU in
+the same C pass as the copy (block by block; without the extension, before a torch copy of
+the pages before the first failure); on CUDA on the waiter thread after the event.  The first
+failure's position goes in ``CopyJob.bad``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import enum
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -30,6 +36,7 @@ import torch
 
 from aiocache_kv.logs import get_logger
 from aiocache_kv.priority import lower_current_thread
+from aiocache_kv.storage.deferred import copy_to_device, first_bad
 from aiocache_kv.storage.presum import copy_to_host, sum_slots
 from aiocache_kv.transfer.copy import copy_page_first, device_to_host, host_to_device
 
@@ -60,6 +67,14 @@ class CopyJob:
     #: records each destination page's checksum there (see the module doc)
     host_raw: torch.Tensor | None = None
     sums: np.ndarray[Any, Any] | None = None
+    #: a H2D copy of host pages that came from storage unverified: per ``src`` page the
+    #: trailer's ``(S1, S2, bytes)`` (``bytes`` 0: verified already), checked against the
+    #: bytes copied (:mod:`aiocache_kv.storage.deferred`); needs ``host_raw``
+    expect: np.ndarray[Any, Any] | None = None
+    #: written by the worker before the completion reaches the loop: the position in ``src``
+    #: of the first page that failed that check (nothing from there on was copied on CPU;
+    #: on CUDA it was, and those device pages must be freed unread)
+    bad: list[int] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -83,9 +98,33 @@ class CopyJob:
             for dev, host in self.sidecars:
                 copy_page_first(dev, host, self.src, self.dst, non_blocking=nb)
         else:
-            host_to_device(self.host, self.device, self.src, self.dst, non_blocking=nb)
+            src, dst = self.src, self.dst
+            fused = None
+            if not nb and self.expect is not None and self.host_raw is not None:
+                # CPU: verified block by block in the copy itself (storage/deferred.py)
+                fused = copy_to_device(
+                    self.host_raw, self._page_bytes, self.device, src, dst, self.expect
+                )
+            if fused is not None:
+                if fused >= 0:
+                    self.bad.append(fused)
+                    src, dst = src[:fused], dst[:fused]
+            else:
+                if not nb and self._check():  # verify first, copy only what verified
+                    src, dst = src[: self.bad[0]], dst[: self.bad[0]]
+                host_to_device(self.host, self.device, src, dst, non_blocking=nb)
             for dev, host in self.sidecars:
-                copy_page_first(host, dev, self.src, self.dst, non_blocking=nb)
+                copy_page_first(host, dev, src, dst, non_blocking=nb)
+
+    def _check(self) -> bool:
+        """Verify the unverified source pages of a H2D copy; whether one failed (recorded)."""
+        if self.expect is None or self.host_raw is None:
+            return False
+        bad = first_bad(self.host_raw, self._page_bytes, self.src.numpy(), self.expect)
+        if bad < 0:
+            return False
+        self.bad.append(bad)
+        return True
 
     @property
     def _page_bytes(self) -> int:
@@ -96,6 +135,8 @@ class CopyJob:
         the host pages a device->host copy wrote (pinned memory, just written)."""
         if self.direction is Direction.D2H and self.host_raw is not None and self.sums is not None:
             sum_slots(self.host_raw, self._page_bytes, self.dst, self.sums)
+        elif self.direction is Direction.H2D:
+            self._check()  # the pinned source pages, as copied
 
 
 class CopyEngine(Protocol):

@@ -51,7 +51,16 @@ class OpKind(enum.Enum):
 class TransferOp:
     """One copy in flight and the nodes its completion applies to, in path order."""
 
-    __slots__ = ("error", "evict_after", "future", "kind", "nbytes", "started", "targets")
+    __slots__ = (
+        "error",
+        "evict_after",
+        "future",
+        "job",
+        "kind",
+        "nbytes",
+        "started",
+        "targets",
+    )
 
     def __init__(self, kind: OpKind, targets: list[Node], future: asyncio.Future[None]) -> None:
         self.kind = kind
@@ -61,6 +70,7 @@ class TransferOp:
         self.started = time.monotonic()
         self.evict_after: Node | None = None  # write-back: the victim to demote on ack
         self.error: BaseException | None = None  # local copy failure, if any
+        self.job: CopyJob | None = None  # the copy (a load's ``bad`` is read from it)
 
     def __repr__(self) -> str:
         state = "done" if self.future.done() else "pending"
@@ -75,9 +85,13 @@ class Transfers:
         core: CacheCore,
         engine: CopyEngine,
         on_host_resident: Callable[[list[Node]], None] | None = None,
+        on_corrupt: Callable[[Node, int], None] | None = None,
     ) -> None:
         self.core = core
         self.engine = engine
+        #: a load-back found a page of ``node`` (at this page offset) that failed its deferred
+        #: verification (``storage/deferred.py``): the cache drops it from there on
+        self.on_corrupt = on_corrupt
         #: nodes that just became host-resident through a write (the storage tier backs them up)
         self.on_host_resident = on_host_resident
         self.inflight: dict[int, TransferOp] = {}
@@ -212,6 +226,12 @@ class Transfers:
         # a write to be backed up records each host page's checksum as it copies, for the
         # backup's seal (storage/presum.py)
         sums = not load and core.config.storage is not None
+        expect = None
+        if load:  # pages a Mooncake prefetch read unverified: the copy checks them
+            ids = src.numpy()
+            flags = host.unverified[ids]
+            if flags.any():
+                expect = host.sums[ids] * flags[:, None]
         job = CopyJob(
             kind.direction,
             core.device_pool.buffer,
@@ -219,9 +239,11 @@ class Transfers:
             src,
             dst,
             core.sidecar_pairs(),
-            host_raw=host.raw if sums else None,
+            host_raw=host.raw if sums or expect is not None else None,
             sums=host.sums if sums else None,
+            expect=expect,
         )
+        op.job = job
         op.nbytes = job.nbytes
         self.inflight[id(op)] = op
         core.coordinator.track(self._queue(op), op)
@@ -247,17 +269,24 @@ class Transfers:
         tree = core.tree
         c = core.counters
         load = op.kind is OpKind.LOAD_BACK
-        # a failed load rolls back children first: device presence stays prefix-closed
-        order = op.targets if ok or not load else list(reversed(op.targets))
         end = tree.end_device_fill if load else tree.end_host_fill
         tier = Tier.DEVICE if load else Tier.HOST
         freed: list[torch.Tensor] = []
+        good, failed, at = self._verified(op) if ok and load else (op.targets, [], 0)
+        # a failed load rolls back children first: device presence stays prefix-closed
+        order = good if ok or not load else list(reversed(good))
         for node in order:
             pages = end(node, ok)
             if pages is not None:
                 freed.append(pages)
             else:
                 core.emit_stored(node, tier)
+        for node in reversed(failed):  # after a page that failed verification: never served
+            pages = end(node, False)
+            assert pages is not None, f"{node!r} kept device pages of a failed verify"
+            freed.append(pages)
+        if failed and self.on_corrupt is not None:
+            self.on_corrupt(failed[0], at)
         if freed:
             (core.free_device if load else core.free_host)(freed)
         t = core.latencies
@@ -284,6 +313,27 @@ class Transfers:
             else:
                 op.future.set_exception(TransferError(f"{op.kind.value} copy failed: {err!r}"))
         core.capacity_changed()  # its nodes are idle again (or its pages were freed)
+
+    def _verified(self, op: TransferOp) -> tuple[list[Node], list[Node], int]:
+        """Split a landed load's targets at the first page that failed its deferred
+        verification: ``(nodes before it, the node holding it and the rest, the page's offset
+        in that node)``; its verified pages are unmarked (``storage/deferred.py``)."""
+        job = op.job
+        if job is None or job.expect is None:
+            return op.targets, [], 0
+        host = self.core.host_pool
+        assert host is not None
+        p = self.core.page_size
+        bad = job.bad[0] if job.bad else job.src.numel()
+        off = 0
+        for k, node in enumerate(op.targets):
+            n = len(node.key) // p
+            if bad < off + n:
+                host.unverified[job.src[:bad].numpy()] = False
+                return op.targets[:k], op.targets[k:], bad - off
+            off += n
+        host.unverified[job.src.numpy()] = False
+        return op.targets, [], 0
 
     async def wait_all(self) -> None:
         """Until no copy is in flight (copies are never abandoned)."""

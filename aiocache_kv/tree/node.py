@@ -63,6 +63,7 @@ class Node:
         "alive",
         "backup",
         "children",
+        "corrupt",
         "cpu_hidden",
         "device",
         "device_complete",
@@ -116,6 +117,9 @@ class Node:
         #: announced once the parent is, never reported removed otherwise
         self.cpu_hidden = False
         self.alive = True
+        #: a page of its host copy failed verification at load-back (``storage/deferred.py``):
+        #: no match extends through it (``MatchResult``); it is being dropped
+        self.corrupt = False
         #: retention priority (``tree/retention.py``): evicted after lower ones; falls back
         #: to the default at ``retain_until`` (monotonic seconds; ``inf``: never)
         self.priority = 0
