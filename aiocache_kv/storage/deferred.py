@@ -42,7 +42,7 @@ from aiocache_kv.extensions import optional_extension
 from aiocache_kv.storage import integrity
 from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD, Verdict
-from aiocache_kv.storage.presum import sum_slots
+from aiocache_kv.storage.presum import layout_fits, sum_slots
 
 __all__ = ["copy_to_device", "first_bad", "verify_trailers"]
 
@@ -95,17 +95,7 @@ def verify_trailers(
 def _fits(device: torch.Tensor, raw: torch.Tensor, page_bytes: int) -> bool:
     """Whether :func:`copy_to_device` can copy between these two layouts in C."""
     return (
-        _EXT is not None
-        and hasattr(_EXT, "scatter_check")
-        and device.device.type == "cpu"
-        and device.dim() == 4
-        and device.is_contiguous()
-        and raw.dtype == torch.uint8
-        and raw.dim() == 2
-        and raw.is_contiguous()
-        and device.shape[0] * device.shape[1] * device.shape[3] * device.element_size()
-        == page_bytes
-        and page_bytes <= raw.shape[1]
+        _EXT is not None and hasattr(_EXT, "scatter_check") and layout_fits(device, raw, page_bytes)
     )
 
 

@@ -59,9 +59,14 @@ def _ids(pages: Ids) -> np.ndarray[Any, Any]:
 
 def _fits(device: torch.Tensor, raw: torch.Tensor, page_bytes: int) -> bool:
     """Whether :func:`copy_to_host` can copy between these two layouts in C."""
+    return FUSED and layout_fits(device, raw, page_bytes)
+
+
+def layout_fits(device: torch.Tensor, raw: torch.Tensor, page_bytes: int) -> bool:
+    """Whether a C copy between the device pool (``[pages, ...]`` on CPU, contiguous, a
+    page of ``page_bytes``) and host slots ``raw`` (uint8 rows of at least that) can run."""
     return (
-        FUSED
-        and device.device.type == "cpu"
+        device.device.type == "cpu"
         and device.dim() == 4
         and device.is_contiguous()
         and raw.dtype == torch.uint8
