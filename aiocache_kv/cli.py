@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from aiocache_kv.bench import ENGINE_MODELS, ENGINE_SIDES, SERVE_ARMS, SUITE_HELP, SUITES
+from aiocache_kv.demo_defaults import DEFAULTS as D
 from aiocache_kv.logs import configure_console, get_logger
 
 log = get_logger(__name__)
@@ -101,31 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
         "per node, and every turn is also generated without the cache and must be "
         "token-identical (see aiocache_kv/demo.py).",
     )
-    demo.add_argument("--device-pages", type=_positive, default=48, help="L1 pages (default 48)")
-    demo.add_argument("--host-pages", type=_positive, default=96, help="L2 pages (default 96)")
-    demo.add_argument(
-        "--page-size", type=_positive, default=16, help="tokens per page (default 16)"
-    )
-    demo.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    demo.add_argument(
-        "--conversations", type=_positive, default=4, help="chats in parallel (default 4)"
-    )
-    demo.add_argument("--turns", type=_positive, default=4, help="turns per chat (default 4)")
-    demo.add_argument(
-        "--new-tokens", type=_positive, default=12, help="tokens per reply (default 12)"
-    )
-    demo.add_argument(
-        "--max-batch-tokens",
-        type=_positive,
-        default=256,
-        help="tokens the engine runs per forward pass at most (default 256)",
-    )
-    demo.add_argument(
-        "--system-tokens",
-        type=_positive,
-        default=160,
-        help="shared system prompt length (default 160)",
-    )
+    for name, what in (
+        ("device_pages", "L1 pages"),
+        ("host_pages", "L2 pages"),
+        ("page_size", "tokens per page"),
+        ("seed", "workload seed"),
+        ("conversations", "chats in parallel"),
+        ("turns", "turns per chat"),
+        ("new_tokens", "tokens per reply"),
+        ("max_batch_tokens", "tokens the engine runs per forward pass at most"),
+        ("system_tokens", "shared system prompt length"),
+    ):
+        demo.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int if name == "seed" else _positive,
+            default=D[name],
+            help=what + " (default %(default)s)",
+        )
     demo.add_argument(
         "--storage",
         choices=("file", "none", "mooncake"),

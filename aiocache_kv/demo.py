@@ -48,6 +48,7 @@ import torch
 from aiocache_kv.bench.report import Progress, heading
 from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig
+from aiocache_kv.demo_defaults import DEFAULTS
 from aiocache_kv.demo_report import (
     DemoLog,
     RoundStats,
@@ -71,20 +72,6 @@ log = get_logger(__name__)
 
 #: the demo's model: 6 layers x 4 heads x 64 dims, GPT-2's vocabulary, random weights
 DEMO_SPEC = GPT2Spec(n_layer=6, n_head=4, n_embd=256, vocab_size=50257, n_positions=1024)
-
-#: defaults of the workload options (``aiocache-kv demo --help`` shows the same)
-DEFAULTS: dict[str, Any] = {
-    "page_size": 16,
-    "device_pages": 48,
-    "host_pages": 96,
-    "seed": 0,
-    "conversations": 4,
-    "turns": 4,
-    "new_tokens": 12,
-    "system_tokens": 160,
-    "storage": "file",
-    "max_batch_tokens": 256,
-}
 
 
 def _opt(args: argparse.Namespace, name: str) -> Any:

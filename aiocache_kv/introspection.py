@@ -57,6 +57,7 @@ def snapshot(core: CacheCore, transfers: Transfers, l3: StorageTier | None) -> C
         events_dropped=core.events.dropped,
         latency=core.latencies.snapshot(),
         storage_in_flight=l3.in_flight if l3 is not None else 0,
+        storage_calls_running=l3.io.io_statistics().in_flight if l3 is not None else 0,
         prefetch_reserved_pages=l3.reserved_pages if l3 is not None else 0,
         **_quota_fields(core),
         active_pins=len(core.hard_pins),

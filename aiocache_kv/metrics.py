@@ -306,9 +306,14 @@ class CacheCollector:
         yield family(
             "gauge",
             "operations_in_flight",
-            "Device <-> host copies, and storage backups and background prefetches, in flight.",
+            "Device <-> host copies, storage backups and background prefetches, and storage "
+            "calls worker threads still run (late ones included), in flight.",
             "kind",
-            [("copy", s.ops_in_flight), ("storage", s.storage_in_flight)],
+            [
+                ("copy", s.ops_in_flight),
+                ("storage", s.storage_in_flight),
+                ("storage_call", s.storage_calls_running),
+            ],
         )
         yield one(
             "gauge",

@@ -105,6 +105,9 @@ class CacheStatistics:
     ops_in_flight: int
     events_published: int
     storage_in_flight: int = 0  #: backups and background prefetches
+    #: storage calls a worker thread still runs, calls past their deadline included (a stuck
+    #: store shows here: its pages stay quarantined until the call returns)
+    storage_calls_running: int = 0
     prefetch_reserved_pages: int = 0  #: host pages held by prefetches in flight
     backup_started: int = 0
     backup_pages_ok: int = 0

@@ -12,6 +12,7 @@ import asyncio
 import os
 import random
 import shutil
+import threading
 from collections import namedtuple
 from pathlib import Path
 
@@ -346,6 +347,57 @@ async def test_storage_events_match_the_store_after_eviction(tmp_path: Path) -> 
     async with akv.HiCache(cfg(FileStorage(root, capacity_bytes=6 * size))) as fresh:
         res = await fresh.prefetch(a)
         assert res.hit_tokens == 8
+
+
+class GatedFileStorage(FileStorage):
+    """``FileStorage`` whose puts wait for ``gate`` (a worker that starts late)."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def put_chain(self, *args: object, **kw: object) -> list[bool]:
+        assert self.gate.wait(30), "gate never opened"
+        return super().put_chain(*args, **kw)  # type: ignore[arg-type]
+
+
+async def test_a_late_put_that_evicts_retracts_the_claim_when_it_returns(
+    tmp_path: Path,
+) -> None:
+    """A put past its deadline still runs in its worker (``storage_calls_running``); the
+    pages it evicts to fit were announced stored: once it returns the cache says they are
+    gone, and the STORAGE view matches the disk again."""
+    size = await file_size(tmp_path)
+    root = tmp_path / "kv"
+    store = GatedFileStorage(root, capacity_bytes=4 * size)
+    view = View()
+    a = list(range(100, 108))  # 4 pages of 2: fills the store
+    b = list(range(200, 204))  # 2 more: two of a's go
+    async with akv.HiCache(cfg(store, storage_timeout=0.1)) as cache:
+        cache.release(insert(cache, a))
+        await cache.flush()
+        view.feed(cache.take_events())
+        assert len(view.stored) == 4 and view.stored == await on_disk(store, root)
+        store.gate.clear()
+        cache.release(insert(cache, b))
+        await cache.flush()  # the put missed its deadline: b failed, nothing evicted yet
+        assert cache.statistics().storage_calls_running == 1
+        view.feed(cache.take_events())
+        assert len(view.stored) == 4
+        store.gate.set()  # the late put writes b, evicting two of a's pages
+        for _ in range(500):
+            if not cache.statistics().storage_calls_running:
+                break
+            await asyncio.sleep(0.01)
+        await cache.flush()
+        st = cache.statistics()
+        assert st.storage_calls_running == 0 and st.evicted_pages_storage == 2
+        view.feed(cache.take_events())
+        disk = await on_disk(store, root)
+        # a's first two pages, still claimed; b's pages landed late: on disk, never claimed
+        assert len(view.stored) == 2 and view.stored < disk and len(disk) == 4
+        cache.check_invariants()
 
 
 async def test_a_prompt_larger_than_the_store_keeps_its_prefix(tmp_path: Path) -> None:
