@@ -88,6 +88,19 @@ from tests.reference_model import (
     aligned_common,
 )
 
+
+class JumpClockLoop(asyncio.SelectorEventLoop):
+    """The machine's event loop: real time plus ``offset``, which the machine raises to
+    let time pass (timers that became due run at the next iteration)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = 0.0
+
+    def time(self) -> float:
+        return super().time() + self.offset
+
+
 # ---------------------------------------------------------------------------- settings
 
 # The active Hypothesis profile (tests/conftest.py: ``ci`` by default, ``explore`` to hunt)
@@ -99,6 +112,13 @@ PROFILE = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 
+#: the machine's clock (``JumpClockLoop``) jumps ``JUMP`` seconds when it lets time pass:
+#: ``SHORT`` pin ttls and retentions lapse at the first jump, ``MEDIUM`` ones at the second,
+#: ``LONG`` ones never - whatever real time a run takes.  With ttls of milliseconds on the
+#: real clock, a loaded machine expired pins between other steps, so a replayed example took
+#: other branches and Hypothesis failed the run as flaky (``FlakyStrategyDefinition``).
+JUMP = 10.0
+SHORT, MEDIUM, LONG = 5.0, 15.0, 3600.0
 DEVICE_PAGES = 12
 HOST_PAGES = 16
 MAX_LIVE = 4  # live handles; more would pin the whole device pool most of the time
@@ -190,7 +210,7 @@ class HiCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.p = self.PAGE_SIZE
-        self.loop = asyncio.new_event_loop()
+        self.loop = JumpClockLoop()
         self.engine = ManualCopyEngine()
         self.cfg = small_config(
             page_size=self.p,
@@ -200,6 +220,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         )
         self.cache = akv.HiCache(self.cfg, copy_engine=self.engine)
         self.loop.run_until_complete(self.cache.start())
+        self.cache._core.tree.deadlines.now = self.loop.time  # retention on the same clock
         self.oracle = KVOracle(
             self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.dtype
         )
@@ -219,6 +240,13 @@ class HiCacheMachine(RuleBasedStateMachine):
 
     def _run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
+
+    def _let_time_pass(self) -> None:
+        """Jump the loop's clock by :data:`JUMP` and run what became due: short pins
+        expire, short retentions lapse (the cache reads retention deadlines on this clock
+        too)."""
+        self.loop.offset += JUMP
+        self._run(asyncio.sleep(0.001))
 
     def _tick(self, n: int = 4) -> None:
         """Let the loop run callbacks and wake tasks (no time passes)."""
@@ -371,7 +399,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         tenant=tenant_st,
         keep=st.booleans(),
         priority=st.integers(0, 1000),
-        retention=st.one_of(st.none(), st.sampled_from([0.001, 0.01, 60.0])),
+        retention=st.one_of(st.none(), st.sampled_from([SHORT, MEDIUM, LONG])),
     )
     def insert_with_priority(
         self, toks: list[int], tenant: Tenant, keep: bool, priority: int, retention: float | None
@@ -519,7 +547,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         before = self._snapshot()
         tier = "host" if host else "device"
         try:
-            pin = self.cache.pin(toks, ttl=0.001 if short else 60.0, tier=tier, tenant=tenant)
+            pin = self.cache.pin(toks, ttl=SHORT if short else LONG, tier=tier, tenant=tenant)
         except (NotCachedError, PinLimitError) as exc:
             _event(f"pin refused: {type(exc).__name__}")
             assert self._snapshot() == before, "a refused pin changed the cache"
@@ -539,8 +567,8 @@ class HiCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pins)
     @rule()
     def let_pins_expire(self) -> None:
-        due = self.loop.time()
-        self._run(asyncio.sleep(0.002))
+        self._let_time_pass()
+        due = self.loop.time() - 1.0
         for pin, _, _ in self.pins:
             if pin.expires_at <= due:
                 assert pin.state is not PinState.ACTIVE, f"{pin!r} outlived its deadline"
@@ -761,7 +789,7 @@ class HiCacheMachine(RuleBasedStateMachine):
     ) -> None:
         if runs_loop:  # what the loop would do meanwhile happens first: short pins expire,
             # a drop's zeroing (on a thread) hands its pages back
-            self._run(asyncio.sleep(0.002))
+            self._let_time_pass()
             purger = self.cache._purger
             if purger is not None and purger._tasks:
                 self._run(asyncio.wait(list(purger._tasks)))
