@@ -121,7 +121,7 @@ async def test_deadline_raises_in_time_and_loop_stays_free() -> None:
         with pytest.raises(StorageTimeoutError):
             await io.get_into(["k"], [buf], timeout=0.2)
         elapsed = loop.time() - t0
-    assert 0.19 <= elapsed < 0.35
+    assert 0.19 <= elapsed < 1.0  # the 0.2 s deadline, not the 5 s default (slack: a loaded CI)
     assert probe.ticks >= 10 and probe.max_lag < 0.1
     # The worker still holds the slot: the caller must not reuse it yet.
     assert io.holds([buf]) and io.io_statistics().in_flight == 1

@@ -69,7 +69,7 @@ async def test_sigkill_during_batches_then_restart(fault_master: MasterProc, tag
             except StorageUnavailableError:
                 outcome = "unavailable"
             elapsed = loop.time() - t0
-            assert elapsed < deadline + 0.3, f"{op} took {elapsed:.2f} s past its deadline"
+            assert elapsed < deadline + 1.0, f"{op} took {elapsed:.2f} s past its deadline"
             outcomes.append(outcome)
             if it < 3:
                 assert outcome == "ok", outcomes
