@@ -460,6 +460,7 @@ class HiCache(CacheControls):
             InvalidTypeError / InvalidInputError: bad tokens, names, slots or priority, or
                 tokens that do not extend ``prefix`` (nothing changed).
             HandleError: ``prefix`` was released or belongs to another cache.
+            PrefixDroppedError: pages ``prefix`` leans on left the tree (``drop``, load-back).
             CacheClosedError: the cache is not running.
         """
         self._check()

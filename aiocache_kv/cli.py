@@ -1,5 +1,5 @@
 """The ``aiocache-kv`` command line: ``demo`` and
-``bench [tree|transfer|storage|embedding|e2e|engine|serve]``.
+``bench [tree|transfer|lag|storage|embedding|e2e|engine|serve]``.
 
 Output meant for people (walkthrough, benchmark tables) goes to stdout; logs go to stderr
 as concise lines (:func:`aiocache_kv.logs.configure_console`).  ``main`` returns the exit code.
@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--lag-mib",
         type=_positive,
         default=1024,
-        help="MiB written through while measuring event-loop lag (default 1024)",
+        help="MiB written through while measuring event-loop lag, transfer and lag suites "
+        "(default 1024)",
     )
     xfer.add_argument(
         "--transfer-repeats", type=_positive, default=5, help="repeats, median reported (default 5)"
@@ -435,6 +436,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     mib=args.mib,
                     lag_mib=args.lag_mib,
                     repeats=args.transfer_repeats,
+                    seed=args.seed,
+                )
+            )
+        elif suite == "lag":
+            from aiocache_kv.bench import lag
+
+            results["lag"] = lag.run(
+                lag.LagBenchOptions(
+                    lag_mib=args.lag_mib,
+                    max_running=args.max_running,
+                    max_batch_tokens=args.max_batch_tokens,
                     seed=args.seed,
                 )
             )

@@ -53,6 +53,26 @@ class OwnershipError(KVCacheError, RuntimeError):
     """Loop-owned state was touched from a thread that is not the owning event loop's."""
 
 
+# -- concurrent changes ---------------------------------------------------------------------
+
+
+class PrefixDroppedError(KVCacheError, RuntimeError):
+    """``insert(..., prefix=h)`` leans on pages that left the tree after ``h`` was taken: a
+    ``drop`` detached them, or a page the path waited for failed its verification (or its
+    copy) at load-back.  Not the caller's mistake: its rows still hold valid KV, but the tokens
+    cannot be inserted onto that prefix.  Release ``h`` and match again (recomputing what is
+    gone); a serving engine restarts the request.  Nothing was changed: no page taken, no pin
+    added, the slots stay the caller's.  ``tokens``: the tokens the insert skipped (leaning on
+    ``h``); ``at``: the offset of the first of them that left; ``reason``: ``"dropped"``,
+    ``"corrupt"`` or ``"load failed"``."""
+
+    def __init__(self, message: str, *, tokens: int = 0, at: int = 0, reason: str = "") -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.at = at
+        self.reason = reason
+
+
 # -- capacity -------------------------------------------------------------------------------
 
 

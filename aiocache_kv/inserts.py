@@ -8,6 +8,13 @@ the slots after a page boundary the handle's path holds on device, and the core 
 tokens whose leading pages are not that path's on device.  An insert result passed as the
 prefix hands its retained rows on: the new result retains them too, so the old one may be
 released at once while the request keeps attending over its own rows.
+
+The prefix's pages may leave the tree while the request computes its suffix: an operator's
+``drop`` detaches them (``tree/detach.py``), a page a loading node waited for fails its
+verification at load-back (``storage/deferred.py``) or its copy fails.  The insert is then
+refused as the core refuses tokens that do not extend the prefix, and :func:`prefix_gone`,
+run only on that refusal's path (nothing on the normal one), turns the refusal into
+:class:`PrefixDroppedError`: the caller did nothing wrong, and should match again.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import torch
 
 from aiocache_kv.config import WritePolicy
 from aiocache_kv.core import CacheCore
-from aiocache_kv.errors import InvalidInputError
+from aiocache_kv.errors import InvalidInputError, PrefixDroppedError
 from aiocache_kv.handles import Handle, InsertResult, MatchResult, WriteAck, check_handle
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.pins import HandleTable
@@ -30,7 +37,7 @@ from aiocache_kv.tree.node import ABSENT
 from aiocache_kv.tree.retention import check_priority
 from aiocache_kv.validate import slot_array
 
-__all__ = ["insert_tokens"]
+__all__ = ["insert_tokens", "prefix_gone"]
 
 _NO_IDS = np.empty(0, dtype=np.int64)
 _NO_PAGES = torch.empty(0, dtype=torch.int64)
@@ -44,6 +51,8 @@ def check_prefix(core: CacheCore, prefix: Handle, ns: Namespace, skip: int) -> N
 
     Raises:
         InvalidInputError: another namespace, or ``skip`` is not such a boundary.
+        PrefixDroppedError: ``skip`` is beyond the device part because pages of it left the
+            tree since the handle was taken (:func:`prefix_gone`).
     """
     node = prefix.node
     if node.ns is not ns and node.ns != ns:
@@ -60,10 +69,53 @@ def check_prefix(core: CacheCore, prefix: Handle, ns: Namespace, skip: int) -> N
             dev += len(n.key)
         what = f"the {dev} tokens the prefix insert result holds on device"
     if skip < 0 or skip % core.page_size or skip > dev:
+        gone = prefix_gone(core, prefix, skip) if skip > dev else None
+        if gone is not None:
+            raise gone
         raise InvalidInputError(
             f"kv_indices must hold the slots of the tokens from a page boundary at or "
             f"before {what}; they start at token {skip}"
         )
+
+
+def prefix_gone(core: CacheCore, prefix: Handle, skip: int) -> PrefixDroppedError | None:
+    """The error for an insert refused while its first ``skip`` tokens lean on ``prefix``,
+    when a page among them left since the handle was taken; ``None`` when none did (the
+    caller's tokens, slots or ``skip`` are at fault).  Run on the refusal's path only.
+
+    A page left when its node is ``corrupt`` (it failed its verification at load-back: the
+    tree drops it in the background), no longer ``alive`` (a ``drop`` detached it, or its
+    subtree), or, for an insert result, off device below its ``inserted_len`` (the node the
+    insert stopped at was still loading back, and that load failed).
+    """
+    pos = 0
+    for n in core.tree.path(prefix.node):
+        if pos >= skip:
+            return None
+        if n.corrupt:
+            why, reason = "failed their verification at load-back", "corrupt"
+        elif not n.alive:
+            why, reason = "were dropped from the cache", "dropped"
+        elif (
+            n.device is ABSENT and isinstance(prefix, InsertResult) and skip <= prefix.inserted_len
+        ):
+            why, reason = (
+                "were still loading back when inserted, and the load failed",
+                "load failed",
+            )
+        else:
+            pos += len(n.key)
+            continue
+        kind = "match" if isinstance(prefix, MatchResult) else "insert result"
+        return PrefixDroppedError(
+            f"insert: the prefix {kind} leaves its {skip} leading tokens to the tree, but "
+            f"tokens {pos}..{pos + len(n.key)} of them {why} after the handle was taken "
+            f"({n!r}): release the handle, match again and recompute what is gone",
+            tokens=skip,
+            at=pos,
+            reason=reason,
+        )
+    return None
 
 
 def insert_tokens(
@@ -86,6 +138,8 @@ def insert_tokens(
             time with tensor parallelism (a rank's clock must not shape the tree; nothing
             changed).
         HandleError: ``prefix`` was released or belongs to another cache.
+        PrefixDroppedError: pages of ``prefix`` the insert leans on left the tree since it
+            was taken (dropped, or failed at load-back): nothing changed.
     """
     prio = check_priority(*priority)
     if prio is not None and prio[1] != math.inf and core.coordinator.deferred:
@@ -115,7 +169,13 @@ def insert_tokens(
             inherit = _NO_IDS if held is None else held
     arr = core.dev_alloc.handed_slots(kv_indices) if core.dev_alloc is not None else None
     slots = slot_array(kv_indices, n - skip) if arr is None else arr[: n - skip]
-    out, retained = core.insert_device(ns, toks, n, slots, skip // p, anchor, inherit)
+    try:
+        out, retained = core.insert_device(ns, toks, n, slots, skip // p, anchor, inherit)
+    except InvalidInputError as exc:  # refused, nothing changed: was the prefix dropped?
+        gone = None if prefix is None or not skip else prefix_gone(core, prefix, skip)
+        if gone is not None:
+            raise gone from exc
+        raise
     if prio is not None:
         core.tree.deadlines.raise_path(out.node, *prio)
     if core.tree.tenants is not None:  # the path is pinned: the tenant's other pages go

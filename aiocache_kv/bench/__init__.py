@@ -13,6 +13,7 @@ from __future__ import annotations
 SUITE_HELP = {
     "tree": "radix tree insert/match/evict against targets",
     "transfer": "device<->host page copies and event-loop lag",
+    "lag": "event-loop lag while 1 GiB is written through and the engine serves a full batch",
     "storage": "storage tier (L3) through the cache vs the raw backend (file, mooncake)",
     "embedding": "embedding cache vs the raw Mooncake client, two nodes",
     "e2e": "time to first token vs cached prefix length, per tier (GPT-2)",

@@ -27,6 +27,12 @@ computing waits for those pages instead of computing them again.
 Cancelling a caller aborts its request: the step loop frees its rows and pins after the
 forward pass in progress returns (rule 2: rows handed to the model thread stay its own until it
 says so).
+
+A request whose prefix left the cache while it ran (an operator's ``drop``, a page that failed
+its verification at load-back) cannot insert its next pages onto it
+(:class:`~aiocache_kv.errors.PrefixDroppedError`): it is restarted, not failed.  Its rows and
+pins go back, its prompt and generated tokens stay, and it waits first in line to match again
+and recompute what is gone; after ``max_restarts`` restarts it fails with that error.
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ from aiocache_kv.errors import (
     EngineClosedError,
     InvalidInputError,
     KVCacheError,
+    PrefixDroppedError,
 )
+from aiocache_kv.handles import InsertResult
 from aiocache_kv.logs import get_logger
 from aiocache_kv.models.arch import check_layout, check_request, is_hybrid
 from aiocache_kv.models.batched import PagedBatch, SeqChunk
@@ -68,7 +76,13 @@ from aiocache_kv.validate import check_names
 
 log = get_logger(__name__)
 
-__all__ = ["Engine"]
+__all__ = ["STEP_SLICE", "Engine"]
+
+#: seconds of a step's bookkeeping (tokens to callers, inserts of the pages requests
+#: completed) after which the step loop yields to the event loop before the next request:
+#: with a full batch every request may insert pages (~0.1 ms each on CPU, write-through
+#: included), and one callback doing all of them delays every other task on the loop
+STEP_SLICE = 0.0002
 
 
 def _cores() -> int:
@@ -89,7 +103,9 @@ class Engine:
     previous value comes back when the engine closes.  ``pad_decodes``: how decodes attend
     (:class:`~aiocache_kv.models.batched.PagedBatch`; ``None``: its default for the device).
     ``model_threads``: torch intra-op threads of the model thread (default: the cores this
-    process may use, less one, at least one), so the loop keeps a core.  Use as an async context
+    process may use, less one, at least one), so the loop keeps a core.  ``max_restarts``: times
+    a request is restarted when a prefix it extends leaves the cache under it (then it fails
+    with :class:`~aiocache_kv.errors.PrefixDroppedError`).  Use as an async context
     manager on the loop that runs ``cache``; :meth:`generate` and :meth:`stream` may be called
     from any task on that loop.
 
@@ -108,10 +124,14 @@ class Engine:
         switch_interval: float | None = None,
         pad_decodes: bool | None = None,
         model_threads: int | None = None,
+        max_restarts: int = 3,
     ) -> None:
         for name, value in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if type(max_restarts) is not int or not 0 <= max_restarts <= 1000:
+            raise ConfigError(f"max_restarts must be an int in [0, 1000], got {max_restarts!r}")
+        self.max_restarts = max_restarts
         if switch_interval is not None:
             switch_interval = check_real(
                 "switch_interval", switch_interval, minimum=1e-6, maximum=1.0, error=ConfigError
@@ -380,10 +400,14 @@ class Engine:
             return
         now = time.perf_counter()
         self.counters.observe_step(len(slots), sum(s.tokens for s in slots), now - t0)
+        mark = now
         for s, (tok, logits) in zip(slots, picked, strict=True):
+            if time.perf_counter() - mark > STEP_SLICE:  # between requests: let the loop run
+                await asyncio.sleep(0)
+                mark = time.perf_counter()
             r = s.request
             if r.state is not RequestState.RUNNING:
-                continue  # aborted during the pass: settle() gives its rows back
+                continue  # aborted during the pass (or the yield): settle() gives its rows back
             r.filled += s.tokens
             if logits is not None:
                 r.logits.append(logits)
@@ -391,11 +415,26 @@ class Engine:
                 self._emit(r, tok, now)
             try:
                 self._insert_pages(r)
+            except PrefixDroppedError as exc:  # its prefix left the cache: not its fault
+                self._restart(r, exc)
+                continue
             except KVCacheError as exc:  # the cache refused: this request alone fails
                 self.queues.fail(r, exc)
                 continue
             if r.done:
                 self.queues.finish(r)
+
+    def _restart(self, r: Request, exc: PrefixDroppedError) -> None:
+        """``r`` could not insert onto its prefix, which left the cache (nothing changed):
+        re-admit it to recompute what is gone, at most ``max_restarts`` times.  One that has
+        every token already finishes (only the caching of its last pages is lost)."""
+        q = self.queues
+        if r.done:
+            q.finish(r)
+        elif r.restarts >= self.max_restarts:
+            q.fail(r, exc)
+        else:
+            q.restart(r, exc)
 
     def _emit(self, r: Request, tok: int, now: float) -> None:
         if r.token_times:
@@ -416,10 +455,16 @@ class Engine:
             return
         cache = self.cache
         # incremental: only the new pages' rows, after the pages the handle pins already
+        start = r.inserted
+        h = r.handle
+        if isinstance(h, InsertResult) and h.inserted_len < start:
+            # the last insert stopped below a node still loading back: the rows after it are
+            # retained by ``h`` (not the tree's yet), and are passed again
+            start = h.inserted_len
         res = cache.insert(
             r.tokens(0, aligned),
-            r.rows[r.inserted : aligned],
-            prefix=r.handle,
+            r.rows[start:aligned],
+            prefix=h,
             tenant=r.tenant,
             lora=r.lora,
             priority=r.priority,

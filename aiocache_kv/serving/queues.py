@@ -124,6 +124,24 @@ class Queues:
         self.move(req, RequestState.WAITING, front=True)
         log.debug("engine.preempted", request=req.id, generated=len(req.generated))
 
+    def restart(self, req: Request, reason: BaseException) -> None:
+        """Re-admit running ``req``: a prefix it extended left the cache (``reason``, a
+        :class:`~aiocache_kv.errors.PrefixDroppedError`).  As a preemption: its own rows and
+        pins go back (the dropped pages with them, once nobody else holds them), its prompt
+        and generated tokens stay, and it is first in line to match again and recompute what
+        is gone."""
+        self.give_back(req)
+        req.restarts += 1
+        self.counters.restarts += 1
+        self.move(req, RequestState.WAITING, front=True)
+        log.info(
+            "engine.restarted",
+            request=req.id,
+            restarts=req.restarts,
+            generated=len(req.generated),
+            error=str(reason),
+        )
+
     def finish(self, req: Request) -> None:
         """``req`` generated every token: give back, report its result."""
         self.running.remove(req)

@@ -36,7 +36,8 @@ __all__ = ["GenerationResult", "Request", "RequestState"]
 
 class RequestState(enum.Enum):
     """Where a request is.  Transitions: WAITING -> ADMITTING -> RUNNING -> FINISHED; RUNNING
-    -> WAITING (preempted: its pages stay cached, it resumes by matching them again); any ->
+    -> WAITING (preempted: its pages stay cached, it resumes by matching them again; or
+    restarted: a prefix it extended left the cache, it recomputes what is gone); any ->
     ABORTED (its caller went away) or FAILED (an error it alone hit)."""
 
     WAITING = "waiting"  #: queued; holds no pins and no rows
@@ -67,6 +68,8 @@ class GenerationResult:
     shared_in_flight: int
     #: ``[tokens, vocab]`` logits of each generated token (``generate(keep_logits=True)``)
     logits: torch.Tensor | None = None
+    #: times the request was re-admitted because a prefix it extended left the cache
+    restarts: int = 0
 
     @property
     def per_token(self) -> float:
@@ -96,6 +99,7 @@ class Request:
         "prefetch",
         "priority",
         "prompt",
+        "restarts",
         "retention",
         "reusable_at_admission",
         "rows",
@@ -140,6 +144,7 @@ class Request:
         self.reusable_at_admission = 0
         self.attribution: PromptAttribution | None = None
         self.preemptions = 0
+        self.restarts = 0
         self.shared_in_flight = 0
         #: tokens of another request's prefix this one waits to reuse (0: not waiting)
         self.waited_for = 0
@@ -196,6 +201,7 @@ class Request:
             preemptions=self.preemptions,
             shared_in_flight=self.shared_in_flight,
             logits=torch.stack(self.logits) if self.keep_logits and self.logits else None,
+            restarts=self.restarts,
         )
 
     def __repr__(self) -> str:

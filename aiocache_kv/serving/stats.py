@@ -34,6 +34,9 @@ class EngineStatistics:
     generated_tokens: int
     step_tokens: int  #: tokens run through the model (prefill chunks and decodes)
     preemptions: int
+    #: requests re-admitted because a prefix they extended left the cache (``drop``, or a
+    #: page that failed at load-back: ``PrefixDroppedError``)
+    restarts: int
     inserted_pages: int  #: pages put into the tree while their requests ran
     #: prompt tokens requests waited for another running request to compute, then reused
     shared_in_flight_tokens: int
@@ -59,6 +62,7 @@ class EngineCounters:
     generated_tokens: int = 0
     step_tokens: int = 0
     preemptions: int = 0
+    restarts: int = 0
     inserted_pages: int = 0
     shared_in_flight_tokens: int = 0
     step_seconds_total: float = 0.0
@@ -103,6 +107,7 @@ class EngineCounters:
             generated_tokens=self.generated_tokens,
             step_tokens=self.step_tokens,
             preemptions=self.preemptions,
+            restarts=self.restarts,
             inserted_pages=self.inserted_pages,
             shared_in_flight_tokens=self.shared_in_flight_tokens,
             prompt_tokens=dataclasses.replace(self.prompt_tokens),
