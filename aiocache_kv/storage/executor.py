@@ -63,6 +63,7 @@ from aiocache_kv.errors import (
 from aiocache_kv.logs import get_logger
 from aiocache_kv.numeric import check_int, check_real
 from aiocache_kv.storage.base import ChainAwareStorage, PageBuffer, StorageBackend, StorageStats
+from aiocache_kv.storage.batch_reports import BatchReports
 
 __all__ = ["BatchReports", "StorageIO", "StorageIOStats"]
 
@@ -101,34 +102,12 @@ class _Call:
     what: str
     result: asyncio.Future[Any]  # the caller's; completed only if not done
     finished: asyncio.Future[None]  # set when the worker is done (buffers released)
-    ranges: tuple[tuple[int, int], ...]
+    buffers: Sequence[PageBuffer]  # what the worker may touch (the caller's own list)
     on_release: Callable[[], None] | None = None  # the caller's lease ends with the worker
 
-
-class BatchReports:
-    """The results of :meth:`StorageIO.get_into_batches`' batches on their way to the loop.
-
-    The worker :meth:`put` s each batch's result as it ends; :meth:`drain`, on the loop, runs
-    ``on_batch(i, result)`` for every result put so far, in order (the worker wakes the loop
-    to drain; a caller may drain at any time, e.g. when its deadline passes).
-    """
-
-    __slots__ = ("_on_batch", "_ready")
-
-    def __init__(self, on_batch: Callable[[int, list[bool] | BaseException], None]) -> None:
-        self._on_batch = on_batch
-        self._ready: collections.deque[tuple[int, list[bool] | BaseException]] = collections.deque()
-
-    def put(self, i: int, result: list[bool] | BaseException) -> None:
-        """Worker thread: batch ``i`` ended with ``result`` (deque appends are thread-safe)."""
-        self._ready.append((i, result))
-
-    def drain(self) -> None:
-        """Loop thread: report every batch put so far, in order."""
-        ready = self._ready
-        while ready:
-            i, result = ready.popleft()
-            self._on_batch(i, result)
+    @functools.cached_property
+    def ranges(self) -> tuple[tuple[int, int], ...]:  # only when asked (not per call: ~us a page)
+        return tuple((b.ptr, b.ptr + b.nbytes) for b in self.buffers)
 
 
 class StorageIO:
@@ -283,8 +262,9 @@ class StorageIO:
         worker: one hand-off for all, each batch one backend call of its own size.
         ``on_batch(i, flags or the exception)`` runs on the loop for each batch that ended,
         in order, before this returns; a batch's exception does not stop the next.  Batches
-        not started by the deadline are skipped.  Buffers stay in use until every batch ended,
-        late ones included (``on_release`` runs on the loop then, exactly once).
+        not started by the deadline, or after :meth:`BatchReports.stop_after`'s, are skipped.
+        Buffers stay in use until every batch ended, late ones included (``on_release`` runs
+        on the loop then, exactly once).
 
         The worker wakes the loop for a report at most every ``report_gap`` seconds (0: after
         every batch; a wake-up costs ~40 us) and once at the end; batches that end in between
@@ -300,10 +280,7 @@ class StorageIO:
         limit = self.default_timeout if timeout is None else timeout
         stop = time.monotonic() + limit  # the worker starts no batch after this
         get_into = self.backend.get_into
-        jobs = [
-            (list(keys), list(bufs), None if ids is None else list(ids))
-            for keys, bufs, ids in batches
-        ]
+        jobs = [(list(k), list(b), None if i is None else list(i)) for k, b, i in batches]
         reports = on_batch if isinstance(on_batch, BatchReports) else BatchReports(on_batch)
 
         def run() -> None:  # worker thread: results go back through the loop only
@@ -311,7 +288,7 @@ class StorageIO:
             unposted = False
             try:
                 for i, (keys, bufs, ids) in enumerate(jobs):
-                    if time.monotonic() >= stop:
+                    if time.monotonic() >= stop or i > reports.last:  # deadline, or told to stop
                         return
                     res: list[bool] | BaseException
                     try:
@@ -498,7 +475,7 @@ class StorageIO:
             what=what,
             result=loop.create_future(),
             finished=loop.create_future(),
-            ranges=tuple((b.ptr, b.ptr + b.nbytes) for b in buffers),
+            buffers=buffers,
             on_release=on_release,
         )
         self._inflight[call.id] = call

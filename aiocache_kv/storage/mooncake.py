@@ -113,6 +113,9 @@ class MooncakeStorage(MooncakeTags):
     """
 
     defer_checksum = False  #: reads into buffers with a checksum row check only the trailer
+    #: a read of a missing key costs what asking costs (-704 per key), so the storage tier
+    #: reads a prefetch's run beside its existence check, not after it (``prefetch.py``)
+    read_ahead = True
 
     def __init__(
         self,
@@ -428,16 +431,17 @@ class MooncakeStorage(MooncakeTags):
         self._check_registered([buffers[i] for i in first.values()])
 
         def send(idx: list[int]) -> list[int]:
-            return self._send(store, idx, keys, buffers)
+            return self._batch("batch_put_from", store.batch_put_from, idx, keys, buffers)
 
         codes = pipelined_put(
             chunks, keys, buffers, idents, send, self._submit, sealed=sealed, todo=todo
         )
         late = [i for i in first.values() if i not in codes]  # the check saw a repeat differently
-        integrity.seal_many(
-            [buffers[i] for i in late], [keys[i] for i in late], [idents[i] for i in late]
-        )
-        codes.update(zip(late, send(late) if late else [], strict=True))
+        if late:
+            integrity.seal_many(
+                [buffers[i] for i in late], [keys[i] for i in late], [idents[i] for i in late]
+            )
+            codes.update(zip(late, send(late), strict=True))
         if todo is None and len(first) == n and all(c == 0 for c in codes.values()):
             # every key distinct, sent and stored (the common case): the loop below in short
             self._stats.add(put_ok=n, bytes_written=sum(b.nbytes for b in buffers))
@@ -483,26 +487,13 @@ class MooncakeStorage(MooncakeTags):
             )
         return results
 
-    def _send(
-        self, store: Any, idx: list[int], keys: Sequence[str], buffers: Sequence[PageBuffer]
+    def _batch(
+        self, what: str, fn: Any, idx: list[int], keys: Sequence[str], bufs: Sequence[PageBuffer]
     ) -> list[int]:
+        """``fn`` (``batch_put_from`` / ``batch_get_into``, named ``what``) of the pages ``idx``."""
+        sel = [bufs[i] for i in idx]
         return self._call(
-            "batch_put_from",
-            store.batch_put_from,
-            [keys[i] for i in idx],
-            [buffers[i].ptr for i in idx],
-            [buffers[i].nbytes for i in idx],
-        )
-
-    def _get(
-        self, store: Any, idx: list[int], keys: Sequence[str], buffers: Sequence[PageBuffer]
-    ) -> list[int]:
-        return self._call(
-            "batch_get_into",
-            store.batch_get_into,
-            [keys[i] for i in idx],
-            [buffers[i].ptr for i in idx],
-            [buffers[i].nbytes for i in idx],
+            what, fn, [keys[i] for i in idx], [b.ptr for b in sel], [b.nbytes for b in sel]
         )
 
     def get_into(
@@ -529,7 +520,7 @@ class MooncakeStorage(MooncakeTags):
         chunks = byte_chunks(list(range(n)), [b.nbytes for b in buffers], PIPELINE_BYTES)
 
         def get(idx: list[int]) -> list[int]:
-            return self._get(store, idx, keys, buffers)
+            return self._batch("batch_get_into", store.batch_get_into, idx, keys, buffers)
 
         sub, defer = self._submit, self.defer_checksum
         codes, read, verdicts = pipelined_get(chunks, keys, buffers, idents, get, sub, defer)

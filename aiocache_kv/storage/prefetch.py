@@ -2,8 +2,9 @@
 
 ``prefetch`` pins the cached prefix, asks storage for the leading run of present page keys
 (one batched call), reserves host pages for them (at most half the host pool across every
-prefetch in flight), reads them in chunks under page leases, and commits only the leading run
-of pages that arrived and verified.  Leftover pages are freed at once; the ones a late read
+prefetch in flight), reads them in chunks under page leases (a backend with ``read_ahead``,
+Mooncake: beside the check), and commits only the leading run of pages that arrived and
+verified.  Leftover pages are freed at once; the ones a late read
 still writes into wait in quarantine (docs/ARCHITECTURE.md, rule 2).  With tensor parallelism
 the committed end is agreed across ranks.  Storage faults never escape: the result reports
 what was committed, possibly nothing.
@@ -44,6 +45,8 @@ log = get_logger(__name__)
 #: cost ~40 us of CPU; 16-page batches of 64 KiB pages end every ~0.5-1 ms); the wait drains
 #: what landed when it ends, so no page that arrived in time is lost to the gap
 REPORT_GAP = 0.01
+#: a read worker's batches, each a list of ``(pool, page)``
+Parts = list[list[tuple[int, int]]]
 
 
 class PrefetchStatus(enum.Enum):
@@ -318,86 +321,80 @@ class PrefetchingTier(StorageTierBase):
 
     async def _fetch(self, job: _Prefetch) -> None:
         """One existence check over every pool's keys, then chunked reads until the deadline;
-        record per pool which pages arrived intact (no tree change)."""
+        record per pool which pages arrived intact (no tree change).
+
+        A backend whose read of a missing key costs no more than asking (``read_ahead``:
+        Mooncake answers -704 per key) reads the whole run *beside* the check instead of after
+        it (one pool, one rank, two workers or more): the check's round trip and the loop's
+        turn between the two are off the critical path.  Only pages in the leading run the
+        check reports count, whenever their read lands; batches past it are not started once
+        the run is known (:meth:`BatchReports.stop_after`)."""
         pools = self.pools
         total = len(job.keys[0])
         fits = job.pages.numel()  # pages reserved: at most half the host pool in flight
         job.loaded = [[False] * fits for _ in range(pools)]
         timeout = max(job.deadline - time.monotonic(), 0.001)
         flat = [k for keys in job.keys for k in keys]
-        try:
-            present = await self.io.exists(flat, timeout=timeout)
-        except KVCacheError as exc:
-            self.counters.storage_errors += 1
-            job.failed, job.error = True, repr(exc)
-            log.warning("prefetch_exists_failed", error=job.error)
-            return
-        by_pool = [present[i * total : (i + 1) * total] for i in range(pools)]
-        comps = self.core.config.components
-        all_pools = [0] + [
-            i + 1 for i, c in enumerate(comps) if c.hit_policy is HitPolicy.ALL_PAGES
-        ]
-        job.hits = min(leading_run(by_pool[i]) for i in all_pools)
-        if not self.core.coordinator.deferred:  # (with TP a rank's store is not published)
-            job.unclaimed = self._stored.take_missing(job.hashes, by_pool[0])
-        self.counters.prefetch_storage_hit_tokens += job.hits * self.core.config.page_size
-        # what to read: the leading run for KV/ALL pools, present pages inside it for the rest
-        plan: list[tuple[int, int]] = [
-            (pool, j)
-            for pool in range(pools)
-            for j in range(min(job.hits, fits))
-            if by_pool[pool][j]
-        ]
-        # at most prefetch_batch_pages a backend call, spread over every worker (a read of
-        # one batch would otherwise run on one worker while the others idle); each worker's
-        # batches go in one hand-off (a hand-off per batch cost ~60 us of loop time) and
-        # report in order, waking the loop at most every REPORT_GAP, interleaved so that the
-        # leading pages land first
-        chunk = max(1, min(self.core.config.prefetch_batch_pages, -(-len(plan) // self.io.workers)))
-        parts = [plan[a : a + chunk] for a in range(0, len(plan), chunk)]
-        alloc = self.core.host_alloc
-        assert alloc is not None
-        reserved = job.pages.numpy()  # one conversion; a torch index per page costs ~1 us
-        rows = reserved.tolist()  # host page of each prefetch page (one call, not one a part)
         done = [False]  # set once the wait is over: a batch reported later is not counted
+        limit = [-1]  # pages [0, limit) count: the leading run, once the check told it
+        early: list[tuple[list[tuple[int, int]], list[bool] | BaseException]] = []
 
         def landed(part: list[tuple[int, int]], res: list[bool] | BaseException) -> None:
             if done[0]:
                 return
+            end = limit[0]
+            if end < 0:  # read ahead of the check: counted once the run is known
+                early.append((part, res))
+                return
             if isinstance(res, BaseException):
-                self.counters.storage_errors += 1
-                job.failed, job.error = True, repr(res)
+                if part[0][1] < end:  # (a batch wholly past the run concerns nobody)
+                    self.counters.storage_errors += 1
+                    job.failed, job.error = True, repr(res)
                 return
             for (pool, j), good in zip(part, res, strict=True):
-                job.loaded[pool][j] = good
-                if not good and pool == 0:
-                    job.vanished.append(j)
+                if j < end:
+                    job.loaded[pool][j] = good
+                    if not good and pool == 0:
+                        job.vanished.append(j)
 
-        tasks: list[asyncio.Future[None]] = []
-        reports: list[BatchReports] = []
+        reads: tuple[list[asyncio.Future[None]], list[BatchReports], list[Parts]] | None = None
+        if (
+            pools == 1
+            and self.io.workers > 1
+            and not self.core.coordinator.deferred
+            and getattr(self.io.backend, "read_ahead", False)
+        ):
+            reads = self._start_reads(job, [(0, j) for j in range(min(total, fits))], landed)
         try:
-            for w in range(min(self.io.workers, len(parts))):
-                mine = parts[w :: self.io.workers]
-                batches = []
-                for part in mine:
-                    keys = [job.keys[pool][j] for pool, j in part]
-                    bufs = [self._buffers[pool][rows[j]] for pool, j in part]
-                    # every component of page j is bound to the page's own chain hash
-                    batches.append((keys, bufs, [job.hashes[j] for _, j in part]))
-                leased = torch.from_numpy(reserved[[j for part in mine for _, j in part]])
-                alloc.lease(leased)  # a late read must never land in a reused page
-                remaining = max(job.deadline - time.monotonic(), 0.001)
-                reports.append(BatchReports(functools.partial(_report, landed, mine)))
-                task = asyncio.ensure_future(
-                    self.io.get_into_batches(
-                        batches,
-                        reports[-1],
-                        timeout=remaining,
-                        on_release=functools.partial(alloc.unlease, leased),
-                        report_gap=REPORT_GAP,
-                    )
-                )
-                tasks.append(task)
+            try:
+                present = await self.io.exists(flat, timeout=timeout)
+            except KVCacheError as exc:
+                self.counters.storage_errors += 1
+                job.failed, job.error = True, repr(exc)
+                log.warning("prefetch_exists_failed", error=job.error)
+                return
+            by_pool = [present[i * total : (i + 1) * total] for i in range(pools)]
+            comps = self.core.config.components
+            all_pools = [0] + [
+                i + 1 for i, c in enumerate(comps) if c.hit_policy is HitPolicy.ALL_PAGES
+            ]
+            job.hits = min(leading_run(by_pool[i]) for i in all_pools)
+            if not self.core.coordinator.deferred:  # (with TP a rank's store is not published)
+                job.unclaimed = self._stored.take_missing(job.hashes, by_pool[0])
+            self.counters.prefetch_storage_hit_tokens += job.hits * self.core.config.page_size
+            limit[0] = end = min(job.hits, fits)
+            if reads is None:
+                # what to read: the leading run for KV/ALL pools, present pages inside it
+                # for the rest
+                plan = [(pool, j) for pool in range(pools) for j in range(end) if by_pool[pool][j]]
+                reads = self._start_reads(job, plan, landed)
+            else:
+                for rep, mine in zip(reads[1], reads[2], strict=True):  # skip what is past it
+                    rep.stop_after(sum(1 for part in mine if part[0][1] < end) - 1)
+                for part, res in early:
+                    landed(part, res)
+                early.clear()
+            tasks = reads[0]
             if tasks:
                 await asyncio.wait(tasks, timeout=max(job.deadline - time.monotonic(), 0.0))
             for t in tasks:
@@ -406,14 +403,64 @@ class PrefetchingTier(StorageTierBase):
                     self.counters.storage_errors += 1
                     job.failed, job.error = True, repr(failure)
         finally:
-            for r in reports:  # batches that landed in time but wait for a wake-up count too
-                r.drain()
-            done[0] = True
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
-                elif not t.cancelled():
-                    t.exception()  # retrieved: counted above
+            if reads is not None:
+                for r in reads[1]:  # batches that landed in time but wait for a wake-up count
+                    r.stop_after(-1)  # (the wait is over: a worker starts none more)
+                    r.drain()
+                done[0] = True
+                for t in reads[0]:
+                    if not t.done():
+                        t.cancel()
+                    elif not t.cancelled():
+                        t.exception()  # retrieved: counted above
+
+    def _start_reads(
+        self,
+        job: _Prefetch,
+        plan: list[tuple[int, int]],
+        landed: Callable[[list[tuple[int, int]], list[bool] | BaseException], None],
+    ) -> tuple[list[asyncio.Future[None]], list[BatchReports], list[Parts]]:
+        """Lease the host pages of ``plan`` (``(pool, page)``, in order) and start reading
+        them; returns the read tasks, their reports and each one's parts."""
+        # at most prefetch_batch_pages a backend call, spread over every worker (a read of
+        # one batch would otherwise run on one worker while the others idle); each worker's
+        # batches go in one hand-off (a hand-off per batch cost ~60 us of loop time) and
+        # report in order, waking the loop at most every REPORT_GAP, interleaved so that the
+        # leading pages land first
+        spread = self.io.workers
+        chunk = max(1, min(self.core.config.prefetch_batch_pages, -(-len(plan) // spread)))
+        parts = [plan[a : a + chunk] for a in range(0, len(plan), chunk)]
+        alloc = self.core.host_alloc
+        assert alloc is not None
+        reserved = job.pages.numpy()  # one conversion; a torch index per page costs ~1 us
+        rows = reserved.tolist()  # host page of each prefetch page (one call, not one a part)
+        tasks: list[asyncio.Future[None]] = []
+        reports: list[BatchReports] = []
+        spread_parts: list[Parts] = []
+        for w in range(min(spread, len(parts))):
+            mine = parts[w::spread]
+            batches = []
+            for part in mine:
+                keys = [job.keys[pool][j] for pool, j in part]
+                bufs = [self._buffers[pool][rows[j]] for pool, j in part]
+                # every component of page j is bound to the page's own chain hash
+                batches.append((keys, bufs, [job.hashes[j] for _, j in part]))
+            leased = torch.from_numpy(reserved[[j for part in mine for _, j in part]])
+            alloc.lease(leased)  # a late read must never land in a reused page
+            remaining = max(job.deadline - time.monotonic(), 0.001)
+            reports.append(BatchReports(functools.partial(_report, landed, mine)))
+            spread_parts.append(mine)
+            task = asyncio.ensure_future(
+                self.io.get_into_batches(
+                    batches,
+                    reports[-1],
+                    timeout=remaining,
+                    on_release=functools.partial(alloc.unlease, leased),
+                    report_gap=REPORT_GAP,
+                )
+            )
+            tasks.append(task)
+        return tasks, reports, spread_parts
 
     def _finish(self, job: _Prefetch, end: int) -> None:
         """Commit the first ``end`` pages (agreed across ranks), unpin, free the rest."""

@@ -226,12 +226,12 @@ class StorageTier(PrefetchingTier):
             for pool in range(self.pools):
                 if pool and core.config.components[pool - 1].name in node.invalid:
                     continue  # never store a page this node does not have
-                keys += self._keys(node.ns, hashes, pool)
+                mine = self._keys(node.ns, hashes, pool)
+                keys += mine
                 idents += hashes
-                chain = self._keys(node.ns, ([] if prev is None else [prev]) + hashes[:-1], pool)
-                if prev is None:
-                    parents.append(None)
-                parents += chain
+                # each page depends on the one before it: its key is already made
+                parents += [None if prev is None else self._keys(node.ns, [prev], pool)[0]]
+                parents += mine[:-1]
                 bufs += self._bufs(node.host_pages, pool)
                 op.entry_pages += range(base, base + k)
             base += k
