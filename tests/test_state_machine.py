@@ -1015,10 +1015,23 @@ class HiCacheMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ invariants
 
+    def _settle_background(self) -> None:
+        """Let the loop's background work end before the next step: a drop's reap (a
+        ``call_soon``) and its zeroing (a worker thread) free pages when the thread is done,
+        so without this wait a replayed example could find another pool (more or fewer free
+        pages) at its next step, take other branches, and fail as flaky under load."""
+        self._tick()
+        zeroing = self.cache._core.zeroing
+        while zeroing:
+            self._run(asyncio.wait(list(zeroing)))
+            self._tick()
+
     @invariant()
     def cache_invariants(self) -> None:
+        """(Runs first of the invariants: they run in name order.)"""
         if self.closed:
             return
+        self._settle_background()
         self.steps_since_drain += 1  # runs once per step: the drain rule's step counter
         self.cache.check_invariants()
         self._absorb()
