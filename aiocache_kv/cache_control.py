@@ -325,5 +325,18 @@ class CacheControls:
         dev, host = self._core.tree.tenant_pages().get(tenant, [0, 0])
         return {"device": dev, "host": host}
 
+    # ------------------------------------------------------------------ scheduler probes
+
+    def copies_in_flight(self) -> int:
+        """Device <-> host copies in flight now: ``statistics().ops_in_flight`` without the
+        snapshot (~0.1 us instead of ~100 us), for a scheduler that asks on every step whether
+        waiting can free device pages (a landing write-through makes its pages evictable).
+
+        Raises:
+            CacheClosedError: the cache is not running.
+        """
+        self._check()
+        return len(self._transfers.inflight)
+
 
 __all__ = ["CacheControls"]

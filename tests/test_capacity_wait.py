@@ -267,3 +267,19 @@ async def test_timeouts_are_refused_with_tensor_parallelism() -> None:
             await cache.load_back(m, timeout=1)
         assert (await cache.alloc_wait(2)).numel() == 2  # the default form still works
         cache.release(m)
+
+
+async def test_copies_in_flight_is_the_snapshot_count_without_the_snapshot() -> None:
+    engine = ManualCopyEngine()
+    cache = akv.HiCache(small_config(write_policy="write_through"), copy_engine=engine)
+    async with cache:
+        assert cache.copies_in_flight() == 0
+        slots = cache.alloc(4)
+        r = cache.insert([1, 2, 3, 4], slots)  # its write-through waits in the engine
+        assert cache.copies_in_flight() == cache.statistics().ops_in_flight == 1
+        engine.complete_all()
+        await asyncio.sleep(0)
+        assert cache.copies_in_flight() == cache.statistics().ops_in_flight == 0
+        cache.release(r)
+    with pytest.raises(akv.CacheClosedError):
+        cache.copies_in_flight()

@@ -134,7 +134,7 @@ class Admissions:
         give rows back, and no copy in flight will make pages evictable."""
         q = self.queues
         alone = not q.running and all(r is req for r in q.admitting)
-        return alone and not self.cache.statistics().ops_in_flight
+        return alone and not self.cache.copies_in_flight()
 
     async def _try(self, req: Request) -> bool:
         """One admission attempt; ``True`` once the request is in the batch (or ended).

@@ -500,7 +500,7 @@ class Engine:
             try:
                 pages = cache.alloc(need)
             except CapacityError:
-                if cache.statistics().ops_in_flight:
+                if cache.copies_in_flight():
                     self._short = True
                     return False  # copies to host land soon and make pages evictable
                 victim = q.running[-1]  # the newest request yields (vLLM's order)
