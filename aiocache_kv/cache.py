@@ -3,10 +3,9 @@
 Every method runs on the event-loop thread that started the cache.  The facade validates its
 input (nothing changes on bad input), plans the state change through the
 :class:`~aiocache_kv.core.CacheCore` (tree, pools, events), submits the data movement it needs
-to the :class:`~aiocache_kv.transfer.ops.Transfers` (device<->host) or the
-:class:`~aiocache_kv.storage.tier.StorageTier` (host<->storage), and awaits only what the caller
-asked to wait for.  Completions are applied by the core's coordinator: at once with one rank,
-through agreements with tensor parallelism.  See docs/ARCHITECTURE.md.
+to the :class:`~aiocache_kv.transfer.ops.Transfers` (device<->host) or the storage tier
+(host<->storage), and awaits only what the caller asked to wait for.  Completions are applied
+by the core's coordinator: at once with one rank, through agreements with tensor parallelism.
 """
 
 from __future__ import annotations
@@ -460,7 +459,8 @@ class HiCache(CacheControls):
             InvalidTypeError / InvalidInputError: bad tokens, names, slots or priority, or
                 tokens that do not extend ``prefix`` (nothing changed).
             HandleError: ``prefix`` was released or belongs to another cache.
-            PrefixDroppedError: pages ``prefix`` leans on left the tree (``drop``, load-back).
+            PrefixDroppedError: pages that ``prefix`` or the rows lean on left the tree (drop,
+                load-back failure).
             CacheClosedError: the cache is not running.
         """
         self._check()

@@ -37,7 +37,7 @@ from aiocache_kv.tree.node import ABSENT
 from aiocache_kv.tree.retention import check_priority
 from aiocache_kv.validate import slot_array
 
-__all__ = ["insert_tokens", "prefix_gone"]
+__all__ = ["insert_tokens", "prefix_gone", "rows_dropped"]
 
 _NO_IDS = np.empty(0, dtype=np.int64)
 _NO_PAGES = torch.empty(0, dtype=torch.int64)
@@ -118,6 +118,31 @@ def prefix_gone(core: CacheCore, prefix: Handle, skip: int) -> PrefixDroppedErro
     return None
 
 
+def rows_dropped(core: CacheCore, slots: np.ndarray) -> PrefixDroppedError | None:
+    """The error for an insert refused while its ``slots`` name device rows of a node a
+    ``drop`` detached (rows a match handed out, e.g. ``m.device_indices`` passed back without
+    ``prefix=``); ``None`` when none do.  Run on the refusal's path only."""
+    p = core.page_size
+    pages = slots[::p] // p
+    for node in core.tree.walk_detached():
+        dp = node.device_pages
+        if dp is None or not dp.numel():
+            continue
+        hit = np.isin(pages, dp.numpy())
+        if hit.any():
+            at = int(np.argmax(hit)) * p
+            last = (len(hit) - int(np.argmax(hit[::-1]))) * p
+            return PrefixDroppedError(
+                f"insert: kv_indices name the rows of tokens {at}..{last}, which were dropped "
+                f"from the cache after they were matched ({node!r}): match again and "
+                "recompute what is gone",
+                tokens=last,
+                at=at,
+                reason="dropped",
+            )
+    return None
+
+
 def insert_tokens(
     core: CacheCore,
     transfers: Transfers,
@@ -173,6 +198,8 @@ def insert_tokens(
         out, retained = core.insert_device(ns, toks, n, slots, skip // p, anchor, inherit)
     except InvalidInputError as exc:  # refused, nothing changed: was the prefix dropped?
         gone = None if prefix is None or not skip else prefix_gone(core, prefix, skip)
+        if gone is None and core.tree.detached:  # rows a match gave, dropped since
+            gone = rows_dropped(core, slots)
         if gone is not None:
             raise gone from exc
         raise

@@ -491,3 +491,53 @@ async def test_drop_between_backup_pump_and_put_removes_the_late_put() -> None:
         assert not store.contents()
         assert cache.statistics().late_puts_removed == 3
         cache.check_invariants()
+
+
+class GatedTagRemove(MemoryStorage):
+    """MemoryStorage whose ``remove_tag`` waits for ``gate`` (held in its worker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def remove_tag(self, tag: str) -> int:
+        self.gate.wait(self.gate_timeout)
+        return super().remove_tag(tag)
+
+
+async def test_no_backup_of_a_namespace_while_its_drop_removes_keys(
+    engine: ManualCopyEngine,
+) -> None:
+    """A tenant drop removes every key of its tag on a worker.  A page computed again
+    meanwhile must not be put then: the removal could delete it under its claim (the stress
+    test caught STORAGE claims the store lacked).  It is backed up at a later hit instead."""
+    store = GatedTagRemove()
+    cfg = small_config(storage=store, enable_kv_events=True, storage_workers=2)
+    async with akv.HiCache(cfg, copy_engine=engine) as cache:
+        await populated(cache, engine, A)
+        assert len(store.contents()) == 3
+        cache.take_events()
+        store.gate.clear()
+        drop = asyncio.create_task(cache.drop(tenant=None))
+        await asyncio.sleep(0)  # the drop detached A and waits for its removal (gated)
+        assert not drop.done()
+        r = insert(cache, A, seed=1)  # computed again while the keys are being removed
+        engine.complete_all()
+        await r.write_through  # type: ignore[misc]
+        await asyncio.sleep(0)  # the landing copy would start the backup now
+        st = cache.statistics()
+        assert st.backup_skipped_pages == 3 and st.storage_in_flight == 0, st  # not put
+        cache.release(r)
+        store.gate.set()
+        await drop
+        stored = [e for e in cache.take_events() if getattr(e, "medium", "") == "STORAGE"]
+        assert not any(isinstance(e, akv.BlockStored) for e in stored)
+        assert not store.contents()
+        m = cache.match_prefix(A)  # the hit backs it up now
+        cache.release(m)
+        await cache.flush()
+        assert len(store.contents()) == 3
+        claims = [e for e in cache.take_events() if isinstance(e, akv.BlockStored)]
+        assert any(e.medium == "STORAGE" for e in claims)
+        cache.check_invariants()

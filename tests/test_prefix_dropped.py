@@ -112,6 +112,31 @@ async def test_insert_onto_a_dropped_match_is_prefix_dropped_and_changes_nothing
         await all_free(cache, engine)
 
 
+async def test_the_matched_rows_passed_back_after_a_drop_are_prefix_dropped(
+    engine: ManualCopyEngine,
+) -> None:
+    """The other documented form: no ``prefix=``, the match's rows passed back in front of
+    the new ones.  After a drop they are a detached node's rows: the refusal names them as
+    dropped, not as rows the caller never held."""
+    async with akv.HiCache(small_config(), copy_engine=engine) as cache:
+        await cached(cache, engine, A)
+        m = cache.match_prefix(A + TAIL)
+        rows = m.device_indices
+        slots = cache.alloc(len(TAIL))
+        write_kv(cache, slots, seed=5)
+        await cache.drop(A[:4])  # the match's last two pages (tokens 2..6) go
+        before = state(cache)
+        with pytest.raises(PrefixDroppedError) as info:
+            cache.insert(A + TAIL, torch.cat([rows, slots]))
+        err = info.value
+        assert (err.reason, err.at, err.tokens) == ("dropped", 2, 6), err
+        assert state(cache) == before
+        cache.check_invariants()
+        cache.free(slots)
+        cache.release(m)
+        await all_free(cache, engine)
+
+
 async def test_insert_onto_a_dropped_insert_result_is_prefix_dropped(
     engine: ManualCopyEngine,
 ) -> None:

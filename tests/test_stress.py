@@ -539,11 +539,13 @@ class Run:
                 else:
                     rows = torch.cat([dev_idx, slots[:n_new]])
                     r = cache.insert(tokens, rows, tenant=tenant, **prio)
-            except akv.InvalidInputError as exc:
-                if self.drops[tenant] == drops:
+            except akv.PrefixDroppedError as exc:
+                # the matched prefix was dropped meanwhile (its rows are no longer the tree's),
+                # or a page of it failed its verification at load-back: not this request's
+                # fault, and nothing changed
+                if exc.reason == "dropped" and self.drops[tenant] == drops:
                     raise
-                # the matched prefix was dropped meanwhile: its rows are no longer the tree's
-                self.note(f"{tag} insert after a drop of its prefix: {exc}")
+                self.note(f"{tag} insert onto a prefix that left the tree: {exc.reason}")
                 return
             handles.append(r)
             held = slots[-p:] if len(tokens) % p else None  # the unaligned tail stays ours

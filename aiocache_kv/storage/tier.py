@@ -203,9 +203,20 @@ class StorageTier(PrefetchingTier):
             for n in nodes
             if n.alive and n.host is RESIDENT and n.storage is ABSENT and n.backup is None
         ]
+        p = core.config.page_size
+        if self._fences and not core.coordinator.deferred:
+            # a drop is removing keys of these namespaces (a tenant's tag, or the keys of a
+            # prefix): a put landing now could be removed under its claim.  Not now, from
+            # the first such node on; a later hit backs them up again.  (With TP each rank's
+            # drop ends on its own clock: ranks would disagree.)
+            fenced = {ns for ns, _ in self._fences}
+            cut = next((i for i, n in enumerate(todo) if n.ns in fenced), len(todo))
+            if cut < len(todo):
+                self.counters.backup_skipped_pages += sum(len(n.key) for n in todo[cut:]) // p
+                todo = todo[:cut]
         if not todo:
             return None
-        pages = sum(len(n.key) for n in todo) // core.config.page_size
+        pages = sum(len(n.key) for n in todo) // p
         # back off after a failure (single rank only: a clock must not shape a TP tree)
         if not core.coordinator.deferred and time.monotonic() < self._retry_after:
             self.counters.backup_skipped_pages += pages
