@@ -286,3 +286,46 @@ async def test_lens_agrees_with_parts_in_every_tier_state(seed: int) -> None:
         await asyncio.gather(*loads, return_exceptions=True)
         await cache.flush()
         cache.check_invariants()
+
+
+async def test_prefix_result_that_stopped_at_a_loading_node_survives_its_split() -> None:
+    """An insert stopped after a node still loading back (its result's ``inserted_len``
+    covers it); another request's match splits that node while it loads.  The next insert
+    with ``prefix=`` that result skips to its ``inserted_len`` as before: both halves are
+    the same load, so the walk goes on through them (it stopped at the first half, and the
+    insert was refused as "tokens that do not extend the prefix": the batched interleaving
+    test's rare failure)."""
+    engine = ManualCopyEngine()
+    cfg = small_config(write_policy="write_through")
+    async with akv.HiCache(cfg, copy_engine=engine) as cache:
+        x = [1, 2, 3, 4]  # one node of two pages
+        first = cache.alloc(4)
+        write_kv(cache, first, 0)
+        r0 = cache.insert(x, first)
+        engine.complete_all()
+        await cache.flush()
+        cache.release(r0)
+        cache.evict(100)  # host-only now
+        m = cache.match_prefix(x)
+        load = asyncio.create_task(cache.load_back(m))
+        await asyncio.sleep(0)  # its copy is submitted: the node is FILLING
+        assert engine.pending
+        rows = cache.alloc(4)
+        write_kv(cache, rows, 0)
+        r = cache.insert(x, rows)  # walks the loading node, takes nothing: rows retained
+        assert r.inserted_len == 4 and r.retained_pages.numel() == 2
+        m2 = cache.match_prefix(x[:2])  # splits the loading node in two
+        assert m2.matched_len == 2
+        more = cache.alloc(2)
+        write_kv(cache, more, 1)
+        r2 = cache.insert([*x, 5, 6], more, prefix=r)  # was: InvalidInputError
+        assert r2.inserted_len == 4  # still loading: nothing hangs below it yet
+        engine.complete_all()
+        await load
+        r3 = cache.insert([*x, 5, 6], more, prefix=r2)
+        assert r3.inserted_len == 6
+        for h in (m, m2, r, r2, r3):
+            cache.release(h)
+        engine.complete_all()
+        await cache.flush()
+        cache.check_invariants()

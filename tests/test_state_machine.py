@@ -358,24 +358,30 @@ class HiCacheMachine(RuleBasedStateMachine):
         """How much of ``toks[:n]`` an insert caches now: all of it, unless the path meets a
         node whose load-back is in flight (device FILLING).  Nothing may hang below such a node
         on device (a failed load turns it back into host-only), so the insert stops right
-        after it, or after the part of it that ``toks`` shares, and retains the pages beyond
-        (freed when the result is released)."""
+        after it (after the last of its load's nodes, when a split cut the load in several),
+        or after the part of it that ``toks`` shares, and retains the pages beyond (freed when
+        the result is released)."""
         ns = Namespace(self.cfg.namespace, tenant or "")
         node = next((r for r in self.cache._tree.roots() if r.ns == ns), None)
         pos = 0
+        loading = False  # the walk is inside a load in flight (its nodes, split or not)
         while node is not None and pos < n:
             parent, node = node, None
             for child in parent.children.values():
                 common = aligned_common(child.key, toks[pos:n], self.p)
                 if not common:
                     continue
+                if loading and child.device is not FILLING:
+                    return pos  # nothing hangs below the load
                 if child.device is FILLING:
-                    return pos + common
+                    if common < len(child.key):
+                        return pos + common
+                    loading = True
                 if common == len(child.key):
                     node = child
                     pos += common
                 break
-        return n
+        return pos if loading else n
 
     def _release(self, h: Live) -> None:
         self.live.remove(h)

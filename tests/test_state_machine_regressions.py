@@ -109,9 +109,9 @@ async def test_insert_under_loading_node_caches_up_to_it() -> None:
 
         r = cache.insert([1, 0, 0], cache.alloc(3), tenant="t")  # splits the loading node
         assert (r.prefix_len, r.inserted_len) == (1, 1)
-        # the walk stops after the first loading node, [1] now, though [2] is loading too
+        # the walk goes on through [2], the other half of the same load, and stops there
         r2 = cache.insert([1, 2, 0], cache.alloc(3), tenant="t")
-        assert (r2.prefix_len, r2.inserted_len) == (1, 1)
+        assert (r2.prefix_len, r2.inserted_len) == (2, 2)
         s = cache.statistics().device
         assert s.held_pages == 0  # the caller's pages the tree did not take are retained
         assert s.retained_pages == 6 and r.retained_pages.numel() == 3

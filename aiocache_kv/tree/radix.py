@@ -179,6 +179,10 @@ class RadixTree(Detacher):
             child = node.children.get(tokens[pos] if p == 1 else tuple(tokens[pos : pos + p]))
             if child is None:
                 break
+            if node.device is FILLING and child.device is not FILLING:
+                # nothing may hang below a node still loading (see ``insert``); its FILLING
+                # children are the same load's (a split of a loading node): walked on
+                break
             key = child.key
             klen = len(key)
             on_device = on_device and child.device is not ABSENT
@@ -193,8 +197,6 @@ class RadixTree(Detacher):
                     plan.existing_pages = have + klen // p
                 node = child
                 pos += klen
-                if child.device is FILLING:
-                    break  # nothing may hang below a node still loading (see ``insert``)
                 continue
             common = same - same % p
             plan.split = child
@@ -224,7 +226,7 @@ class RadixTree(Detacher):
 
         Ranges the tree already holds on device keep the tree's pages (the caller compares
         them with ``pages`` to find duplicates); host-only ranges adopt the given pages.  The
-        walk stops after a node whose load-back is in flight: ``inserted_tokens`` says how far
+        walk stops after the nodes a load-back in flight fills: ``inserted_tokens`` says how far
         it got, and the pages after that are not taken.  ``plan`` is this insert's
         :meth:`plan_insert`, made since the tree last changed (else the walk is done here).
         ``pages`` may leave out the leading ``first_page`` pages, if the tree has them on
