@@ -345,7 +345,8 @@ async def test_late_backup_put_is_removed_again() -> None:
 
 
 class GatedRemove(MemoryStorage):
-    """MemoryStorage whose ``remove`` waits for ``remove_gate`` (held in its worker)."""
+    """MemoryStorage whose ``remove`` and ``remove_tag`` wait for ``remove_gate`` (held in
+    its worker)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -355,6 +356,10 @@ class GatedRemove(MemoryStorage):
     def remove(self, keys: Sequence[str]) -> list[bool]:
         self.remove_gate.wait(self.gate_timeout)
         return super().remove(keys)
+
+    def remove_tag(self, tag: str) -> int:
+        self.remove_gate.wait(self.gate_timeout)
+        return super().remove_tag(tag)
 
 
 async def until(cond: Callable[[], bool]) -> None:
@@ -436,16 +441,8 @@ async def test_timed_out_tenant_drop_still_retracts_its_storage_claims(
     of pages that had left the tree, while its worker went on and removed the keys (claims
     the store no longer backs).  They are retracted whatever the removal's outcome."""
 
-    class GatedRemoveTag(MemoryStorage):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate = threading.Event()
-
-        def remove_tag(self, tag: str) -> int:
-            self.gate.wait(self.gate_timeout)
-            return super().remove_tag(tag)
-
-    store = GatedRemoveTag()
+    store = GatedRemove()
+    store.remove_gate.clear()
     cfg = small_config(storage=store, enable_kv_events=True)
     async with akv.HiCache(cfg, copy_engine=engine) as cache:
         await populated(cache, engine, A)
@@ -458,7 +455,7 @@ async def test_timed_out_tenant_drop_still_retracts_its_storage_claims(
             await cache.drop(timeout=0.05)  # the removal waits in its worker
         want = {page_hash(A, i) for i in range(3)}
         assert removed(cache.take_events(), "STORAGE") == want
-        store.gate.set()
+        store.remove_gate.set()
         await until(lambda: not store.contents())  # the worker removed them after all
         cache.check_invariants()
 
@@ -493,32 +490,19 @@ async def test_drop_between_backup_pump_and_put_removes_the_late_put() -> None:
         cache.check_invariants()
 
 
-class GatedTagRemove(MemoryStorage):
-    """MemoryStorage whose ``remove_tag`` waits for ``gate`` (held in its worker)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def remove_tag(self, tag: str) -> int:
-        self.gate.wait(self.gate_timeout)
-        return super().remove_tag(tag)
-
-
 async def test_no_backup_of_a_namespace_while_its_drop_removes_keys(
     engine: ManualCopyEngine,
 ) -> None:
     """A tenant drop removes every key of its tag on a worker.  A page computed again
     meanwhile must not be put then: the removal could delete it under its claim (the stress
     test caught STORAGE claims the store lacked).  It is backed up at a later hit instead."""
-    store = GatedTagRemove()
+    store = GatedRemove()
     cfg = small_config(storage=store, enable_kv_events=True, storage_workers=2)
     async with akv.HiCache(cfg, copy_engine=engine) as cache:
         await populated(cache, engine, A)
         assert len(store.contents()) == 3
         cache.take_events()
-        store.gate.clear()
+        store.remove_gate.clear()
         drop = asyncio.create_task(cache.drop(tenant=None))
         await asyncio.sleep(0)  # the drop detached A and waits for its removal (gated)
         assert not drop.done()
@@ -529,7 +513,7 @@ async def test_no_backup_of_a_namespace_while_its_drop_removes_keys(
         st = cache.statistics()
         assert st.backup_skipped_pages == 3 and st.storage_in_flight == 0, st  # not put
         cache.release(r)
-        store.gate.set()
+        store.remove_gate.set()
         await drop
         stored = [e for e in cache.take_events() if getattr(e, "medium", "") == "STORAGE"]
         assert not any(isinstance(e, akv.BlockStored) for e in stored)
