@@ -525,3 +525,26 @@ async def test_no_backup_of_a_namespace_while_its_drop_removes_keys(
         claims = [e for e in cache.take_events() if isinstance(e, akv.BlockStored)]
         assert any(e.medium == "STORAGE" for e in claims)
         cache.check_invariants()
+
+
+async def test_a_parent_dropped_after_its_busy_child_waits_for_it(
+    engine: ManualCopyEngine,
+) -> None:
+    """Found by the state machine: a page dropped while its write-through was in flight hangs
+    detached below its parent; a later drop of the parent must not free the parent first
+    (its device copy would go while the child's still counts on it)."""
+    async with akv.HiCache(small_config(), copy_engine=engine) as cache:
+        await populated(cache, engine, A[:2])
+        r = insert(cache, A[:4], seed=1)  # the second page's write-through stays in flight
+        cache.release(r)
+        await cache.drop(A[:4])  # the child: detached, busy with its copy
+        res = await cache.drop(A[:2])  # the parent: idle, but the child hangs below it
+        assert res.deferred_nodes == 1
+        await settle(cache)
+        cache.check_invariants()
+        engine.complete_all()  # the child's copy lands: both go, child first
+        await cache.flush()
+        await settle(cache)
+        cache.check_invariants()
+        st = cache.statistics()
+        assert st.device.free_pages == st.device.total_pages and st.nodes == 0, st

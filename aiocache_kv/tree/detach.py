@@ -22,12 +22,12 @@ What stays true of a detached node (``RadixTree.check_invariants`` checks it):
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
 
-from aiocache_kv.quotas import tenant_of
 from aiocache_kv.tree.node import ABSENT, RESIDENT, Node
 from aiocache_kv.tree.tiers import TierBook
 
@@ -123,10 +123,13 @@ class Detacher(TierBook):
 
     def reap(self) -> Reaped:
         """Free every detached node that is idle now (no pin, no copy or backup in flight, no
-        child left), children before parents; return what was freed (the caller frees the
-        pages and publishes the removals)."""
+        child left, no subtree detached below it left), children before parents; return what
+        was freed (the caller frees the pages and publishes the removals)."""
         self._check_owner()
         out = Reaped()
+        # a subtree detached earlier may hang below a node detached later (it is not among
+        # that node's children): the node waits until it is freed, as for any child
+        below = collections.Counter(id(t.parent) for t in self.detached.values())
         for top in list(self.detached.values()):
             order: list[Node] = []
             stack = [top]
@@ -135,8 +138,10 @@ class Detacher(TierBook):
                 order.append(cur)
                 stack.extend(cur.children.values())
             for cur in reversed(order):  # children before parents
-                if _idle(cur):
+                if _idle(cur) and not below[id(cur)]:
                     self._reap_one(cur, out)
+                    if cur is top:
+                        below[id(top.parent)] -= 1
         return out
 
     def _reap_one(self, node: Node, out: Reaped) -> None:
@@ -181,17 +186,6 @@ class Detacher(TierBook):
         """Every host page tensor held by the tree, detached nodes' included."""
         out = super().host_pages_in_tree()
         return out + [n.host_pages for n in self.walk_detached() if n.host_pages is not None]
-
-    def tenant_pages(self) -> dict[str, list[int]]:
-        """Pages per tenant per tier (device, host), detached nodes' included."""
-        out = super().tenant_pages()
-        p = self.page_size
-        for node in self.walk_detached():
-            u = out.setdefault(tenant_of(node.ns), [0, 0])
-            n = len(node.key) // p
-            u[0] += n if node.device is not ABSENT else 0
-            u[1] += n if node.host is not ABSENT else 0
-        return out
 
     def check_detached(self) -> dict[int, list[Node]]:
         """Assert the detached subtrees' shape; return the tops by ``id`` of their parent."""
