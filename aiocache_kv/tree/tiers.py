@@ -10,6 +10,7 @@ structure (roots, match, insert, split, eviction walks) lives in ``radix.py``.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -111,10 +112,11 @@ class TierBook:
             self.tenants.check(self.tenant_pages())
 
     def tenant_pages(self) -> dict[str, list[int]]:
-        """Pages per tenant per tier (device, host), recounted from the tree."""
+        """Pages per tenant per tier (device, host), recounted from the tree (detached nodes'
+        included: they hold their pages until freed)."""
         out: dict[str, list[int]] = {}
         p = self.page_size
-        for node in self.walk():
+        for node in itertools.chain(self.walk(), self.walk_detached()):
             u = out.setdefault(tenant_of(node.ns), [0, 0])
             n = len(node.key) // p
             u[0] += n if node.device is not ABSENT else 0
