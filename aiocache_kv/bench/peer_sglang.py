@@ -115,26 +115,33 @@ def _timed(steps: Callable[[], None]) -> tuple[float, float]:
     return time.perf_counter() - t0, time.thread_time() - c0
 
 
+def _peer_cache(
+    get: Callable[[str], Any], cls: str, toks: Sequence[array[int]], p: int, ev: bool, **extra: Any
+) -> tuple[Any, FreeListAllocator]:
+    """A fresh SGLang cache of class ``cls`` (``module:Name``) over a free-list allocator
+    large enough for every request of ``toks``; ``extra``: more ``CacheInitParams`` fields."""
+    params_cls = get("sglang.srt.mem_cache.cache_init_params:CacheInitParams")
+    alloc = FreeListAllocator(sum(len(t) for t in toks) + p, p)
+    params = params_cls(
+        disable=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=alloc,
+        page_size=p,
+        enable_kv_cache_events=ev,
+        **extra,
+    )
+    return get(cls)(params), alloc
+
+
 def _radix_steps(get: Callable[[str], Any], seqs: Sequence[list[int]], p: int, ev: bool) -> Step:
     """One repeat of SGLang's Python ``RadixCache`` (0.5.15 and before)."""
-    cache_cls = get("sglang.srt.mem_cache.radix_cache:RadixCache")
     key_cls = get("sglang.srt.mem_cache.radix_cache:RadixKey")
-    params_cls = get("sglang.srt.mem_cache.cache_init_params:CacheInitParams")
     match_cls = get("sglang.srt.mem_cache.base_prefix_cache:MatchPrefixParams")
     insert_cls = get("sglang.srt.mem_cache.base_prefix_cache:InsertParams")
     toks = [array("q", s[: len(s) // p * p]) for s in seqs]
 
     def once() -> tuple[float, float]:
-        alloc = FreeListAllocator(sum(len(t) for t in toks) + p, p)
-        cache = cache_cls(
-            params_cls(
-                disable=False,
-                req_to_token_pool=None,
-                token_to_kv_pool_allocator=alloc,
-                page_size=p,
-                enable_kv_cache_events=ev,
-            )
-        )
+        cache, alloc = _peer_cache(get, "sglang.srt.mem_cache.radix_cache:RadixCache", toks, p, ev)
         cat = torch.cat
 
         def steps() -> None:
@@ -159,26 +166,21 @@ def _unified_steps(
     get: Callable[[str], Any], seqs: Sequence[list[int]], p: int, ev: bool, backend: str
 ) -> Step:
     """One repeat of SGLang's ``UnifiedRadixCache`` (0.5.23) on the ``backend`` core."""
-    cache_cls = get("sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache")
     key_cls = get("sglang.srt.mem_cache.radix_cache:RadixKey")
-    params_cls = get("sglang.srt.mem_cache.cache_init_params:CacheInitParams")
     match_cls = get("sglang.srt.mem_cache.base_prefix_cache:MatchPrefixParams")
     insert_cls = get("sglang.srt.mem_cache.base_prefix_cache:InsertParams")
     full = get("sglang.srt.mem_cache.unified_cache.component_type:ComponentType").FULL
     toks = [array("q", s[: len(s) // p * p]) for s in seqs]
 
     def make() -> tuple[Any, FreeListAllocator]:
-        alloc = FreeListAllocator(sum(len(t) for t in toks) + p, p)
-        cache = cache_cls(
-            params_cls(
-                disable=False,
-                req_to_token_pool=None,
-                token_to_kv_pool_allocator=alloc,
-                page_size=p,
-                enable_kv_cache_events=ev,
-                tree_components=(full,),
-                tree_core_backend=backend,
-            )
+        cache, alloc = _peer_cache(
+            get,
+            "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache",
+            toks,
+            p,
+            ev,
+            tree_components=(full,),
+            tree_core_backend=backend,
         )
         cache.session = _NoSession()
         return cache, alloc
