@@ -271,7 +271,7 @@ class Purger:
             if zeroize:
                 self._zero.update(id(n) for n in dropped)
             if l3 is not None:
-                l3.mark_dropped(dropped)
+                l3.mark_dropped(dropped, frozenset(namespaces) if tokens is None else frozenset())
         elif l3 is not None:  # storage only: the nodes stay in the tree, storage-ABSENT
             tops = [t for ns in namespaces for t in self._subtree_tops(ns, tokens)]
             dropped = [n for t in tops for n in _subtree(t)]

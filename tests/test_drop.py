@@ -548,3 +548,31 @@ async def test_a_parent_dropped_after_its_busy_child_waits_for_it(
         cache.check_invariants()
         st = cache.statistics()
         assert st.device.free_pages == st.device.total_pages and st.nodes == 0, st
+
+
+async def test_late_put_of_an_evicted_node_is_removed_by_a_tenant_drop() -> None:
+    """Found by the stress test (seed 1): a backup missed its deadline, its node was evicted
+    from the tree, then the tenant was dropped; the put, still in its worker, landed after the
+    drop's removal and stayed.  A tenant drop marks every put of its namespaces."""
+    store = MemoryStorage()
+    cfg = small_config(storage=store, storage_workers=2, storage_timeout=0.1)
+    async with akv.HiCache(cfg) as cache:
+        store.gates["put"].clear()  # the backup's put waits in its worker past its deadline
+        r = insert(cache, A)
+        await r.write_through  # type: ignore[misc]
+        cache.release(r)
+        await cache.flush()  # the backup failed at its deadline; its put still runs
+        cache.evict(100)
+        cache.evict(100, "host")
+        assert cache.statistics().nodes == 0  # the node left the tree by eviction
+        await cache.drop(tenant=None)
+        store.gates["put"].set()  # the late put lands now, after the drop's removal
+        for _ in range(500):
+            if not cache.statistics().storage_calls_running:
+                break
+            await asyncio.sleep(0.01)
+        await cache.flush()  # the late put's removal
+        await settle(cache)
+        assert not store.contents()
+        assert cache.statistics().late_puts_removed == 3
+        cache.check_invariants()

@@ -466,12 +466,19 @@ class StorageTier(PrefetchingTier):
         for pool in range(self.pools):
             await self.io.wait_released(self._bufs(pages, pool))
 
-    def mark_dropped(self, nodes: list[Node]) -> None:
-        """``nodes`` were dropped: a backup still putting one of them removes what it put of
-        them once its workers are done (whether or not it already landed)."""
+    def mark_dropped(
+        self, nodes: list[Node], namespaces: frozenset[Namespace] = frozenset()
+    ) -> None:
+        """``nodes`` were dropped, and with a tenant drop everything of ``namespaces``: a
+        backup still putting one of them removes what it put of them once its workers are
+        done (whether or not it already landed).  By namespace too, because a put that
+        missed its deadline still runs after its node left the tree by eviction."""
         ids = {id(n) for n in nodes}
         for op in [*self._putting.values(), *self._queued]:
-            op.dropped += [n for n in op.targets if id(n) in ids]
+            have = {id(n) for n in op.dropped}
+            op.dropped += [
+                n for n in op.targets if (id(n) in ids or n.ns in namespaces) and id(n) not in have
+            ]
 
     def _remove_late(self, group: list[BackupOp]) -> None:
         for op in group:
