@@ -51,19 +51,20 @@ def test_hits_line_names_only_the_tiers_the_run_has() -> None:
     assert _turn(0, 0, 0).source == "miss"
 
 
-Call = tuple[str, int, int]
+Call = tuple[str, int, object]
 
 
 def _record(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Call], list[int], list[demo.ChatDemo]]:
-    """Record every generation (path, prompt length, id of its result), how many cached
-    generations were in flight at once, and the demo object of the run."""
+    """Record every generation (path, prompt length, its result: the object itself, kept
+    alive, since the id of a freed warm-up result can be reused by a timed one), how many
+    cached generations were in flight at once, and the demo object of the run."""
     calls: list[Call] = []
     in_flight = [0, 0]  # now, most at once
     real_ref, real_gen = reference_generate, Engine.generate
 
     def ref(model: Any, prompt: Any, n: int, **kw: Any) -> Generation:
         g = real_ref(model, prompt, n, **kw)
-        calls.append(("no cache", len(prompt), id(g)))
+        calls.append(("no cache", len(prompt), g))
         return g
 
     async def gen(self: Engine, prompt: Any, **kw: Any) -> GenerationResult:
@@ -73,7 +74,7 @@ def _record(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Call], list[int], lis
             g = await real_gen(self, prompt, **kw)
         finally:
             in_flight[0] -= 1
-        calls.append(("cache", len(prompt), id(g)))
+        calls.append(("cache", len(prompt), g))
         return g
 
     monkeypatch.setattr(demo, "reference_generate", ref)
@@ -101,8 +102,7 @@ async def test_both_paths_are_warm_and_each_round_is_batched(
     results = seen[0].log.results
     first = results[0]
     assert first.source == "miss"
-    timed = {id(first.ref), id(first.got)}
-    before = calls[: min(i for i, c in enumerate(calls) if c[2] in timed)]
+    before = calls[: min(i for i, c in enumerate(calls) if c[2] is first.ref or c[2] is first.got)]
     assert {("no cache", first.got.prompt_len), ("cache", first.got.prompt_len)} <= {
         (path, n) for path, n, _ in before
     }

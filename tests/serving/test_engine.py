@@ -66,11 +66,13 @@ def config(model: Any, **kw: Any) -> akv.CacheConfig:
     return cache_config_for(model, **opts)
 
 
-_REFS: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+# Keyed by the model object itself (kept alive here), not its id: a module-scoped model torn
+# down between parameters frees an id the next model can be given.
+_REFS: dict[tuple[Any, tuple[int, ...], int], list[int]] = {}
 
 
 def reference(model: Any, prompt: list[int], n: int) -> list[int]:
-    key = (id(model), tuple(prompt), n)
+    key = (model, tuple(prompt), n)
     if key not in _REFS:
         ref = reference_generate_hybrid if is_hybrid(model) else reference_generate
         _REFS[key] = ref(model, prompt, n).tokens
