@@ -257,6 +257,7 @@ class Purger:
                     n = len(tokens) // p * p
                     lead[ns] = chain_hashes(namespace_seed(ns.tag), tokens[:n], p)[-1]
                 fences.append(l3.fence(ns, lead.get(ns)))
+        aligned = None if tokens is None else tokens[: len(tokens) // p * p]
         dropped: list[Node] = []
         if memory:
             tops = [t for ns in namespaces for t in self._subtree_tops(ns, tokens)]
@@ -271,10 +272,13 @@ class Purger:
             if zeroize:
                 self._zero.update(id(n) for n in dropped)
             if l3 is not None:
-                l3.mark_dropped(dropped, frozenset(namespaces) if tokens is None else frozenset())
+                l3.mark_dropped(dropped, frozenset(namespaces), aligned)
         elif l3 is not None:  # storage only: the nodes stay in the tree, storage-ABSENT
             tops = [t for ns in namespaces for t in self._subtree_tops(ns, tokens)]
             dropped = [n for t in tops for n in _subtree(t)]
+            # puts still running after they landed (past their deadline; their node may be
+            # evicted): what they put is removed when they are done
+            l3.mark_dropped([], frozenset(namespaces), aligned, late_only=True)
             busy = l3.backups_of(dropped)
             if busy:  # let them land (bounded: each has its deadline), then remove
                 await asyncio.wait(busy, timeout=timeout)

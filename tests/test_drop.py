@@ -576,3 +576,83 @@ async def test_late_put_of_an_evicted_node_is_removed_by_a_tenant_drop() -> None
         assert not store.contents()
         assert cache.statistics().late_puts_removed == 3
         cache.check_invariants()
+
+
+async def _late_puts(cache: akv.HiCache, store: MemoryStorage, *prompts: list[int]) -> None:
+    """Back ``prompts`` up with every put held in its worker past its deadline: the backups
+    fail, the puts still run (until ``store.gates["put"]`` is set)."""
+    store.gates["put"].clear()
+    for tokens in prompts:
+        r = insert(cache, tokens)
+        await r.write_through  # type: ignore[misc]
+        cache.release(r)
+    await cache.flush()  # every backup failed at its deadline; the puts still run
+
+
+async def _puts_done(cache: akv.HiCache, store: MemoryStorage) -> None:
+    store.gates["put"].set()  # the late puts land now, after the drop's removal
+    for _ in range(500):
+        if not cache.statistics().storage_calls_running:
+            break
+        await asyncio.sleep(0.01)
+    await cache.flush()  # the late puts' removal
+    await settle(cache)
+
+
+async def test_late_put_of_an_evicted_node_is_removed_by_a_prefix_drop() -> None:
+    """A prefix drop marks the puts of every node holding the prefix's last page or
+    continuing it, found through the parents an evicted node keeps; a late put of another
+    prompt of the same tenant lands and stays."""
+    store = MemoryStorage()
+    cfg = small_config(storage=store, storage_workers=4, storage_timeout=0.1)  # one free
+    other = [11, 12, 13, 14]
+    async with akv.HiCache(cfg) as cache:
+        await _late_puts(cache, store, A, other)
+        cache.evict(100)
+        cache.evict(100, "host")
+        assert cache.statistics().nodes == 0  # both left the tree by eviction
+        await cache.drop(A)
+        await _puts_done(cache, store)
+        assert len(store.contents()) == 2  # the other prompt's two pages only
+        assert cache.statistics().late_puts_removed == 3  # A's node: its three pages
+        cache.check_invariants()
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "tenant"])
+async def test_late_put_is_removed_by_a_storage_only_drop(prefix: bool) -> None:
+    """A storage-only drop leaves the nodes in the tree and waits for their backups; a put
+    that already landed (failed at its deadline) and still runs is marked, evicted node or
+    not, and what it put is removed when it is done."""
+    store = MemoryStorage()
+    cfg = small_config(storage=store, storage_workers=4, storage_timeout=0.1)  # one free
+    async with akv.HiCache(cfg) as cache:
+        await _late_puts(cache, store, A, [11, 12, 13, 14])
+        cache.evict(100)
+        cache.evict(100, "host")
+        assert cache.statistics().nodes == 0
+        await _late_puts(cache, store, B)  # B's node stays in the tree
+        assert cache.cached_len(B) == 6
+        if prefix:
+            await cache.drop(B[:4], tiers=["storage"])  # [3, 4] and what continues it
+        else:
+            await cache.drop(tenant=None, tiers=["storage"])
+        await _puts_done(cache, store)
+        # prefix: A's node holds [3, 4], B's node too (they share their first two keys)
+        assert len(store.contents()) == (2 if prefix else 0)
+        assert cache.statistics().late_puts_removed >= 1
+        assert cache.cached_len(B) == 6  # memory untouched
+        cache.check_invariants()
+
+
+def test_continues_walks_the_parents_an_evicted_node_keeps() -> None:
+    from aiocache_kv.tree.node import Node, continues
+
+    root = Node([], None, "ns")
+    head = Node([1, 2, 3, 4], root, "ns")
+    tail = Node([5, 6, 7, 8], head, "ns")
+    assert continues(tail, [1, 2, 3, 4, 5, 6], 2)  # holds the last page
+    assert continues(tail, [1, 2], 2)  # continues it
+    assert continues(head, [1, 2, 3, 4, 5, 6], 2) is False  # ends before the last page
+    assert continues(head, [1, 2, 3, 4], 2)  # holds it
+    assert not continues(tail, [1, 2, 3, 9, 5, 6], 2)  # another path
+    assert not continues(tail, [1, 2, 3, 4, 5, 6, 7, 9], 2)  # diverges in its own key

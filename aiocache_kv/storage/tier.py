@@ -63,7 +63,7 @@ from aiocache_kv.storage.prefetch import (
 )
 from aiocache_kv.storage.tier_base import COMPONENT
 from aiocache_kv.tracing import span
-from aiocache_kv.tree.node import ABSENT, RESIDENT, Node, Tier
+from aiocache_kv.tree.node import ABSENT, RESIDENT, Node, Tier, continues
 
 if TYPE_CHECKING:
     from aiocache_kv.core import CacheCore
@@ -467,17 +467,35 @@ class StorageTier(PrefetchingTier):
             await self.io.wait_released(self._bufs(pages, pool))
 
     def mark_dropped(
-        self, nodes: list[Node], namespaces: frozenset[Namespace] = frozenset()
+        self,
+        nodes: list[Node],
+        namespaces: frozenset[Namespace] = frozenset(),
+        prefix: list[int] | None = None,
+        *,
+        late_only: bool = False,
     ) -> None:
-        """``nodes`` were dropped, and with a tenant drop everything of ``namespaces``: a
-        backup still putting one of them removes what it put of them once its workers are
-        done (whether or not it already landed).  By namespace too, because a put that
-        missed its deadline still runs after its node left the tree by eviction."""
+        """``nodes`` were dropped, and of ``namespaces`` everything (``prefix`` None, a
+        tenant drop) or every node holding ``prefix``'s last page or continuing it (a prefix
+        drop): a backup still putting one of them removes what it put of them once its
+        workers are done (whether or not it already landed).  By namespace and prefix too,
+        because a put that missed its deadline still runs after its node left the tree by
+        eviction.  ``late_only`` (a storage-only drop, whose nodes stay in the tree and whose
+        backups it awaits): only puts already past their landing, or of nodes gone."""
         ids = {id(n) for n in nodes}
+        p = self.core.config.page_size
+
+        def hit(n: Node) -> bool:
+            if id(n) in ids:
+                return True
+            return n.ns in namespaces and (prefix is None or continues(n, prefix, p))
+
         for op in [*self._putting.values(), *self._queued]:
+            landed = id(op) not in self._backups
             have = {id(n) for n in op.dropped}
             op.dropped += [
-                n for n in op.targets if (id(n) in ids or n.ns in namespaces) and id(n) not in have
+                n
+                for n in op.targets
+                if id(n) not in have and hit(n) and (not late_only or landed or not n.alive)
             ]
 
     def _remove_late(self, group: list[BackupOp]) -> None:

@@ -54,6 +54,27 @@ def lacking(node: Node) -> frozenset[str]:
     return _VALID if node.device_complete else node.invalid
 
 
+def continues(node: Node, prefix: list[int], page_size: int) -> bool:
+    """Whether ``node`` holds the last page of ``prefix`` (page-aligned tokens) or a page
+    after it on that path: its tokens from the root, found through its parents (which a node
+    keeps after it left the tree, so a late put's evicted target can be asked too), start
+    with ``prefix`` as far as both go, and it ends past ``prefix``'s last page's start."""
+    chain: list[Node] = []
+    cur: Node | None = node
+    while cur is not None and cur.parent is not None:
+        chain.append(cur)
+        cur = cur.parent
+    n = len(prefix)
+    pos = 0
+    for part in reversed(chain):
+        k = len(part.key)
+        upto = min(k, n - pos)
+        if upto > 0 and part.key[:upto] != prefix[pos : pos + upto]:
+            return False
+        pos += k
+    return pos > n - page_size
+
+
 class Node:
     """A radix-tree node: ``key`` tokens (whole pages) and the pages that hold their KV."""
 
