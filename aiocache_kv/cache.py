@@ -17,25 +17,24 @@ from collections.abc import AsyncIterator, Sequence
 
 import torch
 
-from aiocache_kv.blocks import BlockInfo
 from aiocache_kv.cache_control import CacheControls
+from aiocache_kv.cache_reports import CacheReports
 from aiocache_kv.capacity import CapacityWaiters
 from aiocache_kv.config import CacheConfig, PrefetchPolicy, WritePolicy
 from aiocache_kv.core import CacheCore
 from aiocache_kv.distributed import SingleRank, TPGroup
 from aiocache_kv.errors import CacheClosedError, CapacityError, InvalidInputError, InvalidTypeError
-from aiocache_kv.events import BlockStored, KVEvent
+from aiocache_kv.events import KVEvent
 from aiocache_kv.flush import settle_work
 from aiocache_kv.handles import Handle, InsertResult, MatchResult, check_handle
 from aiocache_kv.inserts import insert_tokens
-from aiocache_kv.introspection import blocks, check_all, describe, snapshot, snapshot_events
+from aiocache_kv.introspection import describe
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
 from aiocache_kv.namespace import Namespace, namespace_of
 from aiocache_kv.pins import HandleTable
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
 from aiocache_kv.pools.build import build_pools
-from aiocache_kv.stats import CacheStatistics
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
 from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
 from aiocache_kv.transfer import CopyEngine, default_engine
@@ -49,7 +48,7 @@ _get_ident = threading.get_ident
 CacheState = Lifecycle  #: the first release's name of :class:`Lifecycle`
 
 
-class HiCache(CacheControls):
+class HiCache(CacheControls, CacheReports):
     """Hierarchical KV cache over a device pool (L1), a host pool (L2) and storage (L3).
 
     Use as ``async with HiCache(cfg) as cache``.  Every method must be called on the thread
@@ -129,7 +128,8 @@ class HiCache(CacheControls):
         )
 
     async def aclose(self) -> None:
-        """Settle every transfer in flight, stop the engine and end event streams.
+        """Settle every transfer in flight and a drop's zeroing, stop the engine and end
+        event streams.
 
         Bounded even when the store hangs: copies finish, storage calls get their deadlines,
         and the storage tier closes within about ``3 * storage_timeout`` (workers still stuck
@@ -149,6 +149,8 @@ class HiCache(CacheControls):
                 await settle_work(core, self._transfers, self._l3, until_idle=True)
             await self._engine.aclose()  # runs what is queued; completions reach the loop
             await self._transfers.wait_all()
+            if core.zeroing:  # a drop's zeroing (a memset: returns) or bad-page drop (bounded)
+                await asyncio.wait(list(core.zeroing))
             if self._l3 is not None:
                 await self._l3.aclose()
             await core.coordinator.aclose()
@@ -555,43 +557,6 @@ class HiCache(CacheControls):
     def events(self) -> AsyncIterator[KVEvent]:
         """Async iterator over KV events as they happen; ends when the cache closes."""
         return self._core.events.stream()
-
-    # ------------------------------------------------------------------ introspection
-
-    def statistics(self) -> CacheStatistics:
-        """A frozen snapshot of sizes, hits, latencies and operations in flight."""
-        self._core.check_owner()
-        return snapshot(self._core, self._transfers, self._l3)
-
-    def snapshot(self) -> list[BlockInfo]:
-        """Every cached block (hash, parent hash, tokens, tiers, namespace), parents first:
-        what a KV-event consumer that joined late needs to resync.
-
-        Raises:
-            OwnershipError: called from a thread other than the loop's.
-        """
-        self._core.check_owner()
-        return blocks(self._core)
-
-    def snapshot_events(self) -> list[BlockStored]:
-        """The event stream's view of the cache as ``BlockStored`` events (parents first):
-        what :class:`~aiocache_kv.events.ZmqEventPublisher` answers a snapshot request with.
-        Every page still claimed in storage is in it, and after :meth:`aclose` only those.
-
-        Raises:
-            OwnershipError: called from a thread other than the loop's.
-        """
-        self._core.check_owner()
-        return snapshot_events(self._core, self._l3, closed=self._state is Lifecycle.CLOSED)
-
-    def check_invariants(self) -> None:
-        """Recompute every counter and cross-check tree, allocators, handles and transfers.
-
-        Raises:
-            AssertionError: naming the broken invariant.
-        """
-        handles = self._handles
-        check_all(self._core, handles.nodes(), self._transfers, self._l3, handles.retained())
 
     def __repr__(self) -> str:
         return describe(self._core, self._transfers, self._state.name)

@@ -656,3 +656,37 @@ def test_continues_walks_the_parents_an_evicted_node_keeps() -> None:
     assert continues(head, [1, 2, 3, 4], 2)  # holds it
     assert not continues(tail, [1, 2, 3, 9, 5, 6], 2)  # another path
     assert not continues(tail, [1, 2, 3, 4, 5, 6, 7, 9], 2)  # diverges in its own key
+
+
+async def test_aclose_waits_for_a_drops_zeroing(
+    engine: ManualCopyEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages a drop freed late (their reader released them after the drop) are zeroed on a
+    worker thread; ``aclose`` returns only once that zeroing is done, not with the thread
+    still writing the pools."""
+    from aiocache_kv.purge import Purger
+
+    gate = threading.Event()
+    done: list[int] = []
+    zero = Purger._zero_pages
+
+    def held_zero(self: Purger, dflat: torch.Tensor, hflat: torch.Tensor) -> int:
+        assert gate.wait(10), "the zeroing was never let go"
+        n = zero(self, dflat, hflat)
+        done.append(n)
+        return n
+
+    monkeypatch.setattr(Purger, "_zero_pages", held_zero)
+    cache = akv.HiCache(small_config(), copy_engine=engine)
+    await cache.start()
+    try:
+        await populated(cache, engine, A)
+        m = cache.match_prefix(A)
+        res = await cache.drop(A[:2], zeroize=True)
+        assert res.deferred_nodes == 1  # in use: zeroed when released
+        cache.release(m)
+        await asyncio.sleep(0)  # the reaper frees the pages and starts the zeroing
+    finally:
+        asyncio.get_running_loop().call_later(0.2, gate.set)
+        await cache.aclose()
+    assert done and done[0] > 0  # zeroed before aclose returned
