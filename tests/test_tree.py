@@ -290,3 +290,34 @@ def test_invariant_check_catches_corruption() -> None:
     out.node.pins = 3
     with pytest.raises(AssertionError):
         t.check_invariants()
+
+
+def test_check_node_names_each_illegal_state() -> None:
+    from aiocache_kv.tree.node import FILLING, RESIDENT, Node, check_node
+
+    root = Node([], None, "ns")
+
+    def node(**kw: object) -> Node:
+        n = Node([1, 2, 3, 4], root, "ns")
+        n.device = RESIDENT
+        n.device_pages = torch.tensor([0, 1])
+        for k, v in kw.items():
+            setattr(n, k, v)
+        return n
+
+    check_node(node(), 2)
+    bad = {
+        "unaligned key": {"key": [1, 2, 3]},
+        "device pages mismatch": {"device_pages": torch.tensor([0])},
+        "stale host pages": {"host_pages": torch.tensor([0, 1])},
+        "host filling without device copy": {
+            "device": FILLING,
+            "host": FILLING,
+            "host_pages": torch.tensor([2, 3]),
+        },
+        "op/state mismatch": {"op": object()},
+        "backup/state mismatch": {"storage": FILLING},
+    }
+    for message, kw in bad.items():
+        with pytest.raises(AssertionError, match=message):
+            check_node(node(**kw), 2)

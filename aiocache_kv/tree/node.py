@@ -157,3 +157,40 @@ class Node:
             f"storage={self.storage.name} "
             f"pins={self.pins} host_pins={self.host_pins} children={len(self.children)}>"
         )
+
+
+def check_node(node: Node, page_size: int) -> None:
+    """The legal combinations of one non-root node's tier states, pages and in-flight
+    operations (``RadixTree.check_invariants`` checks the rest: links, the parent's state,
+    counts).
+
+    Raises:
+        AssertionError: naming the broken invariant and the node.
+    """
+    n = len(node.key) // page_size
+    assert node.key and len(node.key) % page_size == 0, f"unaligned key on {node!r}"
+    assert node.device is not ABSENT or node.host is not ABSENT, f"empty {node!r}"
+    if node.device is not ABSENT:
+        assert node.device_pages is not None and node.device_pages.numel() == n, (
+            f"device pages mismatch {node!r}"
+        )
+    else:
+        assert node.device_pages is None, f"stale device pages {node!r}"
+    if node.host is not ABSENT:
+        assert node.host_pages is not None and node.host_pages.numel() == n, (
+            f"host pages mismatch {node!r}"
+        )
+    else:
+        assert node.host_pages is None, f"stale host pages {node!r}"
+    if node.device_complete:
+        assert node.device is RESIDENT, f"complete device copy of no device {node!r}"
+    if node.host is FILLING:
+        assert node.device is RESIDENT, f"host filling without device copy {node!r}"
+    if node.device is FILLING:
+        assert node.host is RESIDENT, f"device filling without host copy {node!r}"
+    filling = node.host is FILLING or node.device is FILLING
+    assert (node.op is not None) == filling, f"op/state mismatch {node!r}"
+    backing_up = node.storage is FILLING
+    assert (node.backup is not None) == backing_up, f"backup/state mismatch {node!r}"
+    if backing_up:
+        assert node.host is RESIDENT, f"backup without a host copy {node!r}"

@@ -47,7 +47,7 @@ from aiocache_kv.gcfree import keep
 from aiocache_kv.tree.detach import Detacher
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
 from aiocache_kv.tree.keycmp import common_len
-from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, Tier, TierState
+from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, Tier, TierState, check_node
 from aiocache_kv.tree.results import Eviction, InsertOutcome, InsertPlan
 from aiocache_kv.tree.tiers import check_host_pins
 
@@ -528,34 +528,11 @@ class RadixTree(Detacher):
             assert self.detached.get(id(node)) is node or (
                 parent.children.get(self._child_key(node.key, 0)) is node
             ), f"bad link {node!r}"
-            assert node.key and len(node.key) % p == 0, f"unaligned key on {node!r}"
-            assert node.device is not ABSENT or node.host is not ABSENT, f"empty {node!r}"
+            check_node(node, p)
             if node.device is not ABSENT:
                 assert parent.device is not ABSENT, f"device not prefix-closed {node!r}"
-                assert (
-                    node.device_pages is not None
-                    and node.device_pages.numel() == len(node.key) // p
-                ), f"device pages mismatch {node!r}"
-            else:
-                assert node.device_pages is None, f"stale device pages {node!r}"
-            if node.host is not ABSENT:
-                assert (
-                    node.host_pages is not None and node.host_pages.numel() == len(node.key) // p
-                ), f"host pages mismatch {node!r}"
-            else:
-                assert node.host_pages is None, f"stale host pages {node!r}"
-            if node.device_complete:
-                assert node.device is RESIDENT, f"complete device copy of no device {node!r}"
-            if node.host is FILLING:
-                assert node.device is RESIDENT, f"host filling without device copy {node!r}"
-            if node.device is FILLING:
-                assert node.host is RESIDENT, f"device filling without host copy {node!r}"
             filling = node.host is FILLING or node.device is FILLING
-            assert (node.op is not None) == filling, f"op/state mismatch {node!r}"
             backing_up = node.storage is FILLING
-            assert (node.backup is not None) == backing_up, f"backup/state mismatch {node!r}"
-            if backing_up:
-                assert node.host is RESIDENT, f"backup without a host copy {node!r}"
             ndc = sum(1 for c in node.children.values() if c.device is not ABSENT)
             ndc += sum(1 for c in under.get(id(node), ()) if c.device is not ABSENT)
             assert node.n_dev_children == ndc, f"n_dev_children {node.n_dev_children}!={ndc}"
