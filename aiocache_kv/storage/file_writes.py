@@ -172,24 +172,26 @@ class FileWrites(FileQuotas):
                     self._writing.difference_update(marked)
                     self._settled.notify_all()
                 raise
-            with self._lock:
+            added: list[tuple[str, int, str | None, str | None]] = []
+            for i in chunk:
+                got = done.get(i)
+                if got is None:
+                    continue
+                if isinstance(got, OSError):
+                    errors.append((keys[i], f"{type(got).__name__}: {got}"))
+                    if got.errno in safe_fs.NO_SPACE:
+                        no_space += 1
+                        writable = False
+                    continue
+                writable = True
+                added.append((names[i], got, parents[i], tag_of_key(keys[i])))
+                written[names[i]] = i
+                nbytes += buffers[i].nbytes
+                results[i] = True
+            with self._lock:  # the group enters the index at once: one call, not one per page
                 self._writing.difference_update(marked)
                 self._settled.notify_all()
-                for i in chunk:
-                    got = done.get(i)
-                    if got is None:
-                        continue
-                    if isinstance(got, OSError):
-                        errors.append((keys[i], f"{type(got).__name__}: {got}"))
-                        if got.errno in safe_fs.NO_SPACE:
-                            no_space += 1
-                            writable = False
-                        continue
-                    writable = True
-                    self._index.add(names[i], got, parents[i], tag_of_key(keys[i]))
-                    written[names[i]] = i
-                    nbytes += buffers[i].nbytes
-                    results[i] = True
+                self._index.add_many(added)
                 victims = self._pick_victims_locked()  # chain ends first: this chunk's last
             for v in victims:
                 if v in written:

@@ -38,6 +38,9 @@ KEY_HASH_BYTES = 32
 #: Longest key a backend accepts (bytes of UTF-8); formatted keys are far shorter.
 MAX_KEY_LEN = 1024
 
+#: a ``str`` key of at most this many chars is within MAX_KEY_LEN bytes (UTF-8: <= 4 a char)
+_SHORT = MAX_KEY_LEN // 4
+
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _HASH_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -140,6 +143,10 @@ def check_keys(keys: Sequence[str]) -> None:
         StorageKeyError: a key is not a ``str``, is empty, or longer than :data:`MAX_KEY_LEN`
             UTF-8 bytes.
     """
+    # fast path (every put_chain checks its parents): a plain str of at most MAX_KEY_LEN / 4
+    # chars cannot be longer than MAX_KEY_LEN UTF-8 bytes (4 at most per char)
+    if all(type(k) is str and 0 < len(k) <= _SHORT for k in keys):
+        return
     for key in keys:
         if not isinstance(key, str):
             raise StorageKeyError(f"storage key must be a str, got {type(key).__name__}")

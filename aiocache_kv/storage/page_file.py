@@ -308,7 +308,7 @@ def read_chunk(
     out = ChunkRead()
     read: list[int] = []  # read in full with the right header and size: checksum them
     sums: dict[int, tuple[int, int, int]] = {}  # what the C reader summed as the bytes arrived
-    if PAGEIO is not None and len(chunk) > 1:
+    if PAGEIO is not None:  # one page too: the C read sums it as it lands (no second pass)
         _read_batch(PAGEIO, shard_fd, keys, names, buffers, chunk, out, read, sums)
     else:
         for i in chunk:

@@ -95,3 +95,20 @@ def test_check_keys() -> None:
     for bad in ["", "x" * (MAX_KEY_LEN + 1), "é" * (MAX_KEY_LEN // 2 + 1), 3, b"bytes"]:
         with pytest.raises(StorageKeyError):
             check_keys([bad])  # type: ignore[list-item]
+
+
+def test_check_keys_fast_path_keeps_the_byte_bound() -> None:
+    """Short plain ``str`` keys skip the per-key check; at the boundary the UTF-8 length
+    still decides (4-byte chars), and anything else gets the full check."""
+    four = "\U0001f600"  # 4 bytes of UTF-8
+    check_keys(["ok", four * (MAX_KEY_LEN // 4)])  # exactly MAX_KEY_LEN bytes
+    for bad in [four * (MAX_KEY_LEN // 4 + 1), "é" * (MAX_KEY_LEN // 2 + 1)]:
+        with pytest.raises(StorageKeyError):
+            check_keys(["fine", bad])
+
+    class Key(str):
+        pass
+
+    check_keys([Key("a subclass")])  # accepted, through the full check
+    with pytest.raises(StorageKeyError):
+        check_keys(["fine", Key("")])
