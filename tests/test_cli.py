@@ -206,6 +206,9 @@ def _check_storage_report(path: Path, backend: str, configs: set[str]) -> dict[s
         assert all(v > 0 for v in positive_numbers(entry["gbs"]))
         assert all(v > 0 for v in positive_numbers(entry["ratio"]))
         assert all(len(v) == 2 for v in entry["seconds"].values())
+        # the loop thread's CPU per page, backup and prefetch: measured, so positive
+        assert set(entry["loop_us_per_page"]) == {"backup", "prefetch"}
+        assert all(v > 0 for v in entry["loop_us_per_page"].values())
     return dict(suite)
 
 

@@ -19,6 +19,7 @@ import aiocache_kv as akv
 from aiocache_kv.errors import DropIncompleteError, InvalidInputError, InvalidTypeError
 from aiocache_kv.metrics import CacheCollector
 from aiocache_kv.namespace import namespace_of
+from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.file import FileStorage
 from aiocache_kv.testing import ManualCopyEngine, MemoryStorage
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
@@ -463,11 +464,14 @@ async def test_timed_out_tenant_drop_still_retracts_its_storage_claims(
 async def test_drop_between_backup_pump_and_put_removes_the_late_put() -> None:
     """Found by the stress test: a backup taken off the queue for a put whose task has not
     run yet was neither queued nor putting, so a drop in that window did not mark it, and
-    its put stored the dropped pages for good.  It is marked and its put removed again."""
+    its put stored the dropped pages for good.  It is marked and its put removed again.
+    (A put handed to a worker by the pump itself has no such window: the put here takes the
+    task path, which a TP rank, a put in slices or a full executor still take.)"""
     store = MemoryStorage()
     async with akv.HiCache(small_config(storage=store)) as cache:
         l3 = cache._l3
         assert l3 is not None
+        l3._send = lambda group, unlease: False  # type: ignore[method-assign]
         pump = l3._pump
         drops: list[asyncio.Task[object]] = []
 
@@ -690,3 +694,70 @@ async def test_aclose_waits_for_a_drops_zeroing(
         asyncio.get_running_loop().call_later(0.2, gate.set)
         await cache.aclose()
     assert done and done[0] > 0  # zeroed before aclose returned
+
+
+class _FirstPutHeld(MemoryStorage):
+    """The first put waits in its worker until ``hold`` is set; the rest run at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold = threading.Event()
+        self._first = True
+
+    def put(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        if self._first:
+            self._first = False
+            assert self.hold.wait(10), "the held put was never let go"
+        return super().put(keys, buffers, identities)
+
+
+async def test_late_put_removal_retracts_a_claim_made_after_the_drop() -> None:
+    """A late put marked by a drop is removed when its worker returns, which may be after
+    the same pages, computed again after the drop, were backed up and claimed (the removal
+    takes the keys they share): their claims go with it (``BlockRemoved``), never a claim
+    the store no longer backs; a later hit backs them up again."""
+    store = _FirstPutHeld()
+    cfg = small_config(
+        storage=store,
+        storage_workers=3,
+        storage_timeout=0.1,
+        storage_retry_seconds=0,  # no back-off after the first backup failed
+        enable_kv_events=True,
+    )
+    async with akv.HiCache(cfg) as cache:
+        r = insert(cache, A)
+        await r.write_through  # type: ignore[misc]
+        cache.release(r)
+        await cache.flush()  # the backup failed at its deadline; its put is still held
+        cache.evict(100)
+        cache.evict(100, "host")
+        await cache.drop(tenant=None)  # marks the held put
+        r = insert(cache, A, seed=1)  # computed again after the drop
+        await r.write_through  # type: ignore[misc]
+        cache.release(r)
+        await cache.flush()  # backed up and claimed
+        assert len(store.contents()) == 3
+        cache.take_events()
+        store.hold.set()  # the late put returns; its removal takes the shared keys
+        for _ in range(500):
+            if not cache.statistics().storage_calls_running:
+                break
+            await asyncio.sleep(0.01)
+        await cache.flush()
+        await settle(cache)
+        claimed = {
+            h for e in cache.snapshot_events() if e.medium == "STORAGE" for h in e.block_hashes
+        }
+        assert not claimed or len(store.contents()) == 3, "a claim the store does not back"
+        assert not claimed and not store.contents()
+        assert removed(cache.take_events(), "STORAGE") == {page_hash(A, i) for i in range(3)}
+        m = cache.match_prefix(A)  # the hit backs them up again
+        cache.release(m)
+        await cache.flush()
+        assert len(store.contents()) == 3
+        cache.check_invariants()

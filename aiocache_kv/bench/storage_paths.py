@@ -39,6 +39,7 @@ __all__ = [
     "HEADS",
     "HEAD_DIM",
     "LAYERS",
+    "LOOP_CPU",
     "PATHS",
     "TOKEN_BYTES",
     "Context",
@@ -70,6 +71,10 @@ PATHS = (
     "ceiling_put",
     "ceiling_get",
 )
+#: per round, beside :data:`PATHS` (not timed): CPU seconds of the event-loop thread
+#: (``time.thread_time``) during the cache's backup and prefetch, what the loop-side
+#: bookkeeping costs whatever the machine's load (``loop us/page`` in the report)
+LOOP_CPU = ("loop_backup", "loop_prefetch")
 
 
 @dataclass
@@ -357,8 +362,9 @@ def storage_keys(namespace: str, tenant: str, tokens: Sequence[int], page_size: 
 
 async def _cache_round(
     cache: HiCache, engine: HeldAckEngine, tokens: list[int], tenant: str, batch: int
-) -> tuple[float, float]:
-    """Insert ``tokens`` in steps of ``batch`` pages, time backup, then a cold prefetch."""
+) -> tuple[float, float, float, float]:
+    """Insert ``tokens`` in steps of ``batch`` pages, time backup, then a cold prefetch:
+    their seconds, then the loop thread's CPU seconds during each (this runs on the loop)."""
     p = cache.config.page_size
     n = len(tokens)
     pages = n // p
@@ -371,10 +377,12 @@ async def _cache_round(
     ]
     await engine.wait_held()  # every device->host copy is done; the acks are parked
     before = cache.statistics()
+    c0 = time.thread_time()
     t0 = time.perf_counter()
     engine.release()
     await cache.flush()
     backup = time.perf_counter() - t0
+    backup_cpu = time.thread_time() - c0
     for h in handles:
         cache.release(h)
     after = cache.statistics()
@@ -386,16 +394,18 @@ async def _cache_round(
         )
     cache.evict(1 << 62)
     cache.evict(1 << 62, "host")  # a cold node: nothing cached, everything in storage
+    c0 = time.thread_time()
     t0 = time.perf_counter()
     res = await cache.prefetch(tokens, tenant=tenant, policy="wait_complete")
     prefetch = time.perf_counter() - t0
+    prefetch_cpu = time.thread_time() - c0
     if res.hit_tokens != n:
         raise StorageError(
             f"prefetch committed {res.hit_tokens} of {n} tokens "
             f"(status {res.status.value}, error {res.error})"
         )
     cache.evict(1 << 62, "host")
-    return backup, prefetch
+    return backup, prefetch, backup_cpu, prefetch_cpu
 
 
 def _make_storage(ctx: Context, plan: Plan, root: Path | None) -> StorageBackend:
@@ -423,8 +433,9 @@ def _fill(views: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 async def measure_config(ctx: Context, plan: Plan, repeats: int) -> dict[str, list[float]]:
-    """One backend/page size/batch: a warm-up round, then ``repeats`` interleaved rounds."""
-    secs: dict[str, list[float]] = {k: [] for k in PATHS}
+    """One backend/page size/batch: a warm-up round, then ``repeats`` interleaved rounds;
+    per round the seconds of every path in :data:`PATHS` and the loop CPU of :data:`LOOP_CPU`."""
+    secs: dict[str, list[float]] = {k: [] for k in (*PATHS, *LOOP_CPU)}
     root: Path | None = None
     if ctx.kind == "file":
         root = Path(
@@ -459,7 +470,9 @@ async def measure_config(ctx: Context, plan: Plan, repeats: int) -> dict[str, li
                 t_seal = await asyncio.to_thread(buf.seal_all)
                 tenant = f"r{rnd}"
                 tokens = ctx.fresh_tokens(n)
-                t_backup, t_prefetch = await _cache_round(cache, engine, tokens, tenant, plan.batch)
+                t_backup, t_prefetch, cpu_backup, cpu_prefetch = await _cache_round(
+                    cache, engine, tokens, tenant, plan.batch
+                )
                 keys = storage_keys(namespace, tenant, tokens, p)
                 present = await asyncio.to_thread(storage.exists, keys)
                 if not all(present):
@@ -472,6 +485,8 @@ async def measure_config(ctx: Context, plan: Plan, repeats: int) -> dict[str, li
                     times = (t_put, t_backup, t_get, t_prefetch, t_seal, t_cput, t_cget)
                     for key, t in zip(PATHS, times, strict=True):
                         secs[key].append(t)
+                    secs["loop_backup"].append(cpu_backup)
+                    secs["loop_prefetch"].append(cpu_prefetch)
             st = cache.statistics()
             if st.storage_errors or st.backup_pages_failed:
                 raise StorageError(

@@ -42,13 +42,12 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -64,50 +63,12 @@ from aiocache_kv.logs import get_logger
 from aiocache_kv.numeric import check_int, check_real
 from aiocache_kv.storage.base import ChainAwareStorage, PageBuffer, StorageBackend, StorageStats
 from aiocache_kv.storage.batch_reports import BatchReports
+from aiocache_kv.storage.io_records import IOCall, StorageIOStats, consume, init_worker, settled
 
 __all__ = ["BatchReports", "StorageIO", "StorageIOStats"]
 
 log = get_logger(__name__)
 T = TypeVar("T")
-
-
-def _consume(fut: asyncio.Future[None]) -> None:
-    if not fut.cancelled():
-        fut.exception()  # a late close failure: logged by nobody, retrieved here
-
-
-def _init_worker(intra_op_threads: int | None) -> None:
-    if intra_op_threads is not None:
-        torch.set_num_threads(intra_op_threads)  # this thread only (OpenMP per-thread setting)
-
-
-@dataclasses.dataclass(frozen=True)
-class StorageIOStats:
-    """Frozen snapshot of the executor's counters."""
-
-    workers: int
-    max_pending: int
-    submitted: int  # calls handed to a worker
-    completed: int  # calls whose worker finished (including late ones)
-    in_flight: int  # handed to a worker, not finished
-    waiting: int  # callers waiting for a slot
-    timeouts: int  # callers that got StorageTimeoutError
-    cancelled: int  # callers cancelled while waiting
-    late_results: int  # results discarded because the caller was gone
-
-
-@dataclasses.dataclass(eq=False)
-class _Call:
-    id: int
-    what: str
-    result: asyncio.Future[Any]  # the caller's; completed only if not done
-    finished: asyncio.Future[None]  # set when the worker is done (buffers released)
-    buffers: Sequence[PageBuffer]  # what the worker may touch (the caller's own list)
-    on_release: Callable[[], None] | None = None  # the caller's lease ends with the worker
-
-    @functools.cached_property
-    def ranges(self) -> tuple[tuple[int, int], ...]:  # only when asked (not per call: ~us a page)
-        return tuple((b.ptr, b.ptr + b.nbytes) for b in self.buffers)
 
 
 class StorageIO:
@@ -138,6 +99,8 @@ class StorageIO:
         if intra_op_threads is not None:
             check_int("intra_op_threads", intra_op_threads, minimum=1, error=ConfigError)
         self.backend = backend
+        #: asked once, not per put: a runtime protocol check scans the class (~9 us)
+        self._chain_aware = isinstance(backend, ChainAwareStorage)
         self.workers = workers
         self.max_pending = max_pending
         self.default_timeout = default_timeout
@@ -145,12 +108,12 @@ class StorageIO:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             workers,
             thread_name_prefix=name,
-            initializer=_init_worker,
+            initializer=init_worker,
             initargs=(intra_op_threads,),
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
-        self._inflight: dict[int, _Call] = {}
+        self._inflight: dict[int, IOCall] = {}
         self._pending = 0  # slots taken (== len(_inflight) except between grant and submit)
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._closed = False
@@ -203,10 +166,10 @@ class StorageIO:
         bufs = list(buffers)
         backend = self.backend
         idents = None if identities is None else list(identities)
-        if parents is not None and isinstance(backend, ChainAwareStorage):
+        if parents is not None and self._chain_aware:
             return await self.call(
                 "put",
-                functools.partial(backend.put_chain, identities=idents),
+                functools.partial(cast(ChainAwareStorage, backend).put_chain, identities=idents),
                 list(keys),
                 bufs,
                 list(parents),
@@ -313,7 +276,7 @@ class StorageIO:
                 "get_into",
                 run,
                 timeout=timeout,
-                buffers=[b for _, bufs, _ in jobs for b in bufs],
+                buffers=list(itertools.chain.from_iterable(bufs for _, bufs, _ in jobs)),
                 on_release=on_release,
             )
         finally:
@@ -413,7 +376,7 @@ class StorageIO:
         try:
             await asyncio.wait_for(asyncio.shield(done), timeout)
         except asyncio.TimeoutError:
-            done.add_done_callback(_consume)
+            done.add_done_callback(consume)
             log.warning("storage.io.close_timeout", timeout=timeout)
 
     # -- the mechanism -----------------------------------------------------------------------
@@ -426,7 +389,7 @@ class StorageIO:
             raise OwnershipError("StorageIO is bound to another event loop")
         return loop
 
-    def _holders(self, buffers: Sequence[PageBuffer]) -> list[_Call]:
+    def _holders(self, buffers: Sequence[PageBuffer]) -> list[IOCall]:
         want = [(b.ptr, b.ptr + b.nbytes) for b in buffers]
         return [
             c
@@ -470,7 +433,66 @@ class StorageIO:
             if on_release is not None:
                 on_release()  # never handed to a worker
             raise
-        call = _Call(
+        call, timer = self._submit(loop, what, fn, args, deadline, timeout, buffers, on_release)
+        try:
+            return await call.result  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            self._cancelled += 1
+            raise
+        finally:
+            timer.cancel()
+
+    def start(
+        self,
+        what: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float,
+        on_done: Callable[[asyncio.Future[Any]], None],
+        buffers: Sequence[PageBuffer] = (),
+        on_release: Callable[[], None] | None = None,
+    ) -> bool:
+        """:meth:`call` without a task, when a slot is free now (on the loop): hand
+        ``fn(*args)`` to a worker at once and return ``True``; ``on_done(future)`` runs on
+        the loop once the future holds the result or what :meth:`call` would raise
+        (``StorageTimeoutError`` after ``timeout`` seconds: the worker's result is then
+        dropped as late).  ``buffers`` and ``on_release`` as in :meth:`call`.  ``False``:
+        closed, every slot taken or callers waiting for one: nothing was handed over and
+        ``on_release`` did not run (:meth:`call` waits for a slot, or raises).
+
+        Raises:
+            InvalidInputError: ``timeout`` is not a finite number (nothing handed over).
+            OwnershipError: called from another event loop.
+        """
+        loop = self._bind_loop()
+        check_real("timeout", timeout, minimum=None)  # a NaN deadline breaks the loop
+        if (
+            self._closed
+            or self._pending >= self.max_pending
+            or any(not w.done() for w in self._waiters)
+        ):
+            return False
+        self._pending += 1
+        deadline = loop.time() + timeout
+        call, timer = self._submit(loop, what, fn, args, deadline, timeout, buffers, on_release)
+        call.result.add_done_callback(functools.partial(settled, timer, on_done))
+        return True
+
+    def _submit(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        what: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        deadline: float,
+        timeout: float,
+        buffers: Sequence[PageBuffer],
+        on_release: Callable[[], None] | None,
+    ) -> tuple[IOCall, asyncio.TimerHandle]:
+        """Hand ``fn(*args)`` to a worker under the slot just taken; the call and the timer
+        that fails it at ``deadline``.  A failed hand-off gives the slot back, runs
+        ``on_release`` and raises."""
+        call = IOCall(
             id=next(self._ids),
             what=what,
             result=loop.create_future(),
@@ -488,14 +510,7 @@ class StorageIO:
                 on_release()
             raise
         self._submitted += 1
-        timer = loop.call_at(deadline, self._expire, call.result, what, timeout)
-        try:
-            return await call.result  # type: ignore[no-any-return]
-        except asyncio.CancelledError:
-            self._cancelled += 1
-            raise
-        finally:
-            timer.cancel()
+        return call, loop.call_at(deadline, self._expire, call.result, what, timeout)
 
     async def _acquire(
         self, loop: asyncio.AbstractEventLoop, deadline: float, what: str, timeout: float
@@ -534,7 +549,7 @@ class StorageIO:
     def _work(
         self,
         loop: asyncio.AbstractEventLoop,
-        call: _Call,
+        call: IOCall,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
     ) -> None:
@@ -549,7 +564,7 @@ class StorageIO:
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._finish, call, result, error)
 
-    def _finish(self, call: _Call, result: Any, error: BaseException | None) -> None:
+    def _finish(self, call: IOCall, result: Any, error: BaseException | None) -> None:
         # Loop thread.
         self._inflight.pop(call.id, None)
         self._completed += 1

@@ -13,10 +13,10 @@ what was committed, possibly nothing.
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,9 +28,11 @@ from aiocache_kv.distributed.coordinator import AgreedCoordinator
 from aiocache_kv.errors import KVCacheError
 from aiocache_kv.events import BlockRemoved
 from aiocache_kv.logs import get_logger
-from aiocache_kv.storage.base import StorageBackend, leading_run
+from aiocache_kv.storage.base import StorageBackend
 from aiocache_kv.storage.executor import BatchReports
+from aiocache_kv.storage.prefetch_result import PrefetchResult, PrefetchStatus, prefetch_timeout
 from aiocache_kv.storage.tier_base import StorageTierBase
+from aiocache_kv.storage.worker_pages import WorkerPages
 from aiocache_kv.tracing import span
 from aiocache_kv.tree.hashing import chain_hashes
 from aiocache_kv.tree.node import Node, Tier, lacking
@@ -39,42 +41,18 @@ if TYPE_CHECKING:
     from aiocache_kv.core import CacheCore
     from aiocache_kv.namespace import Namespace
 
+__all__ = ["PrefetchResult", "PrefetchStatus", "PrefetchingTier", "prefetch_timeout"]
+
 log = get_logger(__name__)
 
 #: a read worker wakes the loop to report landed batches at most this often (each wake-up
-#: cost ~40 us of CPU; 16-page batches of 64 KiB pages end every ~0.5-1 ms); the wait drains
-#: what landed when it ends, so no page that arrived in time is lost to the gap
-REPORT_GAP = 0.01
+#: cost ~40 us of CPU, 2-3x that beside a store's copies; 16-page batches of 64 KiB pages end
+#: every ~0.5-1 ms); the wait drains what landed when it ends, so no page that arrived in
+#: time is lost to the gap, and nothing reads the reports before then: a read worker busy
+#: up to 50 ms wakes the loop for its first batch and when it is done
+REPORT_GAP = 0.05
 #: a read worker's batches, each a list of ``(pool, page)``
 Parts = list[list[tuple[int, int]]]
-
-
-class PrefetchStatus(enum.Enum):
-    """How a prefetch ended."""
-
-    NO_STORAGE = "no_storage"  #: the cache has no storage tier
-    BELOW_THRESHOLD = "below_threshold"  #: too few uncached tokens to be worth it
-    MISS = "miss"  #: storage has none of the next pages
-    COMPLETE = "complete"  #: every page storage reported was loaded and committed
-    PARTIAL = "partial"  #: deadline or a bad page cut it short; the leading run was committed
-    BACKGROUND = "background"  #: best effort: loading continues, commits when it lands
-    FAILED = "failed"  #: storage unreachable or failing; nothing committed
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchResult:
-    """What a prefetch found and committed."""
-
-    status: PrefetchStatus
-    cached_tokens: int  #: tokens already in L1/L2 before the prefetch
-    storage_hit_tokens: int  #: tokens after those that storage reported present
-    hit_tokens: int  #: tokens loaded from storage and committed to the host tier
-    error: str | None = None
-
-    @property
-    def usable_tokens(self) -> int:
-        """Tokens now matchable from device or host (cached + committed)."""
-        return self.cached_tokens + self.hit_tokens
 
 
 @dataclass(eq=False)
@@ -107,11 +85,29 @@ class _Prefetch:
     started: float = field(default_factory=time.monotonic)
     #: a drop of its namespace or of a page it reads ran meanwhile: commit nothing
     dropped: bool = False
+    #: the reserved pages each read worker writes (leased once the wait for it ends)
+    holds: list[WorkerPages] = field(default_factory=list)
 
 
-def prefetch_timeout(tokens: int, base: float, per_1k: float, cap: float) -> float:
-    """Deadline of a ``timeout``-policy prefetch: base + per-1k-tokens, capped."""
-    return min(cap, base + per_1k * tokens / 1000.0)
+def _span(part: list[tuple[int, int]]) -> tuple[int, int, int] | None:
+    """``(pool, first, end)`` when ``part`` is the consecutive pages ``first..end-1`` of one
+    pool (plans list pools in order, pages ascending), else ``None``."""
+    pool, a = part[0]
+    last_pool, z = part[-1]
+    return (pool, a, z + 1) if last_pool == pool and z + 1 - a == len(part) else None
+
+
+def _leading_run(flags: Sequence[bool]) -> int:
+    """Length of the leading run of true flags (bools), in one C-level scan."""
+    try:
+        return (flags if isinstance(flags, list) else list(flags)).index(False)
+    except ValueError:
+        return len(flags)
+
+
+def _last_true(flags: list[bool]) -> int:
+    """The index of the last true flag (-1: none), without a step per flag."""
+    return len(flags) - 1 - flags[::-1].index(True) if True in flags else -1
 
 
 def _report(
@@ -286,14 +282,14 @@ class PrefetchingTier(StorageTierBase):
             return []
         limit = len(job.loaded[0])
         if not self._trailing:  # feasible_ends without trailing components, in two list ops
-            run = min(min(leading_run(flags) for flags in job.loaded), limit)
+            run = min(min(_leading_run(flags) for flags in job.loaded), limit)
             return [True] * run + [False] * (limit - run)
         all_pools = [0] + [
             i + 1
             for i, c in enumerate(self.core.config.components)
             if not c.window_pages(self.core.config.page_size)
         ]
-        all_run = min(leading_run(job.loaded[i]) for i in all_pools)
+        all_run = min(_leading_run(job.loaded[i]) for i in all_pools)
         trailing = []
         for (pool, _, window), (need, have) in zip(self._trailing, job.before, strict=True):
             valid = [False] * (need - have) + [True] * have + job.loaded[pool]
@@ -304,8 +300,11 @@ class PrefetchingTier(StorageTierBase):
         try:
             await self._fetch(job)
         finally:  # cancelled too: commit what is known good, free the rest when released
-            flags = self._feasible(job)
-            self._finish(job, max((e + 1 for e, f in enumerate(flags) if f), default=0))
+            if job.loaded and not self._trailing:  # the leading run every pool has
+                limit = len(job.loaded[0])
+                self._finish(job, min(min(_leading_run(f) for f in job.loaded), limit))
+            else:
+                self._finish(job, _last_true(self._feasible(job)) + 1)
 
     def _result(self, job: _Prefetch) -> PrefetchResult:
         p = self.core.config.page_size
@@ -334,7 +333,7 @@ class PrefetchingTier(StorageTierBase):
         fits = job.pages.numel()  # pages reserved: at most half the host pool in flight
         job.loaded = [[False] * fits for _ in range(pools)]
         timeout = max(job.deadline - time.monotonic(), 0.001)
-        flat = [k for keys in job.keys for k in keys]
+        flat = job.keys[0] if pools == 1 else [k for keys in job.keys for k in keys]
         done = [False]  # set once the wait is over: a batch reported later is not counted
         limit = [-1]  # pages [0, limit) count: the leading run, once the check told it
         early: list[tuple[list[tuple[int, int]], list[bool] | BaseException]] = []
@@ -351,6 +350,14 @@ class PrefetchingTier(StorageTierBase):
                     self.counters.storage_errors += 1
                     job.failed, job.error = True, repr(res)
                 return
+            run = _span(part)
+            if run is not None and run[2] <= end and len(res) == run[2] - run[1]:
+                # a whole run of one pool, every page inside the leading run: one slice
+                pool, a, b = run
+                job.loaded[pool][a:b] = res
+                if pool == 0 and not all(res):
+                    job.vanished += [a + i for i, good in enumerate(res) if not good]
+                return
             for (pool, j), good in zip(part, res, strict=True):
                 if j < end:
                     job.loaded[pool][j] = good
@@ -364,7 +371,9 @@ class PrefetchingTier(StorageTierBase):
             and not self.core.coordinator.deferred
             and getattr(self.io.backend, "read_ahead", False)
         ):
-            reads = self._start_reads(job, [(0, j) for j in range(min(total, fits))], landed)
+            ahead = min(total, fits)
+            plan = list(zip(itertools.repeat(0, ahead), range(ahead), strict=True))
+            reads = self._start_reads(job, plan, landed)
         try:
             try:
                 present = await self.io.exists(flat, timeout=timeout)
@@ -378,7 +387,7 @@ class PrefetchingTier(StorageTierBase):
             all_pools = [0] + [
                 i + 1 for i, c in enumerate(comps) if c.hit_policy is HitPolicy.ALL_PAGES
             ]
-            job.hits = min(leading_run(by_pool[i]) for i in all_pools)
+            job.hits = min(_leading_run(by_pool[i]) for i in all_pools)
             if not self.core.coordinator.deferred:  # (with TP a rank's store is not published)
                 job.unclaimed = self._stored.take_missing(job.hashes, by_pool[0])
             self.counters.prefetch_storage_hit_tokens += job.hits * self.core.config.page_size
@@ -386,7 +395,13 @@ class PrefetchingTier(StorageTierBase):
             if reads is None:
                 # what to read: the leading run for KV/ALL pools, present pages inside it
                 # for the rest
-                plan = [(pool, j) for pool in range(pools) for j in range(end) if by_pool[pool][j]]
+                # (all of it for those: the leading run is theirs too)
+                plan = []
+                for pool in range(pools):
+                    if pool in all_pools:
+                        plan += zip(itertools.repeat(pool, end), range(end), strict=True)
+                    else:
+                        plan += [(pool, j) for j in range(end) if by_pool[pool][j]]
                 reads = self._start_reads(job, plan, landed)
             else:
                 for rep, mine in zip(reads[1], reads[2], strict=True):  # skip what is past it
@@ -408,6 +423,8 @@ class PrefetchingTier(StorageTierBase):
                     r.stop_after(-1)  # (the wait is over: a worker starts none more)
                     r.drain()
                 done[0] = True
+                for hold in job.holds:  # workers still writing: their pages stay theirs
+                    hold.keep()
                 for t in reads[0]:
                     if not t.done():
                         t.cancel()
@@ -440,13 +457,25 @@ class PrefetchingTier(StorageTierBase):
         for w in range(min(spread, len(parts))):
             mine = parts[w::spread]
             batches = []
+            index: list[int] = []  # the prefetch page of every buffer read, in order
             for part in mine:
-                keys = [job.keys[pool][j] for pool, j in part]
-                bufs = [self._buffers[pool][rows[j]] for pool, j in part]
+                run = _span(part)
+                if run is not None:  # consecutive pages of one pool (the usual): slices
+                    pool, a, b = run
+                    keys = job.keys[pool][a:b]
+                    bufs = list(map(self._buffers[pool].__getitem__, rows[a:b]))
+                    ids = job.hashes[a:b]
+                    index += range(a, b)
+                else:
+                    keys = [job.keys[pool][j] for pool, j in part]
+                    bufs = [self._buffers[pool][rows[j]] for pool, j in part]
+                    ids = [job.hashes[j] for _, j in part]
+                    index += [j for _, j in part]
                 # every component of page j is bound to the page's own chain hash
-                batches.append((keys, bufs, [job.hashes[j] for _, j in part]))
-            leased = torch.from_numpy(reserved[[j for part in mine for _, j in part]])
-            alloc.lease(leased)  # a late read must never land in a reused page
+                batches.append((keys, bufs, ids))
+            # a late read must never land in a reused page: leased if the wait ends first
+            hold = WorkerPages(alloc, torch.from_numpy(reserved[index]))
+            job.holds.append(hold)
             remaining = max(job.deadline - time.monotonic(), 0.001)
             reports.append(BatchReports(functools.partial(_report, landed, mine)))
             spread_parts.append(mine)
@@ -455,7 +484,7 @@ class PrefetchingTier(StorageTierBase):
                     batches,
                     reports[-1],
                     timeout=remaining,
-                    on_release=functools.partial(alloc.unlease, leased),
+                    on_release=hold.release,
                     report_gap=REPORT_GAP,
                 )
             )

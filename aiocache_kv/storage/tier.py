@@ -43,18 +43,26 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import functools
-import itertools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from aiocache_kv.distributed.acks import AckQueue
 from aiocache_kv.errors import KVCacheError, StorageTimeoutError
+from aiocache_kv.events import BlockRemoved
 from aiocache_kv.logs import get_logger
-from aiocache_kv.storage.base import PageBuffer, StorageBackend, TagRemovableStorage
+from aiocache_kv.storage.backup_op import BackupOp, put_lists, put_parts
+from aiocache_kv.storage.base import (
+    ChainAwareStorage,
+    PageBuffer,
+    StorageBackend,
+    TagRemovableStorage,
+)
+from aiocache_kv.storage.integrity import FRAME_OVERHEAD
 from aiocache_kv.storage.prefetch import (
     PrefetchingTier,
     PrefetchResult,
@@ -62,7 +70,8 @@ from aiocache_kv.storage.prefetch import (
     prefetch_timeout,
 )
 from aiocache_kv.storage.tier_base import COMPONENT
-from aiocache_kv.tracing import span
+from aiocache_kv.storage.worker_pages import WorkerPages
+from aiocache_kv.tracing import SpanLike, span
 from aiocache_kv.tree.node import ABSENT, RESIDENT, Node, Tier, continues
 
 if TYPE_CHECKING:
@@ -73,56 +82,12 @@ log = get_logger(__name__)
 
 
 #: backups queued while every storage worker is busy are sent together, in puts of about
-#: this many bytes (one call per op at least): the per-call cost is paid per batch of bytes,
-#: not per write ack
+#: this many bytes of pages (trailers aside: two 16 MiB backups make one put) (one call per
+#: op at least): the per-call cost is paid per batch of bytes, not per write ack
 BACKUP_BATCH_BYTES = 32 << 20
 #: a backup with storage workers to spare is split into puts of at least this many bytes,
 #: one per idle worker, so one large backup does not run on one worker while the others idle
 BACKUP_PART_BYTES = 2 << 20
-
-
-class BackupOp:
-    """A batch of nodes whose pages are being put to storage, in page order."""
-
-    __slots__ = (
-        "bufs",
-        "deadline",
-        "dropped",
-        "entry_pages",
-        "error",
-        "future",
-        "idents",
-        "keys",
-        "lost",
-        "nbytes",
-        "parents",
-        "release",
-        "results",
-        "started",
-        "targets",
-    )
-
-    def __init__(self, targets: list[Node], future: asyncio.Future[None]) -> None:
-        self.targets = targets
-        self.future = future  # set when the verdicts are applied to the tree
-        #: per stored key (KV and sidecars), the index of its page in the op's page order
-        self.entry_pages: list[int] = []
-        self.results: list[bool] = []
-        #: indices in ``keys`` of pages evicted before the op landed (by any put): not stored
-        self.lost: set[int] = set()
-        self.error: str | None = None
-        self.started = time.monotonic()
-        #: what the put sends (set by ``backup``): keys, parents, identities, slots, their bytes
-        self.keys: list[str] = []
-        self.parents: list[str | None] = []
-        self.idents: list[bytes] = []
-        self.bufs: list[PageBuffer] = []
-        self.nbytes = 0
-        self.release: Callable[[], None] | None = None  #: ends the lease (once)
-        self.deadline = 0.0  #: loop time by which its put must have answered
-        #: targets dropped (``HiCache.drop``) while it ran: what it put of them is removed
-        #: again once its workers are done
-        self.dropped: list[Node] = []
 
 
 class StorageTier(PrefetchingTier):
@@ -228,35 +193,42 @@ class StorageTier(PrefetchingTier):
         parents: list[str | None] = []  # the key each page depends on (chain-aware eviction)
         idents: list[bytes] = []  # what each page was computed from (its trailer binds it)
         bufs: list[PageBuffer] = []
+        entry_pages = op.entry_pages
+        components = core.config.components
+        buffers = self._buffers
+        nbytes = 0
         base = 0
+        # per node and pool, whole lists at a time (C loops): no Python step per page
         for node in todo:
             hashes = tree.block_hashes(node)
             prev = tree.parent_hash(node)
-            assert node.host_pages is not None
+            host = node.host_pages
+            assert host is not None
+            rows = host.tolist()  # one conversion per node, for every pool
             k = len(hashes)
             for pool in range(self.pools):
-                if pool and core.config.components[pool - 1].name in node.invalid:
+                if pool and components[pool - 1].name in node.invalid:
                     continue  # never store a page this node does not have
                 mine = self._keys(node.ns, hashes, pool)
                 keys += mine
                 idents += hashes
                 # each page depends on the one before it: its key is already made
-                parents += [None if prev is None else self._keys(node.ns, [prev], pool)[0]]
+                parents.append(None if prev is None else self._keys(node.ns, [prev], pool)[0])
                 parents += mine[:-1]
-                bufs += self._bufs(node.host_pages, pool)
-                op.entry_pages += range(base, base + k)
+                views = buffers[pool]
+                bufs += map(views.__getitem__, rows)
+                if k:  # every view of a pool has one size: the page, then its trailer
+                    nbytes += k * (views[rows[0]].nbytes - FRAME_OVERHEAD)
+                entry_pages += range(base, base + k)
             base += k
             tree.begin_backup(node, op)
         self._backups[id(op)] = op
         core.coordinator.track(self.acks, op)
         self.counters.backup_started += 1
-        leased = torch.cat([n.host_pages for n in todo])  # type: ignore[misc]
-        alloc = core.host_alloc
-        assert alloc is not None
-        alloc.lease(leased)  # until the worker is done with the bytes, whatever the verdict
+        hosts = [n.host_pages for n in todo]
+        op.pages = hosts[0] if len(hosts) == 1 else torch.cat(hosts)  # type: ignore[arg-type]
         op.keys, op.parents, op.bufs, op.idents = keys, parents, bufs, idents
-        op.nbytes = sum(b.nbytes for b in bufs)
-        op.release = functools.partial(alloc.unlease, leased)
+        op.nbytes = nbytes
         op.deadline = loop.time() + core.config.storage_timeout
         self._queued.append(op)
         self._schedule_pump()
@@ -289,118 +261,145 @@ class StorageTier(PrefetchingTier):
             self._sending += parts
             for op in group:  # putting from now on: a drop before the task runs marks it
                 self._putting[id(op)] = op
-            loop.create_task(self._run_backup(group, parts))
+            held = [op.pages for op in group if op.pages is not None]
+            hosts = held[0] if len(held) == 1 else torch.cat(held)
+            for op in group:
+                op.pages = None
+            if parts > 1 or self.core.coordinator.deferred or not self._send(group, hosts):
+                # one lease for the group's pages, until its workers are done with the
+                # bytes, whatever the verdict
+                alloc = self.core.host_alloc
+                assert alloc is not None
+                alloc.lease(hosts)
+                unlease = functools.partial(alloc.unlease, hosts)
+                loop.create_task(self._run_backup(group, parts, unlease))
 
     @property
     def backups_pending(self) -> int:
         """Backups started and not yet applied."""
         return len(self._backups)
 
-    async def _run_backup(self, group: list[BackupOp], parts: int = 1) -> None:
-        """One put for ``group``'s pages (``parts`` concurrent puts of consecutive slices);
-        each op gets its own slice of the verdicts and lands on its own, in order.  The lease
-        of every op ends when the workers are done."""
-        keys = [k for op in group for k in op.keys]
-        parents = [p for op in group for p in op.parents]
-        idents = [h for op in group for h in op.idents]
-        bufs = [b for op in group for b in op.bufs]
-        releases = [op.release for op in group if op.release is not None]
-        for op in group:
-            op.release = None
-
+    def _releaser(self, group: list[BackupOp], unlease: Callable[[], None]) -> Callable[[], None]:
         def release() -> None:  # on the loop, once the put's workers are done, late or not
-            for r in releases:
-                r()
+            unlease()
             self.reconcile_evictions()  # a put that ended after its deadline evicted too
             self._remove_late(group)
 
+        return release
+
+    def _send(self, group: list[BackupOp], pages: torch.Tensor) -> bool:
+        """Hand ``group``'s put to a worker now, without a task (one rank, one slice, in
+        time, a slot free); its verdicts land from the worker's answer, after the next put
+        is handed over.  ``False``: not sent (the task path of :meth:`_run_backup` does).
+
+        The host ``pages`` it reads are leased only if the verdicts come first (the put's
+        deadline): until they land, its nodes are storage-FILLING and nothing evicts or
+        frees them, so a put answered in time costs no lease."""
+        loop = self.core.loop
+        assert loop is not None
+        alloc = self.core.host_alloc
+        assert alloc is not None
+        timeout = min(op.deadline for op in group) - loop.time()
+        if timeout <= 0:  # queued past its deadline: the task path fails it
+            return False
+        keys, parents, idents, bufs = put_lists(group)
+        backend = self.io.backend
+        fn: Callable[[], list[bool]]
+        if self._chain_aware:
+            put = cast(ChainAwareStorage, backend).put_chain
+            fn = functools.partial(put, keys, bufs, parents, identities=idents)
+        else:
+            fn = functools.partial(backend.put, keys, bufs, identities=idents)
+        # the span runs from here to the verdicts, current in a context of its own
+        ctx = contextvars.copy_context()
+        cm = span("aiocache_kv.backup", pages=len(keys), nodes=len(group))
+        sp = ctx.run(cm.__enter__)
+
+        hold = WorkerPages(alloc, pages)
+
+        def release() -> None:  # on the loop, once the put's worker is done, late or not
+            hold.release()
+            self.reconcile_evictions()  # a put that ended after its deadline evicted too
+            self._remove_late(group)
+
+        def done(fut: asyncio.Future[list[bool]]) -> None:  # on the loop
+            hold.keep()  # verdicts before the worker returned: its pages stay its own
+            results, error = [False] * len(keys), None
+            if fut.cancelled():
+                error = "cancelled"
+            elif (exc := fut.exception()) is not None:
+                error = repr(exc)
+            else:
+                results = fut.result()
+            try:
+                self._verdicts(group, 1, results, error, sp)
+            finally:
+                ctx.run(cm.__exit__, None, None, None)
+
+        sent = self.io.start(
+            "put", fn, timeout=timeout, on_done=done, buffers=bufs, on_release=release
+        )
+        if not sent:
+            ctx.run(cm.__exit__, None, None, None)  # (the task path makes its own)
+        return sent
+
+    def _verdicts(
+        self,
+        group: list[BackupOp],
+        parts: int,
+        results: list[bool],
+        error: str | None,
+        sp: SpanLike,
+    ) -> None:
+        """The put of ``group`` answered: hand out each op's slice of ``results``, send what
+        is queued (the workers are free again), then land every op, in order (on the loop)."""
+        at = 0
+        for op in group:
+            n = len(op.keys)
+            op.results = results[at : at + n]
+            op.error = error
+            at += n
+        sp.set_attribute("aiocache_kv.pages_ok", sum(results))
+        if error is not None:
+            sp.set_attribute("aiocache_kv.error", error)
+        self._sending -= parts
+        try:
+            self._pump()  # the next put starts before this one's bookkeeping
+        finally:
+            for op in group:
+                self._land_backup(op)
+
+    async def _run_backup(
+        self, group: list[BackupOp], parts: int, unlease: Callable[[], None]
+    ) -> None:
+        """One put for ``group``'s pages (``parts`` concurrent puts of consecutive slices)
+        in a task (with TP, several slices, or when :meth:`_send` could not); each op gets
+        its own slice of the verdicts and lands on its own, in order.  The group's lease
+        ends (``unlease``) when the workers are done."""
+        keys, parents, idents, bufs = put_lists(group)
+        release = self._releaser(group, unlease)
         loop = self.core.loop
         assert loop is not None
         results: list[bool] = [False] * len(keys)
         error: str | None = None
-        try:
-            with span("aiocache_kv.backup", pages=len(keys), nodes=len(group)) as sp:
-                try:
-                    timeout = min(op.deadline for op in group) - loop.time()
-                    if timeout <= 0:  # queued past its deadline behind busy workers
-                        release()
-                        raise StorageTimeoutError("storage put did not start in time")
-                    results = await self._put_parts(
-                        keys, bufs, parents, idents, timeout, release, parts
-                    )
-                except KVCacheError as exc:
-                    error = repr(exc)
-                    if self.core.coordinator.deferred:  # every rank frees at the agreed point
-                        await self.io.wait_released(bufs)
-                except BaseException:
-                    error = "cancelled"
-                    raise
-                finally:
-                    at = 0
-                    for op in group:
-                        n = len(op.keys)
-                        op.results = results[at : at + n]
-                        op.error = error
-                        at += n
-                sp.set_attribute("aiocache_kv.pages_ok", sum(results))
-                if error is not None:
-                    sp.set_attribute("aiocache_kv.error", error)
-        finally:
-            self._sending -= parts
-            self._schedule_pump()
-            for op in group:
-                self._land_backup(op)
-
-    async def _put_parts(
-        self,
-        keys: list[str],
-        bufs: list[PageBuffer],
-        parents: list[str | None],
-        idents: list[bytes],
-        timeout: float,
-        release: Callable[[], None],
-        parts: int,
-    ) -> list[bool]:
-        """``io.put`` of the pages in ``parts`` consecutive slices at once; ``release`` runs
-        once every slice's worker is done.  A slice that fails fails the whole put (raised
-        once every slice has returned), as one put would.
-
-        Raises:
-            KVCacheError: what a slice's put raised (the first one).
-        """
-        if parts <= 1:
-            return await self.io.put(
-                keys, bufs, timeout=timeout, on_release=release, parents=parents, identities=idents
-            )
-        n = len(keys)
-        cuts = [n * i // parts for i in range(parts + 1)]
-        left = [parts]
-
-        def one_released() -> None:
-            left[0] -= 1
-            if not left[0]:
-                release()
-
-        outs = await asyncio.gather(
-            *(
-                self.io.put(
-                    keys[a:b],
-                    bufs[a:b],
-                    timeout=timeout,
-                    on_release=one_released,
-                    parents=parents[a:b],
-                    identities=idents[a:b],
+        with span("aiocache_kv.backup", pages=len(keys), nodes=len(group)) as sp:
+            try:
+                timeout = min(op.deadline for op in group) - loop.time()
+                if timeout <= 0:  # queued past its deadline behind busy workers
+                    release()
+                    raise StorageTimeoutError("storage put did not start in time")
+                results = await put_parts(
+                    self.io, keys, bufs, parents, idents, timeout, release, parts
                 )
-                for a, b in itertools.pairwise(cuts)
-            ),
-            return_exceptions=True,
-        )
-        results: list[bool] = []
-        for out in outs:
-            if isinstance(out, BaseException):
-                raise out
-            results += out
-        return results
+            except KVCacheError as exc:
+                error = repr(exc)
+                if self.core.coordinator.deferred:  # every rank frees at the agreed point
+                    await self.io.wait_released(bufs)
+            except BaseException:
+                error = "cancelled"
+                raise
+            finally:
+                self._verdicts(group, parts, results, error, sp)
 
     def _land_backup(self, op: BackupOp) -> None:
         # one rank applies per-page verdicts (ok=True: the results decide); TP agrees on
@@ -419,17 +418,20 @@ class StorageTier(PrefetchingTier):
         tree = core.tree
         p = core.config.page_size
         pages = sum(len(node.key) for node in op.targets) // p
-        page_ok = [ok] * pages  # a page is stored when every pool's key for it is
-        for j, good in zip(op.entry_pages, op.results, strict=True):
-            if not good:
-                page_ok[j] = False
-        for k in op.lost:  # stored, then evicted before this landed: not in the store now
-            page_ok[op.entry_pages[k]] = False
+        assert len(op.results) == len(op.entry_pages), "a verdict per stored key"
+        page_ok: list[bool] | None = None  # None: every page stored (the usual case)
+        if not ok or op.lost or not all(op.results):
+            page_ok = [ok] * pages  # a page is stored when every pool's key for it is
+            for j, good in zip(op.entry_pages, op.results, strict=True):
+                if not good:
+                    page_ok[j] = False
+            for k in op.lost:  # stored, then evicted before this landed: not in the store now
+                page_ok[op.entry_pages[k]] = False
         i = 0
         ok_pages = 0
         for node in op.targets:  # split heads were inserted in path order: pages line up
             k = len(node.key) // p
-            node_ok = all(page_ok[i : i + k])
+            node_ok = page_ok is None or all(page_ok[i : i + k])
             i += k
             tree.end_backup(node, node_ok)
             if node_ok and node.alive:  # a dropped node's pages are removed, not claimed
@@ -499,20 +501,42 @@ class StorageTier(PrefetchingTier):
             ]
 
     def _remove_late(self, group: list[BackupOp]) -> None:
+        """``group``'s workers are done: what it put of targets a drop marked is removed.
+        The same pages computed again since the drop may be claimed (a backup of them
+        landed) or be in a backup not landed yet by now, and the removal takes the keys they
+        share: as for a storage eviction, those claims go (``BlockRemoved``; a later hit
+        backs them up again) and such a backup fails those pages; a backup of those
+        namespaces waits for the removal (a fence), so none lands under it."""
         for op in group:
             self._putting.pop(id(op), None)
-        keys = [k for op in group for n in op.dropped for k in self.node_keys(n)]
-        if keys:
-            loop = self.core.loop
-            assert loop is not None
-            self._track(loop.create_task(self._remove_keys_late(keys)))
+        dropped = [n for op in group for n in op.dropped]
+        if not dropped:
+            return
+        keys = [k for n in dropped for k in self.node_keys(n)]
+        fences = []
+        if not self.core.coordinator.deferred:  # with TP the tree must not follow one rank
+            tree = self.core.tree
+            hashes = dict.fromkeys(h for n in dropped for h in tree.block_hashes(n))
+            claimed = self.retract_claims(list(hashes))
+            self._evicted_in_flight(set(keys))
+            if claimed:
+                self.core.emit(BlockRemoved(claimed, Tier.STORAGE.medium))
+            fences = [self.fence(ns, None) for ns in dict.fromkeys(n.ns for n in dropped)]
+        loop = self.core.loop
+        assert loop is not None
+        self._track(loop.create_task(self._remove_keys_late(keys, fences)))
 
-    async def _remove_keys_late(self, keys: list[str]) -> None:
+    async def _remove_keys_late(
+        self, keys: list[str], fences: list[tuple[Namespace, bytes | None]]
+    ) -> None:
         try:
             removed = await self.remove_keys(keys)
         except KVCacheError as exc:
             log.warning("drop_late_remove_failed", keys=len(keys), error=repr(exc))
             return
+        finally:
+            for fence in fences:
+                self.unfence(fence)
         self.counters.late_puts_removed += removed
 
     async def remove_keys(self, keys: list[str], timeout: float | None = None) -> int:

@@ -9,7 +9,7 @@ shard).  The prefetch path (:mod:`.prefetch`) and the backup path (:mod:`.tier`)
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -74,6 +74,9 @@ class StorageTierBase:
         #: a backend enforcing per-tenant storage budgets (FileStorage): told each namespace
         #: tag's tenant when its first key is made, and the budgets (``quotas.py``)
         self._quota_store = backend if isinstance(backend, TenantQuotaStorage) else None
+        #: asked once: a runtime protocol check scans the class (~9 us), and every backup
+        #: asked twice (its release and its landing)
+        self._chain_aware = isinstance(backend, ChainAwareStorage)
         self._tagged: set[str] = set()
         self.deferred_verify = False  #: set at start (see there)
 
@@ -175,6 +178,15 @@ class StorageTierBase:
         for h in hashes:
             self._stored.pop(h)
 
+    def retract_claims(self, hashes: list[bytes]) -> list[bytes]:
+        """Storage is losing the pages ``hashes`` (a removal): of those this cache claims,
+        each claim is forgotten and its node becomes storage-ABSENT; returns them (the caller
+        publishes the ``BlockRemoved``)."""
+        claimed = [h for h in hashes if self._stored.claims_page(h)]
+        for h in claimed:
+            self.lose_stored(h)
+        return claimed
+
     def lose_stored(self, page_hash: bytes) -> bool:
         """Storage no longer has the page ``page_hash``: its claim is forgotten and the node
         holding it becomes storage-ABSENT (the caller publishes the ``BlockRemoved``).
@@ -201,9 +213,9 @@ class StorageTierBase:
         (another put, or another slice of the same backup, evicted it meanwhile).  With TP
         nothing changes but the counter: each rank's store is its own, and the tree must stay
         the same on every rank.  Returns the pages reported."""
-        backend = self.io.backend
-        if not isinstance(backend, ChainAwareStorage):
+        if not self._chain_aware:
             return 0
+        backend = cast(ChainAwareStorage, self.io.backend)  # (fixed for the tier's life)
         keys = backend.take_evicted()
         if not keys:
             return 0

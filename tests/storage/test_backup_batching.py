@@ -71,6 +71,32 @@ async def test_queued_backups_share_a_put_and_keep_their_own_verdicts(
         cache.check_invariants()
 
 
+async def test_queued_backups_are_batched_by_their_pages_bytes_trailers_aside(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two queued backups whose pages make exactly ``BACKUP_BATCH_BYTES`` share one put: the
+    40-byte trailer of each page does not push the pair over (two 16 MiB backups of 1 MiB
+    pages went out as two puts, each paying the per-call cost)."""
+    client = FakeMooncakeClient()
+    client.gates["batch_put_from"].clear()
+    store = FakeMooncakeStorage(client)
+    async with akv.HiCache(config(store)) as cache:
+        pool = cache._core.host_pool
+        assert pool is not None
+        monkeypatch.setattr(tier, "BACKUP_BATCH_BYTES", 2 * 3 * pool.page_bytes)  # 2 prompts
+        handles = [insert(cache, PROMPTS[0], seed=1)]
+        await entered(client)  # the only worker is busy with the first backup
+        handles += [insert(cache, p, seed=k + 2) for k, p in enumerate(PROMPTS[1:])]
+        await asyncio.sleep(0.05)
+        client.gates["batch_put_from"].set()
+        await cache.flush()
+        assert [len(keys) for keys in client.put_calls] == [3, 6, 3]
+        assert cache.statistics().backup_pages_ok == 12
+        for h in handles:
+            cache.release(h)
+        cache.check_invariants()
+
+
 async def test_a_backup_queued_past_its_deadline_fails_unsent() -> None:
     client = FakeMooncakeClient()
     client.gates["batch_put_from"].clear()

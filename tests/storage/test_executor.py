@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -184,6 +184,51 @@ async def test_stuck_workers_bound_the_backlog() -> None:
     assert await io.exists(["a", "b"], timeout=2) == [True, True]
     assert io.io_statistics().in_flight == 0
     await io.aclose()
+
+
+async def test_start_hands_a_call_over_without_a_task() -> None:
+    """``start``: the call reaches a worker at once (no task, no await); its outcome comes
+    to ``on_done``, a timeout first and the worker's late answer dropped; ``on_release``
+    runs when the worker returns; with every slot taken nothing is handed over."""
+    backend = GatedBackend()
+    io = StorageIO(backend, workers=1, max_pending=1)
+    buf = PageBuffer.allocate(SLOT)
+    outcomes: list[asyncio.Future[object]] = []
+    released: list[int] = []
+    assert io.start(
+        "put",
+        backend.put,
+        ["k"],
+        [buf],
+        timeout=0.1,
+        on_done=outcomes.append,
+        buffers=[buf],
+        on_release=lambda: released.append(1),
+    )
+    assert io.io_statistics().submitted == 1 and io.holds([buf])  # handed over already
+    # the only slot is taken: nothing is handed over, on_release does not run
+    assert not io.start("put", backend.put, ["j"], [buf], timeout=1.0, on_done=outcomes.append)
+    await wait_entered(backend)
+    await _until(lambda: bool(outcomes))
+    assert isinstance(outcomes[0].exception(), StorageTimeoutError) and not released
+    assert io.holds([buf])  # the worker still reads it
+    backend.gate.set()
+    await asyncio.wait_for(io.wait_released([buf]), 5)
+    assert released == [1] and len(outcomes) == 1  # the late answer is dropped
+    assert io.io_statistics().late_results == 1
+    assert io.start("exists", backend.exists, ["k"], timeout=1.0, on_done=outcomes.append)
+    await _until(lambda: len(outcomes) == 2)
+    assert outcomes[1].result() == [True]
+    await io.aclose()
+    assert not io.start("exists", backend.exists, ["k"], timeout=1.0, on_done=outcomes.append)
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "condition never held"
+        await asyncio.sleep(0.005)
 
 
 async def test_cancel_while_waiting_for_a_slot_returns_it() -> None:
