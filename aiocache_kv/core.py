@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from aiocache_kv.fastcheck import INSERT_NOT_HELD
 from aiocache_kv.hardpins import HardPins
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
+from aiocache_kv.pools.allocator import PageIds
 from aiocache_kv.pools.sidecar import SidecarPools
 from aiocache_kv.quotas import DEVICE, HOST, QuotaBook
 from aiocache_kv.stats import CacheCounters
@@ -41,6 +42,7 @@ from aiocache_kv.validate import raise_for_insert
 
 SplitHook = Callable[[Node, Node], None]
 _NO_IDS = np.empty(0, dtype=np.int64)
+_DEVICE = Tier.DEVICE  # bound once: an enum class attribute read is slow on Python 3.11
 
 
 def _on_path(plan: InsertPlan, upto: int, anchor: Node | None) -> bool:
@@ -243,7 +245,7 @@ class CacheCore:
                 f"device (the tree holds {plan.existing_pages * p} leading tokens of these "
                 "tokens on device): the tokens do not extend that prefix"
             )
-        existing = plan.device_pages().numpy() if plan.existing else _NO_IDS
+        existing = plan.device_pages()
         d = existing.size
         code, at, differing, ids = alloc.check_insert(slots, p, existing)
         if code == INSERT_NOT_HELD and alloc.retained:  # retained rows are the caller's too
@@ -255,14 +257,15 @@ class CacheCore:
             lead = ids[:d]
             keep.append(lead[lead != existing])
         # the tree keeps only the pages after its own (ids is scratch, reused next insert)
-        own = torch.from_numpy(ids[d:].copy())
-        tree.root(ns, ns.tag)
+        own = ids[d:].copy()
+        if plan.root is None:  # a new namespace's root (the plan, just made, knows the rest)
+            tree.root(ns, ns.tag)
         out = tree.insert(ns, tokens, n, own, plan=plan, first_page=skip + d)
         kept = out.inserted_tokens // p - skip - d  # the walk stops below a loading node
         if kept > 0:
-            alloc.take(ids[d : d + kept])
-        if own.numel() > kept:
-            keep.append(own.numpy()[max(kept, 0) :])
+            alloc.take(own[:kept])
+        if own.size > kept:
+            keep.append(own[max(kept, 0) :])
         retained = _NO_IDS
         if len(keep) > 1 or inherit.size:
             retained = np.unique(np.concatenate(keep)) if len(keep) > 1 else inherit
@@ -270,7 +273,7 @@ class CacheCore:
         self.counters.inserted_tokens += out.inserted_tokens - out.prefix_tokens
         if self.events.enabled:
             for node in out.adopted + out.created:
-                self.emit_stored(node, Tier.DEVICE)
+                self.emit_stored(node, _DEVICE)
         return out, retained
 
     def alloc_host(self, n: int) -> torch.Tensor | None:
@@ -289,12 +292,12 @@ class CacheCore:
             self.host_pool.forget_sums(pages)
         return pages
 
-    def free_device(self, pages: list[torch.Tensor]) -> None:
+    def free_device(self, pages: Sequence[PageIds]) -> None:
         """Return device pages (quarantined while a worker holds them)."""
         assert self.dev_alloc is not None
         self.dev_alloc.free(pages)
 
-    def free_host(self, pages: list[torch.Tensor]) -> None:
+    def free_host(self, pages: Sequence[PageIds]) -> None:
         """Return host pages (quarantined while a worker holds them)."""
         assert self.host_alloc is not None
         self.host_alloc.free(pages)
@@ -370,7 +373,7 @@ class CacheCore:
         pages = self.tree.demote(node)
         if pages is not None:
             self.free_device([pages])
-            self.counters.evicted_pages_device += pages.numel()
+            self.counters.evicted_pages_device += pages.size
             self.emit_removed([node], Tier.DEVICE)
 
     # ------------------------------------------------------------------ events

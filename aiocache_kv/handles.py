@@ -11,6 +11,7 @@ import enum
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 import torch
 
 from aiocache_kv.errors import HandleError, InvalidTypeError
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 H = TypeVar("H", bound="Handle")
 
-_NO_PAGES = torch.empty(0, dtype=torch.int64)
+_NO_IDS = np.empty(0, dtype=np.int64)
 # segments of a path seen from below (``MatchResult.lens``)
 _ON_DEVICE, _HOST_ONLY, _NEITHER = object(), object(), object()
 
@@ -33,6 +34,11 @@ class HandleState(enum.IntEnum):
 
     PINNED = 1
     RELEASED = 2
+
+
+# bound once: on Python 3.11 an enum class attribute read takes the slow ``__getattr__`` hook
+# (~90 ns), and every request reads these several times
+_PINNED = HandleState.PINNED
 
 
 class Handle:
@@ -53,7 +59,7 @@ class Handle:
         self.core = core  #: the state of the cache that issued the handle
         self._node = node
         self._releaser = releaser  # the issuing cache's ``release``
-        self.state = HandleState.PINNED
+        self.state = _PINNED
         self.token = 0  #: the issuing cache's key for this handle's pin
         #: called with ``token`` and the class name if the handle is collected while pinned
         #: (see ``pins``)
@@ -61,14 +67,14 @@ class Handle:
 
     def __del__(self) -> None:
         on_drop = getattr(self, "on_drop", None)  # None too if __init__ did not finish
-        if on_drop is not None and self.state is HandleState.PINNED:
+        if on_drop is not None and self.state is _PINNED:
             on_drop(self.token, type(self).__name__)
 
     def __enter__(self: H) -> H:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.state is HandleState.PINNED and self._releaser is not None:
+        if self.state is _PINNED and self._releaser is not None:
             self._releaser(self)
 
     @property
@@ -169,19 +175,19 @@ class MatchResult(Handle):
         """Tokens after the device part that are host-resident (``load_back`` moves them)."""
         return self.lens()[1]
 
+    def _ids(self) -> np.ndarray:
+        path, d, _, _ = self._runs()
+        return _joined([path[k].device_pages for k in range(d)])
+
     @property
     def device_pages(self) -> torch.Tensor:
         """Device page ids of the device-resident part."""
-        path, d, _, _ = self._runs()
-        pages = [path[k].device_pages for k in range(d)]
-        if not pages:
-            return torch.empty(0, dtype=torch.int64)
-        return torch.cat(pages) if len(pages) > 1 else pages[0]  # type: ignore[arg-type,return-value]
+        return torch.from_numpy(self._ids())
 
     @property
     def device_indices(self) -> torch.Tensor:
         """Device token slots of the device-resident part (rows of ``device_kv`` views)."""
-        return page_slots(self.device_pages, self.core.page_size)
+        return page_slots(self._ids(), self.core.page_size)
 
     def __repr__(self) -> str:
         return (
@@ -222,7 +228,7 @@ class InsertResult(Handle):
     released right after.
     """
 
-    __slots__ = ("inserted_len", "prefix_len", "retained_pages", "uncached_len", "write_through")
+    __slots__ = ("_retained", "inserted_len", "prefix_len", "uncached_len", "write_through")
 
     def __init__(
         self,
@@ -233,7 +239,7 @@ class InsertResult(Handle):
         write_through: WriteAck | None,
         releaser: Callable[[Any], None] | None = None,
         uncached_len: int = 0,
-        retained_pages: torch.Tensor = _NO_PAGES,
+        retained: np.ndarray = _NO_IDS,
     ) -> None:
         super().__init__(core, node, releaser)
         #: tokens of the insert that are not cached: the unaligned tail (its slots stay the
@@ -242,9 +248,13 @@ class InsertResult(Handle):
         self.prefix_len = prefix_len  #: tokens that were already cached (any tier)
         self.inserted_len = inserted_len  #: page-aligned tokens now cached and pinned
         self.write_through = write_through  #: awaitable host backup, or None
-        #: device page ids of the caller's rows this result keeps allocated until released
-        #: (rows the tree did not take, and those of a ``prefix=`` insert result)
-        self.retained_pages = retained_pages
+        self._retained = retained  # int64 ids (shared with the handle table: never written)
+
+    @property
+    def retained_pages(self) -> torch.Tensor:
+        """Device page ids of the caller's rows this result keeps allocated until released
+        (rows the tree did not take, and those of a ``prefix=`` insert result); a copy."""
+        return torch.from_numpy(self._retained.copy())
 
     def _device_part(self) -> list[Node]:
         path = self._path()
@@ -262,23 +272,28 @@ class InsertResult(Handle):
     @property
     def device_pages(self) -> torch.Tensor:
         """The tree's device page ids of the device-resident part (the canonical rows)."""
-        pages = [n.device_pages for n in self._device_part()]
-        if not pages:
-            return _NO_PAGES
-        return torch.cat(pages) if len(pages) > 1 else pages[0]  # type: ignore[arg-type,return-value]
+        return torch.from_numpy(_joined([n.device_pages for n in self._device_part()]))
 
     @property
     def device_indices(self) -> torch.Tensor:
         """The tree's token slots for the device-resident part: rows of ``device_kv`` views
         holding the same KV as the caller's own (retained) rows for those tokens."""
-        return page_slots(self.device_pages, self.core.page_size)
+        ids = _joined([n.device_pages for n in self._device_part()])
+        return page_slots(ids, self.core.page_size)
 
     def __repr__(self) -> str:
         return (
             f"<InsertResult prefix_len={self.prefix_len} inserted_len={self.inserted_len} "
-            f"uncached_len={self.uncached_len} retained={self.retained_pages.numel()} "
+            f"uncached_len={self.uncached_len} retained={self._retained.size} "
             f"{self.state.name}>"
         )
+
+
+def _joined(pages: list[np.ndarray | None]) -> np.ndarray:
+    """The nodes' device page ids in path order (device-resident nodes: none is ``None``)."""
+    if len(pages) == 1:
+        return pages[0]  # type: ignore[return-value]
+    return np.concatenate(pages) if pages else _NO_IDS  # type: ignore[arg-type]
 
 
 def check_handle(handle: object, kind: type[Handle], core: CacheCore) -> None:
@@ -288,7 +303,7 @@ def check_handle(handle: object, kind: type[Handle], core: CacheCore) -> None:
         InvalidTypeError: not a ``kind``.
         HandleError: another cache's handle, or already released.
     """
-    if isinstance(handle, kind) and handle.core is core and handle.state is HandleState.PINNED:
+    if isinstance(handle, kind) and handle.core is core and handle.state is _PINNED:
         return  # the per-request case, checked in one line
     if not isinstance(handle, kind):
         raise InvalidTypeError(f"expected a {kind.__name__}, got {type(handle).__name__}")

@@ -40,7 +40,7 @@ from aiocache_kv.validate import slot_array
 __all__ = ["insert_tokens", "prefix_gone", "rows_dropped"]
 
 _NO_IDS = np.empty(0, dtype=np.int64)
-_NO_PAGES = torch.empty(0, dtype=torch.int64)
+_WRITE_THROUGH = WritePolicy.WRITE_THROUGH  # bound once: an enum attribute read is slow
 
 
 def check_prefix(core: CacheCore, prefix: Handle, ns: Namespace, skip: int) -> None:
@@ -126,9 +126,9 @@ def rows_dropped(core: CacheCore, slots: np.ndarray) -> PrefixDroppedError | Non
     pages = slots[::p] // p
     for node in core.tree.walk_detached():
         dp = node.device_pages
-        if dp is None or not dp.numel():
+        if dp is None or not dp.size:
             continue
-        hit = np.isin(pages, dp.numpy())
+        hit = np.isin(pages, dp)
         if hit.any():
             at = int(np.argmax(hit)) * p
             last = (len(hit) - int(np.argmax(hit[::-1]))) * p
@@ -208,12 +208,13 @@ def insert_tokens(
     if core.tree.tenants is not None:  # the path is pinned: the tenant's other pages go
         core.enforce_quotas()
     ack = None
-    if core.config.write_policy is WritePolicy.WRITE_THROUGH and n and core.host_pool:
+    if core.config.write_policy is _WRITE_THROUGH and n and core.host_pool:
         op = transfers.backup(core.tree.path(out.node), OpKind.WRITE_THROUGH)
         if op is not None:
             ack = WriteAck(op.future)
     got = out.inserted_tokens
-    rows = torch.from_numpy(retained.copy()) if retained.size else _NO_PAGES
-    r = InsertResult(core, out.node, out.prefix_tokens, got, ack, release, len(toks) - got, rows)
+    r = InsertResult(
+        core, out.node, out.prefix_tokens, got, ack, release, len(toks) - got, retained
+    )
     handles.add(r, retained)
     return r

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["HandleTable"]
 
 log = get_logger(__name__)
+_RELEASED = HandleState.RELEASED  # bound once: an enum attribute read is slow on 3.11
 
 
 class HandleTable:
@@ -67,7 +68,7 @@ class HandleTable:
     def release(self, handle: Handle) -> None:
         """Drop the pin of ``handle`` (checked by the caller: pinned, of this cache) and its
         retained rows; the handle is ``RELEASED`` from now on."""
-        handle.state = HandleState.RELEASED
+        handle.state = _RELEASED
         handle.on_drop = None
         self._drop(handle.token, self._pins.pop(handle.token))
 

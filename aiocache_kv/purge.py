@@ -52,6 +52,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from aiocache_kv.errors import (
@@ -130,7 +131,7 @@ class Purger:
         hk = [p for n, p in host_pairs if id(n) not in zero]
         for node in out.nodes:
             zero.discard(id(node))
-        dev = sum(p.numel() for p in out.device_pages)
+        dev = sum(p.size for p in out.device_pages)
         host = sum(p.numel() for p in out.host_pages)
         c = core.counters
         c.dropped_pages_device += dev
@@ -144,11 +145,11 @@ class Purger:
 
     # ------------------------------------------------------------------ zeroize
 
-    def _zeroize(self, dev: list[torch.Tensor], host: list[torch.Tensor]) -> asyncio.Task[int]:
+    def _zeroize(self, dev: list[np.ndarray], host: list[torch.Tensor]) -> asyncio.Task[int]:
         """Quarantine ``dev`` and ``host`` pages (leased, then freed), zero them on a thread,
         then release them to the free list; the task's result is the bytes zeroed."""
         core = self.core
-        dflat = torch.cat(dev) if dev else _NONE
+        dflat = torch.from_numpy(np.concatenate(dev)) if dev else _NONE
         hflat = torch.cat(host) if host else _NONE
         if dflat.numel():
             assert core.dev_alloc is not None

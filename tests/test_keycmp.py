@@ -46,6 +46,24 @@ def test_matches_a_brute_force_reference(fn: object) -> None:
 
 
 @pytest.mark.parametrize("fn", IMPLS)
+def test_equal_ints_that_are_not_the_same_object(fn: object) -> None:
+    """Token ids a tokenizer made afresh: equal values in distinct objects (small ones the C
+    path compares inline, others through the comparison call), negative and huge ones too."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    values = [300, 32_000, 1 << 29, (1 << 30) - 1, 1 << 30, 1 << 62, -5, -(1 << 40), 0]
+    for _ in range(2000):
+        key = [rng.choice(values) + rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        tokens = [int(str(t)) for t in key]  # equal, never identical (beyond the small cache)
+        if tokens and rng.random() < 0.7:
+            at = rng.randrange(len(tokens))
+            tokens[at] = int(str(tokens[at] + rng.choice([1, -1, 1 << 30, -(1 << 30)])))
+        limit = rng.randrange(0, len(key) + 3)
+        got = fn(key, tokens, 0, limit)  # type: ignore[operator]
+        assert got == brute(key, tokens, 0, limit), f"seed {seed}: {key}, {tokens}, {limit}"
+
+
+@pytest.mark.parametrize("fn", IMPLS)
 def test_edges(fn: object) -> None:
     f = fn
     assert f([], [], 0, 5) == 0  # type: ignore[operator]

@@ -30,7 +30,7 @@ pages tend to be contiguous, which lets copies coalesce into few large ``copy_``
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -56,11 +56,22 @@ def _int64(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def has_duplicates(pages: torch.Tensor) -> bool:
+#: page ids as the tree and callers pass them: device pages are int64 arrays (the per-request
+#: path never crosses to torch), host pages tensors; both share memory when converted
+PageIds = torch.Tensor | np.ndarray
+
+
+def as_ids(pages: PageIds) -> np.ndarray:
+    """The int64 array of ``pages`` (a tensor's own memory, no copy)."""
+    return pages.numpy() if isinstance(pages, torch.Tensor) else pages
+
+
+def has_duplicates(pages: PageIds) -> bool:
     """Whether any page id occurs twice (sort-based; for checks off the hot path)."""
-    if pages.numel() < 2:
+    ids = as_ids(pages)
+    if ids.size < 2:
         return False
-    s = np.sort(pages.numpy())
+    s = np.sort(ids)
     return bool((s[1:] == s[:-1]).any())
 
 
@@ -163,14 +174,13 @@ class PageAllocator:
             return None
         return entry[1]
 
-    def free(self, pages: list[torch.Tensor]) -> None:
+    def free(self, pages: Sequence[PageIds]) -> None:
         """Return pages (OWNED or HELD) to the free list; leased ones to quarantine, retained
         ones (an insert result still refers to them) to RETAINED."""
-        parts = [p for p in pages if p.numel()]
+        parts = [a for a in map(as_ids, pages) if a.size]
         if not parts:
             return
-        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-        idx = flat.numpy()
+        idx = parts[0] if len(parts) == 1 else np.concatenate(parts)
         state = self._state[idx]
         assert bool(((state == _OWNED) | (state == _HELD)).all()), f"{self.name}: double free"
         if self.referenced:
@@ -178,21 +188,19 @@ class PageAllocator:
             if kept.any():
                 self._state[idx[kept]] = _RETAINED
                 self.retained += int(np.count_nonzero(kept))
-                flat = torch.from_numpy(idx[~kept])
-                idx = flat.numpy()
+                idx = idx[~kept]
         leased = self._leases[idx] > 0
         if leased.any():
             self._state[idx[leased]] = _QUARANTINED
             self.quarantined += int(np.count_nonzero(leased))
-            flat = torch.from_numpy(idx[~leased])
-            idx = flat.numpy()
-        self._release(flat)
+            idx = idx[~leased]
+        self._release(idx)
 
-    def _release(self, flat: torch.Tensor) -> None:
-        if flat.numel():
-            self._state[flat.numpy()] = _FREE
-            self._returned.append(flat.numpy())
-            self._returned_count += flat.numel()
+    def _release(self, idx: np.ndarray) -> None:
+        if idx.size:
+            self._state[idx] = _FREE
+            self._returned.append(idx)
+            self._returned_count += idx.size
             if self.on_free is not None:
                 self.on_free()
 
@@ -223,22 +231,22 @@ class PageAllocator:
         if done.size:
             self._state[done] = _HELD  # then freed as the caller's own
             self.retained -= int(done.size)
-            self.free([torch.from_numpy(done.copy())])
+            self.free([done])
 
-    def lease(self, pages: torch.Tensor) -> None:
+    def lease(self, pages: PageIds) -> None:
         """A worker starts using ``pages`` (repeats allowed): they cannot be reused until
         the matching :meth:`unlease`."""
-        idx = pages.numpy()
+        idx = as_ids(pages)
         assert bool((self._state[idx] != _FREE).all()), f"{self.name}: lease of a free page"
         if self.repeat_at(idx) < 0:
             self._leases[idx] += 1  # distinct ids (the usual case): no slow ufunc.at
         else:
             np.add.at(self._leases, idx, 1)
 
-    def unlease(self, pages: torch.Tensor) -> None:
+    def unlease(self, pages: PageIds) -> None:
         """The worker is done with ``pages`` (the same tensor given to :meth:`lease`);
         quarantined pages whose last lease ended become free."""
-        idx = pages.numpy()
+        idx = as_ids(pages)
         if self.repeat_at(idx) < 0:
             self._leases[idx] -= 1
         else:
@@ -249,7 +257,7 @@ class PageAllocator:
         done = np.unique(idx[(self._leases[idx] == 0) & (self._state[idx] == _QUARANTINED)])
         if done.size:
             self.quarantined -= int(done.size)
-            self._release(torch.from_numpy(done))
+            self._release(done)
 
     @property
     def leased(self) -> int:
@@ -276,17 +284,17 @@ class PageAllocator:
             return fastcheck.INSERT_NOT_HELD, int(bad.argmax()), differing
         return fastcheck.SLOTS_OK, -1, differing
 
-    def check(self, pages: torch.Tensor, state: PageState) -> bool:
+    def check(self, pages: PageIds, state: PageState) -> bool:
         """Whether every page in ``pages`` is in ``state``."""
-        return bool((self._state[pages.numpy()] == int(state)).all())
+        return bool((self._state[as_ids(pages)] == int(state)).all())
 
-    def distinct(self, pages: torch.Tensor) -> bool:
+    def distinct(self, pages: PageIds) -> bool:
         """Whether ``pages`` has no repeated id, in O(n) (a scratch array, no sort)."""
         return self.repeat_at(pages) < 0
 
-    def repeat_at(self, pages: torch.Tensor | np.ndarray) -> int:
+    def repeat_at(self, pages: PageIds) -> int:
         """-1 if ``pages`` (ids of this pool) are distinct, else the index of a repeated id."""
-        idx = pages.numpy() if isinstance(pages, torch.Tensor) else pages
+        idx = as_ids(pages)
         if idx.size < 2:
             return -1
         self._epoch -= 1
@@ -326,7 +334,7 @@ class PageAllocator:
         return int(np.count_nonzero(self._state == state))
 
     def check_invariants(
-        self, owned: list[torch.Tensor], retained: list[np.ndarray] | None = None
+        self, owned: Sequence[PageIds], retained: list[np.ndarray] | None = None
     ) -> None:
         """``owned`` (every page the tree and transfers hold) must be exactly the OWNED pages,
         and ``retained`` (one id array per live insert result) exactly the references."""
@@ -337,13 +345,11 @@ class PageAllocator:
             f"{self.name}: free page in use"
         )
         assert self.count(PageState.FREE) == free.numel(), f"{self.name}: FREE pages off list"
-        flat = torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64)
+        flat = np.concatenate([as_ids(p) for p in owned]) if owned else np.empty(0, np.int64)
         assert not has_duplicates(flat), f"{self.name}: page owned twice"
-        assert bool((self._state[flat.numpy()] == PageState.OWNED).all()), (
-            f"{self.name}: owned not OWNED"
-        )
-        assert self.count(PageState.OWNED) == flat.numel(), (
-            f"{self.name}: {self.count(PageState.OWNED)} OWNED pages but {flat.numel()} referenced"
+        assert bool((self._state[flat] == PageState.OWNED).all()), f"{self.name}: owned not OWNED"
+        assert self.count(PageState.OWNED) == flat.size, (
+            f"{self.name}: {self.count(PageState.OWNED)} OWNED pages but {flat.size} referenced"
         )
         quarantined = self._state == _QUARANTINED
         assert int(np.count_nonzero(quarantined)) == self.quarantined, (
@@ -355,7 +361,7 @@ class PageAllocator:
         assert bool((self._leases >= 0).all()), f"{self.name}: negative lease count"
         refs = np.zeros(self.num_pages, dtype=np.int64)
         for ids in retained or []:
-            assert not has_duplicates(torch.from_numpy(ids)), f"{self.name}: retained twice"
+            assert not has_duplicates(ids), f"{self.name}: retained twice"
             refs[ids] += 1
         assert bool((refs == self._refs).all()), f"{self.name}: references drifted"
         assert int(np.count_nonzero(refs)) == self.referenced, f"{self.name}: referenced drifted"

@@ -16,12 +16,14 @@ import enum
 import time
 from collections.abc import Awaitable, Callable
 
+import numpy as np
 import torch
 
 from aiocache_kv.core import CacheCore
 from aiocache_kv.distributed.acks import AckQueue
 from aiocache_kv.errors import TransferError
 from aiocache_kv.logs import get_logger
+from aiocache_kv.pools.allocator import PageIds, as_ids
 from aiocache_kv.tracing import span
 from aiocache_kv.transfer.engine import CopyEngine, CopyJob, Direction
 from aiocache_kv.tree import Node, Tier
@@ -213,13 +215,18 @@ class Transfers:
         core = self.core
         tree = core.tree
         load = kind is OpKind.LOAD_BACK
-        src = torch.cat([n.host_pages if load else n.device_pages for n in nodes])  # type: ignore[misc]
+        # device page ids are int64 arrays in the tree, host pages tensors (as_ids: shared)
+        parts = [n.host_pages if load else n.device_pages for n in nodes]
+        src = torch.from_numpy(np.concatenate([as_ids(p) for p in parts]))  # type: ignore[arg-type]
         op = TransferOp(kind, list(nodes), core.new_future())
-        begin = tree.begin_device_fill if load else tree.begin_host_fill
         off = 0
+        dst_ids = dst.numpy()
         for node in nodes:
             k = len(node.key) // core.page_size
-            begin(node, dst[off : off + k], op)
+            if load:
+                tree.begin_device_fill(node, dst_ids[off : off + k], op)
+            else:
+                tree.begin_host_fill(node, dst[off : off + k], op)
             off += k
         assert core.device_pool is not None and core.host_pool is not None
         host = core.host_pool
@@ -271,7 +278,7 @@ class Transfers:
         load = op.kind is OpKind.LOAD_BACK
         end = tree.end_device_fill if load else tree.end_host_fill
         tier = Tier.DEVICE if load else Tier.HOST
-        freed: list[torch.Tensor] = []
+        freed: list[PageIds] = []
         good, failed, at = self._verified(op) if ok and load else (op.targets, [], 0)
         # a failed load rolls back children first: device presence stays prefix-closed
         order = good if ok or not load else list(reversed(good))

@@ -3,10 +3,48 @@
  * The tree compares a node's key with the tokens of a request on every match and insert.  In
  * Python that is a slice (a new list, one reference per token) and a list comparison; here it
  * is one pass over both lists in place.  Equal items are most often the same int objects (a
- * shared prefix), which the identity check settles without a comparison call.
+ * shared prefix), which the identity check settles without a comparison call; two distinct
+ * small exact ints (token ids a tokenizer made afresh) are compared by value inline.  Only
+ * other objects take a comparison call, which may run Python code: the lists are read again
+ * after it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+/* whether v is an exact int small enough to read inline, and its value in *out */
+static inline int small_int(PyObject *v, Py_ssize_t *out)
+{
+    if (!PyLong_CheckExact(v)) {
+        return 0;
+    }
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)v)) {
+        return 0;
+    }
+    *out = PyUnstable_Long_CompactValue((PyLongObject *)v);
+    return 1;
+#else
+    Py_ssize_t size = Py_SIZE(v); /* digits, negative for a negative value */
+    if (size < -1 || size > 1) {
+        return 0;
+    }
+    *out = size * (Py_ssize_t)((PyLongObject *)v)->ob_digit[0];
+    return 1;
+#endif
+}
+
+/* how many items the loop may read: limit clipped to what both lists hold now */
+static inline Py_ssize_t bound(PyObject *key, PyObject *tokens, Py_ssize_t pos, Py_ssize_t limit)
+{
+    Py_ssize_t n = limit;
+    if (n > PyList_GET_SIZE(key)) {
+        n = PyList_GET_SIZE(key);
+    }
+    if (n > PyList_GET_SIZE(tokens) - pos) {
+        n = PyList_GET_SIZE(tokens) - pos;
+    }
+    return n;
+}
 
 /* common_len(key, tokens, pos, limit) -> how many leading items of key[:limit] equal
  * tokens[pos:pos + limit], in order (limit is clipped to what both lists hold). */
@@ -35,14 +73,24 @@ static PyObject *common_len(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     Py_ssize_t i = 0;
-    for (;; i++) {
-        /* sizes read again each round: a comparison below may run Python code */
-        if (i >= limit || i >= PyList_GET_SIZE(key) || pos + i >= PyList_GET_SIZE(tokens)) {
+    Py_ssize_t n = bound(key, tokens, pos, limit);
+    while (i < n) {
+        PyObject **ka = ((PyListObject *)key)->ob_item;
+        PyObject **tb = ((PyListObject *)tokens)->ob_item + pos;
+        while (i < n && ka[i] == tb[i]) { /* the same objects: a shared prefix */
+            i++;
+        }
+        if (i >= n) {
             break;
         }
-        PyObject *a = PyList_GET_ITEM(key, i);
-        PyObject *b = PyList_GET_ITEM(tokens, pos + i);
-        if (a == b) {
+        PyObject *a = ka[i];
+        PyObject *b = tb[i];
+        Py_ssize_t va, vb;
+        if (small_int(a, &va) && small_int(b, &vb)) {
+            if (va != vb) {
+                break;
+            }
+            i++;
             continue;
         }
         Py_INCREF(a);
@@ -56,6 +104,8 @@ static PyObject *common_len(PyObject *self, PyObject *const *args, Py_ssize_t na
         if (!eq) {
             break;
         }
+        i++;
+        n = bound(key, tokens, pos, limit); /* the comparison may have run Python code */
     }
     return PyLong_FromSsize_t(i);
 }

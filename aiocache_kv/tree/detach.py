@@ -26,6 +26,7 @@ import collections
 from collections.abc import Hashable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from aiocache_kv.tree.node import ABSENT, RESIDENT, Node
@@ -40,7 +41,7 @@ class Reaped:
     def __init__(self) -> None:
         self.nodes: list[Node] = []  #: every node freed (children before parents)
         self.device_nodes: list[Node] = []
-        self.device_pages: list[torch.Tensor] = []
+        self.device_pages: list[np.ndarray] = []  #: int64 page ids, as the nodes keep them
         self.host_nodes: list[Node] = []
         self.host_pages: list[torch.Tensor] = []
 
@@ -152,10 +153,10 @@ class Detacher(TierBook):
             out.device_pages.append(pages)
             self._set_device(node, ABSENT)
         if node.host is RESIDENT:
-            pages = node.host_pages
-            assert pages is not None
+            hpages = node.host_pages
+            assert hpages is not None
             out.host_nodes.append(node)
-            out.host_pages.append(pages)
+            out.host_pages.append(hpages)
             self._set_host(node, ABSENT)
         assert node.device is ABSENT and node.host is ABSENT, f"reaping busy {node!r}"
         self._dev_heap.forget(node)
@@ -177,8 +178,8 @@ class Detacher(TierBook):
 
     # recounts cover the detached nodes: their pages are still the tree's until reaped
 
-    def device_pages_in_tree(self) -> list[torch.Tensor]:
-        """Every device page tensor held by the tree, detached nodes' included."""
+    def device_pages_in_tree(self) -> list[np.ndarray]:
+        """Every device page array held by the tree, detached nodes' included."""
         out = super().device_pages_in_tree()
         return out + [n.device_pages for n in self.walk_detached() if n.device_pages is not None]
 

@@ -11,6 +11,7 @@ import enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 from aiocache_kv.gcfree import keep
@@ -114,7 +115,8 @@ class Node:
         self.children: dict[Any, Node] = {}
         self.device = ABSENT
         self.host = ABSENT
-        self.device_pages: torch.Tensor | None = None
+        #: device page ids (int64 array: numpy, not torch, on the per-request path)
+        self.device_pages: np.ndarray | None = None
         self.host_pages: torch.Tensor | None = None
         self.pins = 0
         #: hard host pins (``hardpins.py``) on this node's path: its host copy stays (not a
@@ -171,7 +173,7 @@ def check_node(node: Node, page_size: int) -> None:
     assert node.key and len(node.key) % page_size == 0, f"unaligned key on {node!r}"
     assert node.device is not ABSENT or node.host is not ABSENT, f"empty {node!r}"
     if node.device is not ABSENT:
-        assert node.device_pages is not None and node.device_pages.numel() == n, (
+        assert node.device_pages is not None and node.device_pages.size == n, (
             f"device pages mismatch {node!r}"
         )
     else:

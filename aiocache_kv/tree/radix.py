@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from aiocache_kv.errors import InvalidInputError
@@ -216,7 +217,7 @@ class RadixTree(Detacher):
         ns: Hashable,
         tokens: list[int],
         n: int,
-        pages: torch.Tensor,
+        pages: np.ndarray | torch.Tensor,
         *,
         pin: bool = True,
         plan: InsertPlan | None = None,
@@ -230,9 +231,12 @@ class RadixTree(Detacher):
         it got, and the pages after that are not taken.  ``plan`` is this insert's
         :meth:`plan_insert`, made since the tree last changed (else the walk is done here).
         ``pages`` may leave out the leading ``first_page`` pages, if the tree has them on
-        device (``plan.device_pages()``): only pages the tree takes need be passed.
+        device (``plan.device_pages()``): only pages the tree takes need be passed.  The
+        nodes keep int64 arrays (a tensor is read as its array, shared).
         """
         self._check_owner()
+        if not isinstance(pages, np.ndarray):
+            pages = pages.numpy()
         if plan is None:
             plan = self.plan_insert(ns, tokens, n)
         p = self.page_size
@@ -287,7 +291,7 @@ class RadixTree(Detacher):
         self._stamp(node, clock)
         return out
 
-    def device_prefix(self, ns: Hashable, tokens: list[int], n: int) -> torch.Tensor:
+    def device_prefix(self, ns: Hashable, tokens: list[int], n: int) -> np.ndarray:
         """Device pages the tree holds for the leading part of ``tokens[:n]``, read-only
         (those of :meth:`plan_insert`)."""
         return self.plan_insert(ns, tokens, n).device_pages()
@@ -388,7 +392,7 @@ class RadixTree(Detacher):
                 continue  # a host-only descendant is being backed up: offered again later
             pages = node.device_pages
             assert pages is not None
-            out.num_pages += pages.numel()
+            out.num_pages += pages.size
             out.pages.append(pages)
             out.nodes.append(node)
             if node.host is RESIDENT:

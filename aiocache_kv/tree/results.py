@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from aiocache_kv.tree.node import Node
@@ -32,25 +33,27 @@ class InsertPlan:
     common: int = 0
     pos: int = 0  #: tokens the walk covered
     #: the device pages of the leading run, from the walk's ``skip`` page on
-    existing: list[torch.Tensor] = field(default_factory=list)
+    existing: list[np.ndarray] = field(default_factory=list)
     existing_pages: int = 0  #: pages in the leading device run (``skip`` included)
 
-    def device_pages(self) -> torch.Tensor:
-        """Device pages the tree holds for the leading part of the walk (after ``skip``)."""
+    def device_pages(self) -> np.ndarray:
+        """Device pages the tree holds for the leading part of the walk (after ``skip``):
+        int64 ids, read-only (the nodes' own array when one node holds them all)."""
         parts = self.existing
         if not parts:
-            return _NO_PAGES
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+            return _NO_IDS
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-_NO_PAGES = torch.empty(0, dtype=torch.int64)
+_NO_IDS = np.empty(0, dtype=np.int64)
 
 
 @dataclass(slots=True)
 class Eviction:
-    """What an eviction freed: page tensors and the nodes whose tier copy went away."""
+    """What an eviction freed: page ids and the nodes whose tier copy went away (device
+    pages are int64 arrays, host pages tensors)."""
 
-    pages: list[torch.Tensor] = field(default_factory=list)
+    pages: list[torch.Tensor | np.ndarray] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
     num_pages: int = 0
     #: host copies dropped with a deleted device victim's host-only subtree

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from aiocache_kv.errors import OwnershipError
@@ -60,8 +61,8 @@ class TierBook:
         """Every node of a dropped subtree not freed yet (``Detacher``'s)."""
         raise NotImplementedError
 
-    def device_pages_in_tree(self) -> list[torch.Tensor]:
-        """Every device page tensor held by the tree (for allocator cross-checks)."""
+    def device_pages_in_tree(self) -> list[np.ndarray]:
+        """Every device page array held by the tree (for allocator cross-checks)."""
         return [n.device_pages for n in self.walk() if n.device_pages is not None]
 
     def host_pages_in_tree(self) -> list[torch.Tensor]:
@@ -329,17 +330,17 @@ class TierBook:
         self._set_host(node, ABSENT)
         return pages
 
-    def begin_device_fill(self, node: Node, device_pages: torch.Tensor, op: Any) -> None:
-        """Host-only ``node`` starts loading into ``device_pages`` (load-back)."""
+    def begin_device_fill(self, node: Node, device_pages: np.ndarray, op: Any) -> None:
+        """Host-only ``node`` starts loading into ``device_pages`` (load-back; int64 ids)."""
         self._check_owner()
         assert node.host is RESIDENT and node.device is ABSENT, f"cannot load back {node!r}"
         assert node.op is None, f"{node!r} already has a transfer in flight"
-        assert device_pages.numel() == self._npages(node), "device page count mismatch"
+        assert device_pages.size == self._npages(node), "device page count mismatch"
         node.device_pages = device_pages
         node.op = op
         self._set_device(node, FILLING)
 
-    def end_device_fill(self, node: Node, ok: bool) -> torch.Tensor | None:
+    def end_device_fill(self, node: Node, ok: bool) -> np.ndarray | None:
         """Apply a load ack; on failure return the device pages to free."""
         self._check_owner()
         assert node.device is FILLING, f"device ack on {node!r}"
@@ -388,7 +389,7 @@ class TierBook:
         self._offer(node)
         return True
 
-    def demote(self, node: Node) -> torch.Tensor | None:
+    def demote(self, node: Node) -> np.ndarray | None:
         """Drop the device copy of an idle device leaf that has a host copy.
 
         Returns the freed device pages, or ``None`` when the node is pinned, busy, has
