@@ -108,3 +108,14 @@ async def test_without_opentelemetry_nothing_breaks(
         res = await cache.prefetch([1, 2, 3, 4, 5, 6])
         assert res.cached_tokens == 4
     assert spans.get_finished_spans() == ()
+
+
+def test_no_span_is_made_without_a_tracer_provider(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until the application sets a provider, OpenTelemetry's proxy would hand out
+    non-recording spans: nothing would be recorded, so the cache makes none (it is on the
+    loop, per backup and prefetch).  Once a provider is set, spans are made again."""
+    with tracing.span("aiocache_kv.test", pages=1) as sp:
+        assert sp is not tracing._NO_SPAN  # the module's SDK provider is set
+    monkeypatch.setattr(tracing._otel, "get_tracer_provider", trace.ProxyTracerProvider)
+    with tracing.span("aiocache_kv.test", pages=1) as sp:
+        assert sp is tracing._NO_SPAN
