@@ -51,6 +51,17 @@ def got_keys(client: FakeMooncakeClient) -> list[str]:
     return [k for name, keys in client.log if name == "batch_get_into" for k in keys]
 
 
+async def host_hit_and_nothing_held(cache: akv.HiCache, host_len: int) -> None:
+    """The prompt's first ``host_len`` tokens are on host; once flushed, no page is still
+    quarantined for a read, and the invariants hold."""
+    m = cache.match_prefix(PROMPT)
+    assert m.host_len == host_len
+    cache.release(m)
+    await cache.flush()
+    assert cache.statistics().host.quarantined_pages == 0
+    cache.check_invariants()
+
+
 async def until(cond: object, what: str) -> None:
     for _ in range(1000):
         if callable(cond) and cond():
@@ -73,12 +84,7 @@ async def test_reads_start_while_the_existence_check_is_held() -> None:
         client.gates["batch_is_exist"].set()
         res = await task
         assert res.status is PrefetchStatus.COMPLETE and res.hit_tokens == len(PROMPT)
-        m = cache.match_prefix(PROMPT)
-        assert m.host_len == len(PROMPT)
-        cache.release(m)
-        await cache.flush()
-        assert cache.statistics().host.quarantined_pages == 0
-        cache.check_invariants()
+        await host_hit_and_nothing_held(cache, len(PROMPT))
 
 
 async def test_only_the_leading_run_counts_and_reads_past_it_stop() -> None:
@@ -105,12 +111,7 @@ async def test_only_the_leading_run_counts_and_reads_past_it_stop() -> None:
         )
         assert not set(got_keys(client)) & set(keys[4:])
         assert all(k in client.objects for k in keys[4:])  # nobody took them for vanished
-        m = cache.match_prefix(PROMPT)
-        assert m.host_len == 6
-        cache.release(m)
-        await cache.flush()
-        assert cache.statistics().host.quarantined_pages == 0
-        cache.check_invariants()
+        await host_hit_and_nothing_held(cache, 6)
 
 
 async def test_a_page_read_past_the_run_is_never_committed() -> None:
@@ -127,12 +128,7 @@ async def test_a_page_read_past_the_run_is_never_committed() -> None:
         client.gates["batch_is_exist"].set()
         res = await task
         assert (res.storage_hit_tokens, res.hit_tokens) == (6, 6)
-        m = cache.match_prefix(PROMPT)
-        assert m.host_len == 6
-        cache.release(m)
-        await cache.flush()
-        assert cache.statistics().host.quarantined_pages == 0
-        cache.check_invariants()
+        await host_hit_and_nothing_held(cache, 6)
 
 
 async def test_a_miss_commits_nothing_and_returns_every_page() -> None:
