@@ -188,10 +188,11 @@ class FileWrites(FileQuotas):
                 written[names[i]] = i
                 nbytes += buffers[i].nbytes
                 results[i] = True
-            with self._lock:  # the group enters the index at once: one call, not one per page
+            with self._lock:  # the group enters the index under one lock hold
                 self._writing.difference_update(marked)
                 self._settled.notify_all()
-                self._index.add_many(added)
+                for name, size, parent, tag in added:
+                    self._index.add(name, size, parent, tag)
                 victims = self._pick_victims_locked()  # chain ends first: this chunk's last
             for v in victims:
                 if v in written:

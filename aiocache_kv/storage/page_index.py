@@ -113,12 +113,6 @@ class PageIndex:
         if not entry.children:
             self._push_leaf(name, entry)
 
-    def add_many(self, pages: list[tuple[str, int, str | None, str | None]]) -> None:
-        """:meth:`add` each ``(name, size, parent, tag)`` in order (a put's group, under one
-        hold of the caller's lock)."""
-        for name, size, parent, tag in pages:
-            self.add(name, size, parent, tag)
-
     def remove(self, name: str) -> int | None:
         """Forget ``name``; its size, or ``None`` when it was not there."""
         entry = self._pages.pop(name, None)

@@ -1,16 +1,13 @@
-"""FileStorage's per-page costs: a single page read summed as it lands (one pass), and the
-index's batched add of a put's group."""
+"""FileStorage's per-page costs: a single page read summed as it lands (one pass)."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, integrity, page_file
-from aiocache_kv.storage.page_index import PageIndex
 from tests.storage.test_file_storage import empty, keys_for, pages, payload
 
 
@@ -55,44 +52,3 @@ def test_a_single_page_is_read_and_summed_in_one_pass(
     path.write_bytes(bytes(data))
     assert fs.get_into([key], empty(1, slot=slot)) == [False]
     assert fs.statistics().corrupt == 1
-
-
-def _state(ix: PageIndex) -> tuple[object, ...]:
-    ix.check()
-    names = ix.names()
-    return (
-        names,
-        ix.total,
-        [(ix.parent(n), ix.children(n)) for n in names],
-        {t: ix.tag_pages(t) for t in ("a", "b")},
-    )
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_add_many_is_add_page_by_page(seed: int) -> None:
-    """A put's group enters the index in one ``add_many``: the same entries, chains, tags,
-    order and victims as one ``add`` per page (re-adds, self-parents, orphans included)."""
-    rng = random.Random(seed)
-    one, many = PageIndex(), PageIndex()
-    pool = [f"{i:040x}" for i in range(40)]
-    for _ in range(30):
-        group = []
-        for _ in range(rng.randint(0, 8)):
-            name = rng.choice(pool)
-            parent = rng.choice([None, name, *rng.sample(pool, 3)])
-            group.append((name, rng.randint(1, 100), parent, rng.choice([None, "a", "b"])))
-        for entry in group:
-            one.add(*entry)
-        many.add_many(group)
-        assert _state(one) == _state(many), f"seed {seed}"
-        if rng.random() < 0.3:
-            victim = rng.choice(pool)
-            assert one.remove(victim) == many.remove(victim), f"seed {seed}"
-        if rng.random() < 0.3:
-            run = rng.sample(pool, 4)
-            one.touch_run(run)
-            many.touch_run(run)
-        if rng.random() < 0.2:
-            cap = max(0, one.total - rng.randint(0, 300))
-            assert one.pick_victims(cap) == many.pick_victims(cap), f"seed {seed}"
-    assert _state(one) == _state(many), f"seed {seed}"
