@@ -1,7 +1,8 @@
 """Build hook for the optional C fast paths (everything else is pyproject.toml).
 
 ``optional=True``: where no C compiler is at hand the build goes on without them, and
-``aiocache_kv.tree.hashing`` / ``aiocache_kv.tree.keycmp`` / ``aiocache_kv.fastcheck`` /
+``aiocache_kv.tree.hashing`` / ``aiocache_kv.tree.keycmp`` /
+``aiocache_kv.tree.pathwalk`` / ``aiocache_kv.fastcheck`` /
 ``aiocache_kv.storage.integrity`` compute the same values in Python,
 ``aiocache_kv.storage.page_file`` reads page by page, and ``aiocache_kv.gcfree`` leaves the
 tree's int lists tracked by the garbage collector.
@@ -19,6 +20,11 @@ setup(
         Extension(
             "aiocache_kv.tree._keycmp",
             sources=["aiocache_kv/tree/_keycmp.c"],
+            optional=True,
+        ),
+        Extension(
+            "aiocache_kv.tree._pathwalk",
+            sources=["aiocache_kv/tree/_pathwalk.c"],
             optional=True,
         ),
         Extension(

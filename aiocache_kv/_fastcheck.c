@@ -21,17 +21,45 @@ static inline int is_small_nonnegative(PyObject *v)
 #endif
 }
 
-/* index of the first element that is not an int in [0, 2**63 - 1], or -1 */
-static PyObject *first_bad_token(PyObject *self, PyObject *arg)
+/* first_bad_token(tokens, start=0) -> index of the first element from start on that is not
+ * an int in [0, 2**63 - 1], or -1 */
+static PyObject *first_bad_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (!PyList_CheckExact(arg)) {
-        PyErr_SetString(PyExc_TypeError, "first_bad_token needs a list");
+    if (nargs < 1 || nargs > 2 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "first_bad_token needs a list (and a start)");
         return NULL;
     }
+    PyObject *arg = args[0];
+    Py_ssize_t i = 0;
+    if (nargs == 2) {
+        i = PyLong_AsSsize_t(args[1]);
+        if (i == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (i < 0) {
+            PyErr_SetString(PyExc_ValueError, "start must be >= 0");
+            return NULL;
+        }
+    }
     Py_ssize_t n = PyList_GET_SIZE(arg);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(arg, i);
+    PyObject **items = ((PyListObject *)arg)->ob_item;
+#if PY_VERSION_HEX < 0x030C0000
+    /* the common case, four exact ints in [0, 2**30) at a time with one branch (their
+     * digit counts are 0 or 1: as unsigned, at most 1) */
+    for (; i + 4 <= n; i += 4) {
+        PyObject *a = items[i], *b = items[i + 1], *c = items[i + 2], *d = items[i + 3];
+        int odd = (Py_TYPE(a) != &PyLong_Type) | (Py_TYPE(b) != &PyLong_Type) |
+                  (Py_TYPE(c) != &PyLong_Type) | (Py_TYPE(d) != &PyLong_Type) |
+                  ((size_t)Py_SIZE(a) > 1) | ((size_t)Py_SIZE(b) > 1) |
+                  ((size_t)Py_SIZE(c) > 1) | ((size_t)Py_SIZE(d) > 1);
+        if (odd) {
+            break; /* the item-by-item loop below finds which */
+        }
+    }
+#endif
+    for (; i < n; i++) {
+        PyObject *item = items[i];
         if (PyLong_CheckExact(item) && is_small_nonnegative(item)) {
             continue; /* the common case: no conversion call */
         }
@@ -237,6 +265,77 @@ static PyObject *held_check(PyObject *self, PyObject *args)
     return Py_BuildValue("nn", bad, differing);
 }
 
+/* insert_pages()'s checks in one pass over the slots, for the common case of an insert
+ * that passes all of them: returns 1 with out and *differing filled in, or 0 at the first
+ * thing amiss, with the stamps it wrote set back below epoch's reach (so the three passes
+ * of insert_pages() can find exactly what and where, with the same epoch).  Stamps only ever
+ * hold epochs, which the caller counts down: epoch + 1 is never asked for again. */
+static int insert_fast(const int64_t *s, Py_ssize_t ns, long long p, long long limit,
+                       int64_t *out, Py_ssize_t n, const int64_t *ex, Py_ssize_t d,
+                       const uint8_t *state, Py_ssize_t state_size, int held, int64_t *st,
+                       Py_ssize_t stamp_size, long long epoch, Py_ssize_t *differing)
+{
+    if (ns % p != 0 || n != ns / p) {
+        return 0;
+    }
+    if (d > n) {
+        d = n;
+    }
+    Py_ssize_t size = state_size < stamp_size ? state_size : stamp_size;
+    Py_ssize_t diff = 0, i = 0;
+    if (p == 1 && d == 0) { /* the common case, only new pages: the loop below, pared */
+        uint64_t lim = (uint64_t)(limit < size ? limit : size);
+        for (; i < n; i++) {
+            int64_t id = s[i];
+            if ((uint64_t)id >= lim || st[id] == epoch || state[id] != held) {
+                break;
+            }
+            st[id] = epoch;
+            out[i] = id;
+        }
+    }
+    for (; i < n; i++) {
+        int64_t first = s[i * p];
+        if ((uint64_t)first >= (uint64_t)limit || (uint64_t)first + (uint64_t)(p - 1) >=
+                                                      (uint64_t)limit) {
+            break;
+        }
+        int64_t id = first;
+        if (p > 1) {
+            if (first % p != 0) {
+                break;
+            }
+            const int64_t *run = s + i * p;
+            long long j = 1;
+            while (j < p && run[j] == first + j) {
+                j++;
+            }
+            if (j < p) {
+                break;
+            }
+            id = first / p;
+        }
+        if (id >= size || st[id] == epoch) {
+            break;
+        }
+        int same = i < d && id == ex[i];
+        if (!same && state[id] != held) {
+            break;
+        }
+        st[id] = epoch;
+        diff += i < d && !same;
+        out[i] = id;
+    }
+    if (i == n) {
+        *differing = diff;
+        return 1;
+    }
+    for (Py_ssize_t k = 0; k < i; k++) {
+        st[out[k]] = epoch + 1;
+    }
+    return 0;
+}
+
 /* insert_pages(slots, page_size, limit, out, existing, state, held, stamp, epoch)
  *   -> (code, index, differing): every check of an insert in one call.  First slot_pages()
  * into out (code 1 or 2 as there; index -1), then first_repeat() of out (code 3: out[index]
@@ -284,6 +383,12 @@ static PyObject *insert_pages(PyObject *self, PyObject *args)
     got = 5;
     int64_t *ids = (int64_t *)views[1].buf;
     Py_ssize_t n = views[1].len / 8;
+    if (insert_fast((const int64_t *)views[0].buf, views[0].len / 8, p, limit, ids, n,
+                    (const int64_t *)views[2].buf, views[2].len / 8,
+                    (const uint8_t *)views[3].buf, views[3].len, held, (int64_t *)views[4].buf,
+                    views[4].len / 8, epoch, &differing)) {
+        goto done; /* code 0, index -1 */
+    }
     code = slot_pages_core((const int64_t *)views[0].buf, views[0].len / 8, p, limit, ids, n);
     if (code == 0 && n > 1) {
         index = first_repeat_core(ids, n, (int64_t *)views[4].buf, views[4].len / 8, epoch,
@@ -308,6 +413,49 @@ done:
         return NULL;
     }
     return Py_BuildValue("lnn", code, index, differing);
+}
+
+/* set_states(state, ids, value): state[ids[i]] = value for each i (the uint8 state array of
+ * a page allocator); IndexError, with nothing written, if an id is outside state */
+static PyObject *set_states(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *state_obj, *ids_obj;
+    int value;
+    if (!PyArg_ParseTuple(args, "OOi", &state_obj, &ids_obj, &value)) {
+        return NULL;
+    }
+    if (value < 0 || value > 255) {
+        PyErr_SetString(PyExc_ValueError, "value must fit in a uint8");
+        return NULL;
+    }
+    Py_buffer sv, iv;
+    if (PyObject_GetBuffer(state_obj, &sv, PyBUF_WRITABLE) < 0) {
+        return NULL;
+    }
+    if (int64_buffer(ids_obj, &iv, 0, "ids") < 0) {
+        PyBuffer_Release(&sv);
+        return NULL;
+    }
+    const int64_t *ids = (const int64_t *)iv.buf;
+    Py_ssize_t n = iv.len / 8;
+    uint8_t *st = (uint8_t *)sv.buf;
+    int bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        bad |= (uint64_t)ids[i] >= (uint64_t)sv.len; /* a negative id wraps above */
+    }
+    if (!bad) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            st[ids[i]] = (uint8_t)value;
+        }
+    }
+    PyBuffer_Release(&sv);
+    PyBuffer_Release(&iv);
+    if (bad) {
+        PyErr_SetString(PyExc_IndexError, "page id outside the state array");
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 /* page_slots(pages, page_size, out): out[i * p + j] = pages[i] * p + j */
@@ -349,12 +497,14 @@ static PyObject *page_slots(PyObject *self, PyObject *args)
 }
 
 static PyMethodDef methods[] = {
-    {"first_bad_token", first_bad_token, METH_O, "Index of the first non-token, or -1."},
+    {"first_bad_token", (PyCFunction)(void (*)(void))first_bad_token, METH_FASTCALL,
+     "Index of the first non-token (from start), or -1."},
     {"slot_pages", slot_pages, METH_VARARGS, "Page ids of whole-page slot runs (status code)."},
     {"first_repeat", first_repeat, METH_VARARGS, "Index of the first repeated page id, or -1."},
     {"held_check", held_check, METH_VARARGS, "(first page not held, pages differing)."},
     {"page_slots", page_slots, METH_VARARGS, "Token slots of whole pages."},
     {"insert_pages", insert_pages, METH_VARARGS, "(code, index, differing) of an insert."},
+    {"set_states", set_states, METH_VARARGS, "state[ids] = value."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -40,7 +40,13 @@ from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
 from aiocache_kv.transfer import CopyEngine, default_engine
 from aiocache_kv.transfer.ops import OpKind, Transfers
 from aiocache_kv.tree import Node, Tier
-from aiocache_kv.validate import check_names, check_tokens, slots_to_pages
+from aiocache_kv.validate import (
+    check_names,
+    check_token_ints,
+    check_tokens,
+    slots_to_pages,
+    token_list,
+)
 
 log = get_logger(__name__)
 _get_ident = threading.get_ident
@@ -218,14 +224,18 @@ class HiCache(CacheControls, CacheReports):
                 empty; tenant/lora not ``str``/``None``.
             CacheClosedError: the cache is not running.
         """
-        self._check()
-        toks = check_tokens(tokens)
-        ns = self._ns(tenant, lora)
+        if self._state is not _RUNNING or _get_ident() != self._core.owner:
+            self._check()  # raises; the test inline: every request passes here
+        toks = token_list(tokens)  # its items are checked by the match's walk
+        try:
+            ns = self._ns(tenant, lora)
+        except InvalidTypeError:
+            check_token_ints(toks)  # the tokens' own errors first, as when checked before
+            raise
         p = self.config.page_size
         core = self._core
         tree = core.tree
-        tree.root(ns, ns.tag)
-        node, _ = tree.match(ns, toks, len(toks) // p * p, pin=True)
+        node, _ = tree.match(ns, toks, len(toks) // p * p, pin=True, unchecked=True, tag=ns.tag)
         m = MatchResult(core, node, self.release)
         self._handles.add(m)
         c = core.counters
@@ -326,7 +336,8 @@ class HiCache(CacheControls, CacheReports):
             InvalidInputError: ``n`` is not an int >= 0.
             CapacityError: too few free pages even after evicting (nothing evicted or taken).
         """
-        self._check()
+        if self._state is not _RUNNING or _get_ident() != self._core.owner:
+            self._check()  # raises; the test inline: every request passes here
         if type(n) is not int or n < 0:
             raise InvalidInputError(f"alloc needs an int >= 0, got {n!r}")
         if n == 0:
@@ -468,8 +479,9 @@ class HiCache(CacheControls, CacheReports):
                 load-back failure).
             CacheClosedError: the cache is not running.
         """
-        self._check()
-        toks = check_tokens(tokens)
+        if self._state is not _RUNNING or _get_ident() != self._core.owner:
+            self._check()  # raises; the test inline: every request passes here
+        toks = token_list(tokens)  # its items are checked by the insert's walk
         ns = self._ns(tenant, lora)
         use = (self._core, self._transfers, self._handles, self.release)
         return insert_tokens(*use, toks, kv_indices, prefix, ns, (priority, retention))
@@ -481,7 +493,8 @@ class HiCache(CacheControls, CacheReports):
             HandleError: released twice, or a handle of another cache.
             CacheClosedError: the cache is not running.
         """
-        self._check()
+        if self._state is not _RUNNING or _get_ident() != self._core.owner:
+            self._check()  # raises; the test inline: every request passes here
         check_handle(handle, Handle, self._core)
         self._handles.release(handle)
 

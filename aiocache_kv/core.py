@@ -228,17 +228,21 @@ class CacheCore:
         device ``BlockStored`` events; returns the tree's outcome (pinned at its node) and the
         distinct page ids the result retains (one reference each).
 
+        ``tokens`` is a list whose items are still to be checked (the walk checks them).
+
         Raises:
-            InvalidInputError: the first ``skip`` pages of ``tokens`` are not on device on the
-                path to ``anchor``, or ``slots`` are not whole pages the caller holds (nothing
-                changed).
+            InvalidTypeError / InvalidInputError: an item of ``tokens`` is not an int in
+                ``[0, 2**63)``; the first ``skip`` pages of ``tokens`` are not on device on
+                the path to ``anchor``, or ``slots`` are not whole pages the caller holds
+                (nothing changed).
         """
         p = self.page_size
         alloc = self.dev_alloc
         assert alloc is not None, "cache not started"
         tree = self.tree
         # validate ownership before changing anything (not even a new namespace's root)
-        plan = tree.plan_insert(ns, tokens, n, skip=skip)  # the walk, once
+        # the walk, once; it checks the items of ``tokens`` before anything changes
+        plan = tree.plan_insert(ns, tokens, n, skip=skip, unchecked=True)
         if plan.existing_pages < skip or (skip and not _on_path(plan, skip * p, anchor)):
             raise InvalidInputError(
                 f"insert: the {skip * p} tokens skipped are not the prefix's on "

@@ -23,12 +23,21 @@ from aiocache_kv.tree.hashing import MAX_TOKEN_ID
 SLOTS_OK, SLOTS_OUT_OF_RANGE, SLOTS_NOT_PAGES = 0, 1, 2
 
 
-def py_first_bad_token(tokens: list[Any]) -> int:
-    """Index of the first element that is not an int in ``[0, MAX_TOKEN_ID]``, or -1.
+def py_first_bad_token(tokens: list[Any], start: int = 0) -> int:
+    """Index of the first element from ``start`` on that is not an int in
+    ``[0, MAX_TOKEN_ID]``, or -1.
 
     An int means an ``int`` instance (``bool`` included): numpy and torch scalars are refused,
     so tree keys and hashes only ever see plain ints.
+
+    Raises:
+        ValueError: ``start`` is negative.
     """
+    if start < 0:
+        raise ValueError("start must be >= 0")
+    if start:
+        bad = py_first_bad_token(tokens[start:])
+        return bad + start if bad >= 0 else -1
     try:
         words = array("Q", tokens)  # one C pass: most bad values stop it
     except (TypeError, OverflowError):
@@ -131,6 +140,17 @@ def py_page_slots(pages: np.ndarray, page_size: int, out: np.ndarray) -> None:
     out.reshape(-1, p)[:] = pages[:, None] * p + np.arange(p, dtype=np.int64)
 
 
+def py_set_states(state: np.ndarray, ids: np.ndarray, value: int) -> None:
+    """``state[ids] = value`` (``state`` uint8, ``ids`` int64 within it).
+
+    Raises:
+        IndexError: an id is outside ``state`` (nothing written).
+    """
+    if ids.size and (ids.min() < 0 or ids.max() >= state.size):
+        raise IndexError("page id outside the state array")
+    state[ids] = value
+
+
 _EXT = optional_extension("aiocache_kv._fastcheck")
 #: ``"c"`` where the C extension runs the checks, else ``"python"``.
 FASTCHECK_IMPL = "python" if _EXT is None else "c"
@@ -141,6 +161,7 @@ first_repeat = py_first_repeat if _EXT is None else _EXT.first_repeat
 held_check = py_held_check if _EXT is None else _EXT.held_check
 page_slots_into = py_page_slots if _EXT is None else _EXT.page_slots
 insert_pages = py_insert_pages if _EXT is None else _EXT.insert_pages
+set_states = py_set_states if _EXT is None else _EXT.set_states
 
 __all__ = [
     "FASTCHECK_IMPL",
@@ -154,5 +175,6 @@ __all__ = [
     "held_check",
     "insert_pages",
     "page_slots_into",
+    "set_states",
     "slot_pages",
 ]

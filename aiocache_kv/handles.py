@@ -16,6 +16,7 @@ import torch
 
 from aiocache_kv.errors import HandleError, InvalidTypeError
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node
+from aiocache_kv.tree.pathwalk import path_lens
 from aiocache_kv.validate import page_slots
 
 if TYPE_CHECKING:
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
 H = TypeVar("H", bound="Handle")
 
 _NO_IDS = np.empty(0, dtype=np.int64)
-# segments of a path seen from below (``MatchResult.lens``)
-_ON_DEVICE, _HOST_ONLY, _NEITHER = object(), object(), object()
 
 
 class HandleState(enum.IntEnum):
@@ -48,7 +47,7 @@ class Handle:
     the end of the block (unless it was released already).
     """
 
-    __slots__ = ("_node", "_releaser", "core", "on_drop", "state", "token")
+    __slots__ = ("_releaser", "core", "node", "on_drop", "state", "token")
 
     def __init__(
         self,
@@ -57,7 +56,9 @@ class Handle:
         releaser: Callable[[Any], None] | None = None,
     ) -> None:
         self.core = core  #: the state of the cache that issued the handle
-        self._node = node
+        #: the last node of the handle's path (a root when nothing matched); read-only (a
+        #: plain attribute, not a property: the per-request path reads it several times)
+        self.node = node
         self._releaser = releaser  # the issuing cache's ``release``
         self.state = _PINNED
         self.token = 0  #: the issuing cache's key for this handle's pin
@@ -77,13 +78,8 @@ class Handle:
         if self.state is _PINNED and self._releaser is not None:
             self._releaser(self)
 
-    @property
-    def node(self) -> Node:
-        """The last node of the handle's path (a root when nothing matched)."""
-        return self._node
-
     def _path(self) -> list[Node]:
-        return self.core.tree.path(self._node)
+        return self.core.tree.path(self.node)
 
 
 class MatchResult(Handle):
@@ -132,31 +128,7 @@ class MatchResult(Handle):
             path, d, _, u = self._runs()
             dev = sum(len(path[k].key) for k in range(d))
             return dev, sum(len(path[k].key) for k in range(d, u))
-        # one walk up, no lists (every request reads these): ``run`` is the segment that
-        # reaches the current node from below (device, host-only or neither) and ``dev`` /
-        # ``host`` the runs it would give if it reached the root
-        node = self._node
-        run = _NEITHER
-        dev = host = 0
-        while node.parent is not None:
-            k = len(node.key)
-            if node.device is RESIDENT:
-                if run is _ON_DEVICE:
-                    dev += k
-                else:
-                    host = host if run is _HOST_ONLY else 0
-                    dev, run = k, _ON_DEVICE
-            elif node.host is RESIDENT and not node.corrupt:
-                if run is _HOST_ONLY:
-                    host += k
-                else:
-                    host, run = k, _HOST_ONLY
-            else:
-                run = _NEITHER
-            node = node.parent
-        if run is _ON_DEVICE:
-            return dev, host
-        return 0, host if run is _HOST_ONLY else 0
+        return path_lens(self.node)  # one walk up, no lists (every request reads these)
 
     @property
     def matched_len(self) -> int:

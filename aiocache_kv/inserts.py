@@ -26,16 +26,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from aiocache_kv import fastcheck
 from aiocache_kv.config import WritePolicy
 from aiocache_kv.core import CacheCore
-from aiocache_kv.errors import InvalidInputError, PrefixDroppedError
+from aiocache_kv.errors import InvalidInputError, KVCacheError, PrefixDroppedError
 from aiocache_kv.handles import Handle, InsertResult, MatchResult, WriteAck, check_handle
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.pins import HandleTable
 from aiocache_kv.transfer.ops import OpKind, Transfers
 from aiocache_kv.tree.node import ABSENT
 from aiocache_kv.tree.retention import check_priority
-from aiocache_kv.validate import slot_array
+from aiocache_kv.validate import check_token_ints, slot_array
 
 __all__ = ["insert_tokens", "prefix_gone", "rows_dropped"]
 
@@ -154,49 +155,56 @@ def insert_tokens(
     ns: Namespace,
     priority: tuple[object, object] = (None, None),
 ) -> InsertResult:
-    """:meth:`HiCache.insert` of checked ``toks`` in ``ns`` (see there), raising the path to
+    """:meth:`HiCache.insert` of ``toks`` in ``ns`` (see there; the walk checks their items
+    before anything changes), raising the path to
     ``priority = (priority, retention)`` (checked here first; ``tree/retention.py``), and the
     tenant's quota enforced after it (``quotas.py``).
 
     Raises:
-        InvalidTypeError / InvalidInputError: bad slots, prefix or priority, or a retention
-            time with tensor parallelism (a rank's clock must not shape the tree; nothing
-            changed).
+        InvalidTypeError / InvalidInputError: bad tokens, slots, prefix or priority, or a
+            retention time with tensor parallelism (a rank's clock must not shape the tree;
+            nothing changed).
         HandleError: ``prefix`` was released or belongs to another cache.
         PrefixDroppedError: pages of ``prefix`` the insert leans on left the tree since it
             was taken (dropped, or failed at load-back): nothing changed.
     """
-    prio = check_priority(*priority)
-    if prio is not None and prio[1] != math.inf and core.coordinator.deferred:
-        raise InvalidInputError(
-            f"retention={priority[1]!r} is refused with tensor parallelism: a deadline is one "
-            "rank's clock, and ranks that evicted differently would differ"
-        )
-    p = core.page_size
-    n = len(toks) // p * p
-    skip = 0
-    if prefix is not None:
-        check_handle(prefix, Handle, core)
-    if isinstance(kv_indices, torch.Tensor) and kv_indices.dim() == 1:
-        skip = len(toks) - kv_indices.numel()
-        if prefix is not None:
-            check_prefix(core, prefix, ns, skip)
-        elif skip:
+    try:  # the tokens' own errors come first, as when they were checked before these
+        prio = check_priority(*priority)
+        if prio is not None and prio[1] != math.inf and core.coordinator.deferred:
             raise InvalidInputError(
-                f"kv_indices has {kv_indices.numel()} slots for {len(toks)} tokens"
+                f"retention={priority[1]!r} is refused with tensor parallelism: a deadline is one "
+                "rank's clock, and ranks that evicted differently would differ"
             )
-    anchor = None
-    inherit = _NO_IDS
-    if prefix is not None:
-        anchor = prefix.node
-        if isinstance(prefix, InsertResult):
-            held = handles.retained_by(prefix)
-            inherit = _NO_IDS if held is None else held
-    arr = core.dev_alloc.handed_slots(kv_indices) if core.dev_alloc is not None else None
-    slots = slot_array(kv_indices, n - skip) if arr is None else arr[: n - skip]
+        p = core.page_size
+        n = len(toks) // p * p
+        skip = 0
+        if prefix is not None:
+            check_handle(prefix, Handle, core)
+        if isinstance(kv_indices, torch.Tensor) and kv_indices.dim() == 1:
+            skip = len(toks) - kv_indices.numel()
+            if prefix is not None:
+                check_prefix(core, prefix, ns, skip)
+            elif skip:
+                raise InvalidInputError(
+                    f"kv_indices has {kv_indices.numel()} slots for {len(toks)} tokens"
+                )
+        anchor = None
+        inherit = _NO_IDS
+        if prefix is not None:
+            anchor = prefix.node
+            if isinstance(prefix, InsertResult):
+                held = handles.retained_by(prefix)
+                inherit = _NO_IDS if held is None else held
+        arr = core.dev_alloc.handed_slots(kv_indices) if core.dev_alloc is not None else None
+        slots = slot_array(kv_indices, n - skip) if arr is None else arr[: n - skip]
+    except KVCacheError:
+        check_token_ints(toks)
+        raise
     try:
         out, retained = core.insert_device(ns, toks, n, slots, skip // p, anchor, inherit)
     except InvalidInputError as exc:  # refused, nothing changed: was the prefix dropped?
+        if fastcheck.first_bad_token(toks) >= 0:
+            raise  # the tokens were at fault, whatever became of the prefix
         gone = None if prefix is None or not skip else prefix_gone(core, prefix, skip)
         if gone is None and core.tree.detached:  # rows a match gave, dropped since
             gone = rows_dropped(core, slots)

@@ -12,6 +12,53 @@ from aiocache_kv import fastcheck
 from aiocache_kv.errors import InvalidInputError, InvalidTypeError
 
 
+def token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
+    """``tokens`` as a non-empty list whose items are still to be checked
+    (:func:`check_token_ints`): the form and the container, not the values.
+
+    Raises:
+        InvalidTypeError: not a list/tuple/1-D integer tensor.
+        InvalidInputError: empty, or a tensor that is not 1-D integer or is off the CPU
+            (reading it on the loop would wait for the device).
+    """
+    if type(tokens) is list:  # the common case first
+        out: list[int] = tokens
+    elif isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise InvalidInputError(
+                f"tokens tensor must be 1-D integer, got {tokens.dtype} {tuple(tokens.shape)}"
+            )
+        if not tokens.is_cpu:
+            raise InvalidInputError(f"tokens tensor must be on the CPU, got {tokens.device}")
+        out = tokens.tolist()
+    elif isinstance(tokens, (list, tuple)):
+        out = list(tokens)
+    else:
+        raise InvalidTypeError(f"tokens must be a list of ints, got {type(tokens).__name__}")
+    if not out:
+        raise InvalidInputError("tokens must not be empty")
+    return out
+
+
+def check_token_ints(tokens: list[Any], start: int = 0) -> None:
+    """Raise unless every item of ``tokens[start:]`` is an int in ``[0, 2**63)``, the range
+    page hashes encode (a tree walk that matched the items before ``start`` against cached
+    keys with :func:`~aiocache_kv.tree.keycmp.int_common_len` has checked those).
+
+    Raises:
+        InvalidTypeError: an item is not an int (the first one is named, with its index).
+        InvalidInputError: an item is out of range (the first one, with its index).
+    """
+    bad = fastcheck.first_bad_token(tokens, start)  # one C pass where the extension is built
+    if bad >= 0:
+        tok = tokens[bad]
+        if not isinstance(tok, int):
+            raise InvalidTypeError(
+                f"tokens must be ints; found {tok!r} ({type(tok).__name__}) at {bad}"
+            )
+        raise InvalidInputError(f"tokens must be in [0, 2**63); found {tok} at {bad}")
+
+
 def check_tokens(tokens: Sequence[int] | torch.Tensor) -> list[int]:
     """``tokens`` as a list of ints in ``[0, 2**63)``, the range page hashes encode.
 
@@ -20,28 +67,8 @@ def check_tokens(tokens: Sequence[int] | torch.Tensor) -> list[int]:
         InvalidInputError: empty, out of range, or a tensor off the CPU (reading it on the
             loop would wait for the device).
     """
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-            raise InvalidInputError(
-                f"tokens tensor must be 1-D integer, got {tokens.dtype} {tuple(tokens.shape)}"
-            )
-        if not tokens.is_cpu:
-            raise InvalidInputError(f"tokens tensor must be on the CPU, got {tokens.device}")
-        out: list[int] = tokens.tolist()
-    elif isinstance(tokens, (list, tuple)):
-        out = tokens if type(tokens) is list else list(tokens)
-    else:
-        raise InvalidTypeError(f"tokens must be a list of ints, got {type(tokens).__name__}")
-    if not out:
-        raise InvalidInputError("tokens must not be empty")
-    bad = fastcheck.first_bad_token(out)  # one C pass where the extension is built
-    if bad >= 0:
-        tok = out[bad]
-        if not isinstance(tok, int):
-            raise InvalidTypeError(
-                f"tokens must be ints; found {tok!r} ({type(tok).__name__}) at {bad}"
-            )
-        raise InvalidInputError(f"tokens must be in [0, 2**63); found {tok} at {bad}")
+    out = token_list(tokens)
+    check_token_ints(out)
     return out
 
 
@@ -164,6 +191,7 @@ def page_slots(pages: torch.Tensor | np.ndarray, page_size: int) -> torch.Tensor
 
 __all__ = [
     "check_names",
+    "check_token_ints",
     "check_tokens",
     "page_slots",
     "raise_for_insert",
@@ -171,4 +199,5 @@ __all__ = [
     "slot_array",
     "slot_page_ids",
     "slots_to_pages",
+    "token_list",
 ]

@@ -10,6 +10,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
+
+/* pointers compared per memcmp call while the lists hold the same objects */
+#define CHUNK 32
 
 /* whether v is an exact int small enough to read inline, and its value in *out */
 static inline int small_int(PyObject *v, Py_ssize_t *out)
@@ -46,11 +50,11 @@ static inline Py_ssize_t bound(PyObject *key, PyObject *tokens, Py_ssize_t pos, 
     return n;
 }
 
-/* common_len(key, tokens, pos, limit) -> how many leading items of key[:limit] equal
- * tokens[pos:pos + limit], in order (limit is clipped to what both lists hold). */
-static PyObject *common_len(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* how many leading items of key[:limit] equal tokens[pos:pos + limit], in order (limit is
+ * clipped to what both lists hold); with ints_only, a token that is not an int never equals
+ * (so every token counted is an int equal to a key item) */
+static PyObject *compare(PyObject *const *args, Py_ssize_t nargs, int ints_only)
 {
-    (void)self;
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "common_len(key, tokens, pos, limit)");
         return NULL;
@@ -77,7 +81,12 @@ static PyObject *common_len(PyObject *self, PyObject *const *args, Py_ssize_t na
     while (i < n) {
         PyObject **ka = ((PyListObject *)key)->ob_item;
         PyObject **tb = ((PyListObject *)tokens)->ob_item + pos;
-        while (i < n && ka[i] == tb[i]) { /* the same objects: a shared prefix */
+        /* the same objects (a shared prefix): whole chunks of pointers by memcmp, which
+         * compares several per instruction, then the chunk that differs item by item */
+        while (i + CHUNK <= n && memcmp(ka + i, tb + i, CHUNK * sizeof(PyObject *)) == 0) {
+            i += CHUNK;
+        }
+        while (i < n && ka[i] == tb[i]) {
             i++;
         }
         if (i >= n) {
@@ -92,6 +101,9 @@ static PyObject *common_len(PyObject *self, PyObject *const *args, Py_ssize_t na
             }
             i++;
             continue;
+        }
+        if (ints_only && !PyLong_Check(b)) {
+            break;
         }
         Py_INCREF(a);
         Py_INCREF(b);
@@ -110,10 +122,74 @@ static PyObject *common_len(PyObject *self, PyObject *const *args, Py_ssize_t na
     return PyLong_FromSsize_t(i);
 }
 
+/* common_len(key, tokens, pos, limit) -> how many leading items of key[:limit] equal
+ * tokens[pos:pos + limit], in order (limit is clipped to what both lists hold). */
+static PyObject *common_len(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return compare(args, nargs, 0);
+}
+
+/* int_common_len(key, tokens, pos, limit) -> common_len's count, where a token that is not an
+ * int never equals: every token it counts is an int equal to a key item. */
+static PyObject *int_common_len(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return compare(args, nargs, 1);
+}
+
+/* page_key(tokens, pos, page_size) -> tuple(tokens[pos:pos + page_size]) when those are
+ * page_size exact ints, else None (too few, or another object: hashing it could run code) */
+static PyObject *page_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "page_key(tokens: list, pos, page_size)");
+        return NULL;
+    }
+    PyObject *tokens = args[0];
+    Py_ssize_t pos = PyLong_AsSsize_t(args[1]);
+    if (pos == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t p = PyLong_AsSsize_t(args[2]);
+    if (p == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (pos < 0 || p < 1) {
+        PyErr_SetString(PyExc_ValueError, "pos must be >= 0 and page_size >= 1");
+        return NULL;
+    }
+    if (PyList_GET_SIZE(tokens) - pos < p) {
+        Py_RETURN_NONE;
+    }
+    PyObject **items = ((PyListObject *)tokens)->ob_item + pos;
+    for (Py_ssize_t i = 0; i < p; i++) {
+        if (!PyLong_CheckExact(items[i])) {
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *out = PyTuple_New(p);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < p; i++) {
+        Py_INCREF(items[i]);
+        PyTuple_SET_ITEM(out, i, items[i]);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"common_len", (PyCFunction)(void (*)(void))common_len, METH_FASTCALL,
      "common_len(key, tokens, pos, limit)\n--\n\n"
      "How many leading items of ``key[:limit]`` equal ``tokens[pos:pos + limit]``."},
+    {"int_common_len", (PyCFunction)(void (*)(void))int_common_len, METH_FASTCALL,
+     "int_common_len(key, tokens, pos, limit)\n--\n\n"
+     "common_len, where a token that is not an int never equals."},
+    {"page_key", (PyCFunction)(void (*)(void))page_key, METH_FASTCALL,
+     "page_key(tokens, pos, page_size)\n--\n\n"
+     "The tuple of a page's tokens if they are exact ints, else None."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -45,15 +45,36 @@ import torch
 
 from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.gcfree import keep
-from aiocache_kv.tree.detach import Detacher
+from aiocache_kv.tree.evict import Evictor
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
-from aiocache_kv.tree.keycmp import common_len
+from aiocache_kv.tree.keycmp import common_len, int_common_len, page_key
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, Tier, TierState, check_node
 from aiocache_kv.tree.results import Eviction, InsertOutcome, InsertPlan
 from aiocache_kv.tree.tiers import check_host_pins
+from aiocache_kv.validate import check_token_ints
 
 
-class RadixTree(Detacher):
+def _walk_key(tokens: list[int], pos: int, p: int, unchecked: bool) -> tuple[Any, bool]:
+    """The child key of the page at ``pos`` (page size ``p``: the token itself at 1, else a
+    tuple) and whether ``tokens`` are still unchecked.  Looking up anything but exact ints
+    could run code, so a page with another item has ``tokens`` checked whole first (raising
+    at a bad one: nothing has changed yet)."""
+    if p == 1:
+        key: Any = tokens[pos]
+        if unchecked and type(key) is not int:
+            check_token_ints(tokens)
+            unchecked = False
+        return key, unchecked
+    key = page_key(tokens, pos, p)
+    if key is None:
+        if unchecked:
+            check_token_ints(tokens)
+            unchecked = False
+        key = tuple(tokens[pos : pos + p])
+    return key, unchecked
+
+
+class RadixTree(Evictor):
     """Page-granular radix tree over a device and a host tier.  Not thread-safe by design."""
 
     def __init__(self, page_size: int, *, on_split: Callable[[Node, Node], None] | None = None):
@@ -122,72 +143,105 @@ class RadixTree(Detacher):
         return pos
 
     def match(
-        self, ns: Hashable, tokens: list[int], n: int, *, pin: bool = False
+        self,
+        ns: Hashable,
+        tokens: list[int],
+        n: int,
+        *,
+        pin: bool = False,
+        unchecked: bool = False,
+        tag: str | None = None,
     ) -> tuple[Node, int]:
         """Longest cached prefix of ``tokens[:n]`` (``n`` page-aligned) in namespace ``ns``.
 
         Splits the last node so that the match ends on a node boundary, stamps the path as
         recently used (and pins it if ``pin``) and returns ``(last_node, matched_tokens)``.
-        The root means no match.
+        The root means no match (a namespace without one gets it, seeded from ``tag``).
+        ``unchecked``: the items of ``tokens`` are still to be checked; the walk checks what
+        it matches (:func:`int_common_len`) and the rest is checked before anything changes.
+
+        Raises:
+            InvalidTypeError / InvalidInputError: with ``unchecked``, an item of ``tokens``
+                is not an int in ``[0, 2**63)`` (nothing changed).
         """
         self._check_owner()
         node = self._roots.get(ns)
         if node is None:
-            return self.root(ns), 0
-        pos = 0
+            if unchecked:
+                check_token_ints(tokens)
+                unchecked = False
+            node = self.root(ns, tag)
+        pos = checked = 0
         p = self.page_size
+        split = None
         while pos < n:
-            child = node.children.get(tokens[pos] if p == 1 else tuple(tokens[pos : pos + p]))
+            key, unchecked = _walk_key(tokens, pos, p, unchecked)
+            child = node.children.get(key)
             if child is None:
                 break
-            key = child.key
-            klen = len(key)
-            same = common_len(key, tokens, pos, n - pos)  # compared in place, no slice
+            klen = len(child.key)
+            same = int_common_len(child.key, tokens, pos, n - pos)  # in place, no slice
             if same == klen:
                 node = child
                 pos += klen
                 continue
+            checked = same
             common = same - same % p
             if common:
-                node = self._split(child, common)
+                split = child
                 pos += common
+                checked -= common
             break
+        if unchecked:  # what the walk matched are ints equal to cached keys
+            check_token_ints(tokens, pos + checked)
+        if split is not None:
+            node = self._split(split, common)
         self._clock += 1
         if pin:
-            self.pin(node)
-        self._stamp(node, self._clock)
+            self.pin(node, self._clock)  # stamps in the same walk
+        else:
+            self._stamp(node, self._clock)
         return node, pos
 
-    def plan_insert(self, ns: Hashable, tokens: list[int], n: int, *, skip: int = 0) -> InsertPlan:
+    def plan_insert(
+        self, ns: Hashable, tokens: list[int], n: int, *, skip: int = 0, unchecked: bool = False
+    ) -> InsertPlan:
         """Walk ``tokens[:n]`` (page-aligned) as :meth:`insert` will, changing nothing.
 
         The plan says which nodes the insert passes and which device pages the tree holds for
         the leading part (``plan.device_pages()``, from page ``skip`` on: a caller that passes
         no pages for the first ``skip`` has nothing to compare them with), so a caller can
         check the pages it is about to hand over.  Apply it with ``insert(..., plan=plan)``
-        before anything else changes the tree.
+        before anything else changes the tree.  ``unchecked``: the items of ``tokens`` are
+        still to be checked (as :meth:`match` checks them).
+
+        Raises:
+            InvalidTypeError / InvalidInputError: with ``unchecked``, an item of ``tokens``
+                is not an int in ``[0, 2**63)``.
         """
         p = self.page_size
         node = self._roots.get(ns)
         plan = InsertPlan(node)
         if node is None:
+            if unchecked:
+                check_token_ints(tokens)
             return plan
-        pos = 0
+        pos = checked = 0
         steps = plan.steps
         existing = plan.existing
         on_device = True
         while pos < n:
-            child = node.children.get(tokens[pos] if p == 1 else tuple(tokens[pos : pos + p]))
+            key, unchecked = _walk_key(tokens, pos, p, unchecked)
+            child = node.children.get(key)
             if child is None:
                 break
             if node.device is FILLING and child.device is not FILLING:
                 # nothing may hang below a node still loading (see ``insert``); its FILLING
                 # children are the same load's (a split of a loading node): walked on
                 break
-            key = child.key
-            klen = len(key)
+            klen = len(child.key)
             on_device = on_device and child.device is not ABSENT
-            same = common_len(key, tokens, pos, n - pos)
+            same = int_common_len(child.key, tokens, pos, n - pos)
             if same == klen:
                 steps.append(child)
                 if on_device:
@@ -200,6 +254,7 @@ class RadixTree(Detacher):
                 pos += klen
                 continue
             common = same - same % p
+            checked = same - common
             plan.split = child
             plan.common = common
             if on_device:
@@ -209,6 +264,8 @@ class RadixTree(Detacher):
                 plan.existing_pages = have + common // p
             pos += common
             break
+        if unchecked:  # what the walk matched are ints equal to cached keys
+            check_token_ints(tokens, pos + checked)
         plan.pos = pos
         return plan
 
@@ -287,8 +344,9 @@ class RadixTree(Detacher):
         out.node = node
         out.inserted_tokens = pos
         if pin:
-            self.pin(node)
-        self._stamp(node, clock)
+            self.pin(node, clock)  # stamps in the same walk
+        else:
+            self._stamp(node, clock)
         return out
 
     def device_prefix(self, ns: Hashable, tokens: list[int], n: int) -> np.ndarray:
@@ -366,112 +424,6 @@ class RadixTree(Detacher):
         new.storage = RESIDENT  # it came from there
         self._set_host(new, RESIDENT)
         return [new]
-
-    # ---------------------------------------------------------------- eviction
-
-    def evict_device(
-        self, num_pages: int, stage: Callable[[Node], bool] | None = None, tenant: str | None = None
-    ) -> Eviction:
-        """Free at least ``num_pages`` device pages (of ``tenant`` alone if given), lowest
-        retention priority then least recently used first, if possible.
-
-        A victim with a host copy is demoted (stays matchable from host); one without is
-        deleted, unless ``stage(node)`` takes it (write-back: it starts a copy to host and the
-        device pages are freed when that lands).
-        """
-        self._check_owner()
-        out = Eviction()
-        pop = self._victims(self._dev_heap, tenant)
-        while out.num_pages < num_pages:
-            node = pop()
-            if node is None:
-                break
-            if node.host is ABSENT and stage is not None and stage(node):
-                continue
-            if node.host is not RESIDENT and node.children and not self._subtree_idle(node):
-                continue  # a host-only descendant is being backed up: offered again later
-            pages = node.device_pages
-            assert pages is not None
-            out.num_pages += pages.size
-            out.pages.append(pages)
-            out.nodes.append(node)
-            if node.host is RESIDENT:
-                self._set_device(node, ABSENT)
-            else:
-                if node.children:
-                    self._drop_subtree(node, out)
-                self._remove(node)
-        return out
-
-    def evict_host(self, num_pages: int, tenant: str | None = None) -> Eviction:
-        """Free at least ``num_pages`` host pages (of ``tenant`` alone if given) by deleting
-        host-only leaves (lowest retention priority, then LRU, first)."""
-        self._check_owner()
-        out = Eviction()
-        pop = self._victims(self._host_heap, tenant)
-        while out.num_pages < num_pages:
-            node = pop()
-            if node is None:
-                break
-            out.num_pages += self._npages(node)
-            assert node.host_pages is not None
-            out.pages.append(node.host_pages)
-            out.nodes.append(node)
-            self._remove(node)
-        return out
-
-    @staticmethod
-    def _subtree_idle(node: Node) -> bool:
-        stack = list(node.children.values())
-        while stack:
-            child = stack.pop()
-            if child.backup is not None or child.op is not None or child.pins or child.host_pins:
-                return False
-            stack.extend(child.children.values())
-        return True
-
-    def _drop_subtree(self, node: Node, out: Eviction) -> None:
-        """Remove the host-only descendants of a device victim that has no host copy."""
-        stack = list(node.children.values())
-        doomed: list[Node] = []
-        while stack:
-            child = stack.pop()
-            assert child.device is ABSENT and child.host is RESIDENT, f"busy below victim {child!r}"
-            doomed.append(child)
-            stack.extend(child.children.values())
-        for child in reversed(doomed):  # children before parents
-            assert child.host_pages is not None
-            out.host_pages.append(child.host_pages)
-            out.host_nodes.append(child)
-            self._remove(child)
-
-    def _remove(self, node: Node) -> None:
-        """Unlink a childless node and drop its pages from the accounting."""
-        assert not node.children, f"removing {node!r} with children"
-        assert node.op is None and node.backup is None and node.pins == 0, f"busy {node!r}"
-        assert node.host_pins == 0, f"removing host-pinned {node!r}"
-        parent = node.parent
-        assert parent is not None
-        self._acct(node, -1)
-        del parent.children[self._child_key(node.key, 0)]
-        if node.device is not ABSENT:
-            parent.n_dev_children -= 1
-        node.alive = False
-        self.num_nodes -= 1
-        self._dev_heap.forget(node)
-        self._host_heap.forget(node)
-        self.deadlines.forget(node)
-        if parent.parent is None:
-            self._reclaim(parent)
-        else:
-            self._offer(parent)
-
-    def clear(self) -> tuple[Eviction, Eviction]:
-        """Evict every unpinned, idle page from device, then host; return both evictions."""
-        self._check_owner()
-        dev = self.evict_device(1 << 62)
-        host = self.evict_host(1 << 62)
-        return dev, host
 
     # ---------------------------------------------------------------- hashes
 

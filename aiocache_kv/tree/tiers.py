@@ -23,6 +23,7 @@ from aiocache_kv.errors import OwnershipError
 from aiocache_kv.quotas import QuotaBook, tenant_of
 from aiocache_kv.tree.lru import TenantVictims, VictimHeap
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, TierState
+from aiocache_kv.tree.pathwalk import pin_path, unpin_path
 from aiocache_kv.tree.retention import Deadlines
 
 _get_ident = threading.get_ident  # one global lookup on every ownership check
@@ -158,57 +159,45 @@ class TierBook:
             node.hit_count += 1
             node = node.parent
 
-    def pin(self, node: Node) -> None:
-        """Pin ``node`` and its ancestors: none of them can be evicted until ``unpin``."""
-        self._check_owner()
+    def pin(self, node: Node, clock: int | None = None) -> None:
+        """Pin ``node`` and its ancestors: none of them can be evicted until ``unpin``.
+        With ``clock``, also mark the path used at ``clock`` (what :meth:`_stamp` does, in
+        the same walk: a pinned node is offered to no victim heap)."""
+        if _get_ident() != self._owner:  # _check_owner, inline: every request pins twice
+            self._check_owner()
         if node.parent is None:
             assert node.alive, f"pin of a reclaimed root {node!r}"
             node.pins += 1  # keeps an empty namespace's root while a handle refers to it
             return
-        p = self.page_size
-        while node.parent is not None:
-            if node.pins == 0:
-                node.pins = 1
-                self._protect(node, len(node.key) // p)
-            else:
-                node.pins += 1
-            node = node.parent
+        dev, host = pin_path(node, self.page_size, clock)
+        if dev:
+            self.dev_evictable -= dev
+            self.dev_protected += dev
+        if host:
+            self.host_evictable -= host
+            self.host_protected += host
 
     def unpin(self, node: Node) -> None:
         """Drop one pin from ``node`` and its ancestors."""
-        self._check_owner()
+        if _get_ident() != self._owner:  # _check_owner, inline: every request unpins twice
+            self._check_owner()
         if node.parent is None:
             assert node.pins > 0, f"unpin of unpinned root {node!r}"
             node.pins -= 1
             self._reclaim(node)
             return
-        p = self.page_size
-        hook = self.on_unpinned
-        while node.parent is not None:
-            assert node.pins > 0, f"unpin of unpinned {node!r}"
-            if node.pins == 1:
-                node.pins = 0
-                self._protect(node, -(len(node.key) // p))
-                self._offer(node)
-                if hook is not None:  # only schedules work: the walk goes on undisturbed
-                    hook()
-                    hook = None
-            else:
-                node.pins -= 1
-            node = node.parent
-
-    def _protect(self, node: Node, n: int) -> None:
-        """A node's first pin came (``n`` > 0 pages) or its last went (``n`` < 0): its pages
-        move between evictable and protected, unless a copy in flight keeps them protected
-        anyway (``_acct``'s rule, with the pin count as the only change)."""
-        if node.device is FILLING or node.host is FILLING:
-            return
-        if node.device is not ABSENT:
-            self.dev_evictable -= n
-            self.dev_protected += n
-        if node.host is not ABSENT and node.storage is not FILLING and node.host_pins == 0:
-            self.host_evictable -= n
-            self.host_protected += n
+        dev, host, unpinned = unpin_path(node, self.page_size)
+        if dev:
+            self.dev_evictable += dev
+            self.dev_protected -= dev
+        if host:
+            self.host_evictable += host
+            self.host_protected -= host
+        if unpinned is not None:  # nodes left with no pin; those that may be victims:
+            for n in unpinned:  # a device candidate, or a host one (may_be_victim)
+                (self._dev_heap if n.device is RESIDENT else self._host_heap).offer(n)
+            if self.on_unpinned is not None:  # only schedules work
+                self.on_unpinned()
 
     def pin_host(self, node: Node) -> None:
         """Hard-pin the host copies of ``node`` and its ancestors (``hardpins.py``): none of

@@ -1,0 +1,153 @@
+"""The walks up a node's path that every request makes: pin (and stamp), unpin, run lengths.
+
+A match pins its path and stamps it as used, a release unpins it, and each handle reads the
+lengths of its device run and of the host-only run after it.  Two implementations return
+the same values: a C extension (``_pathwalk``, built by ``pip install -e .`` where a C
+compiler is at hand), which reads and writes a node's slots at the offsets its class gives,
+and the functions below (the reference, used where the extension is missing).
+:data:`PATHWALK_IMPL` says which one runs.
+
+Each walk stops below the namespace root (the caller handles a root itself).  The pin
+counts move pages between the tiers' evictable and protected counts by
+:func:`protect_delta`'s rule; the walks return those counts and leave applying them, and
+offering nodes to the victim heaps, to the tree (``tiers.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiocache_kv.extensions import optional_extension
+from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node
+
+__all__ = [
+    "PATHWALK_IMPL",
+    "may_be_victim",
+    "path_lens",
+    "pin_path",
+    "protect_delta",
+    "py_path_lens",
+    "py_pin_path",
+    "py_unpin_path",
+    "unpin_path",
+]
+
+
+def protect_delta(node: Node, page_size: int) -> tuple[int, int]:
+    """The device and host pages that move between evictable and protected when ``node``
+    gets its first pin or loses its last: none while a copy in flight protects the node
+    anyway, and no host pages while a backup reads them or a hard host pin holds them."""
+    if node.device is FILLING or node.host is FILLING:
+        return 0, 0
+    k = len(node.key) // page_size
+    dev = k if node.device is not ABSENT else 0
+    read = node.storage is FILLING or node.host_pins  # a backup or a hard pin holds them
+    host = k if node.host is not ABSENT and not read else 0
+    return dev, host
+
+
+def py_pin_path(node: Node, page_size: int, clock: int | None) -> tuple[int, int]:
+    """Add one pin to ``node`` (not a root) and each ancestor below the root, and stamp each
+    ``last_access = clock`` unless ``clock`` is ``None``.  Returns the device and host pages
+    that went from evictable to protected (nodes that had no pin)."""
+    dev = host = 0
+    while node.parent is not None:
+        if node.pins == 0:
+            d, h = protect_delta(node, page_size)
+            dev += d
+            host += h
+        node.pins += 1
+        if clock is not None:
+            node.last_access = clock
+        node = node.parent
+    return dev, host
+
+
+def may_be_victim(node: Node) -> bool:
+    """Whether ``node``, without a pin, may be a victim of a tier now: device-resident with
+    no device-present child (a device candidate), or device-absent and childless (a host
+    candidate).  The victim heaps' own tests (``tiers.py``) decide; a node failing this
+    fails those."""
+    if node.device is RESIDENT:
+        return node.n_dev_children == 0
+    return node.device is ABSENT and not node.children
+
+
+def py_unpin_path(node: Node, page_size: int) -> tuple[int, int, list[Node] | None]:
+    """Drop one pin from ``node`` (not a root) and each ancestor below the root.  Returns
+    the device and host pages that went from protected to evictable, and the nodes left
+    without a pin that :func:`may_be_victim`, in walk order (``None``: no node was left
+    without a pin; an empty list: some were, none may be a victim).
+
+    Raises:
+        AssertionError: a node of the path had no pin (those below it were unpinned).
+    """
+    dev = host = 0
+    unpinned: list[Node] | None = None
+    while node.parent is not None:
+        pins = node.pins
+        if pins <= 0:
+            raise AssertionError(f"unpin of unpinned {node!r}")
+        node.pins = pins - 1
+        if pins == 1:
+            d, h = protect_delta(node, page_size)
+            dev += d
+            host += h
+            if unpinned is None:
+                unpinned = []
+            if may_be_victim(node):
+                unpinned.append(node)
+        node = node.parent
+    return dev, host, unpinned
+
+
+_NEITHER, _ON_DEVICE, _HOST_ONLY = 0, 1, 2
+
+
+def py_path_lens(node: Node) -> tuple[int, int]:
+    """``(device_len, host_len)`` of the path to ``node``: the tokens of its leading
+    device-resident run, and of the host-resident (not corrupt) run right after it, without
+    trailing-window rules (``MatchResult.lens``)."""
+    # one walk up: ``run`` is the segment that reaches the current node from below and
+    # ``dev`` / ``host`` the runs it would give if it reached the root
+    run = _NEITHER
+    dev = host = 0
+    while node.parent is not None:
+        k = len(node.key)
+        if node.device is RESIDENT:
+            if run == _ON_DEVICE:
+                dev += k
+            else:
+                host = host if run == _HOST_ONLY else 0
+                dev, run = k, _ON_DEVICE
+        elif node.host is RESIDENT and not node.corrupt:
+            if run == _HOST_ONLY:
+                host += k
+            else:
+                host, run = k, _HOST_ONLY
+        else:
+            run = _NEITHER
+        node = node.parent
+    if run == _ON_DEVICE:
+        return dev, host
+    return 0, host if run == _HOST_ONLY else 0
+
+
+_EXT: Any = optional_extension("aiocache_kv.tree._pathwalk")
+if _EXT is not None:
+    _EXT.bind(Node, ABSENT, FILLING, RESIDENT)
+
+#: ``"c"`` where the C extension walks, else ``"python"``.
+PATHWALK_IMPL = "python" if _EXT is None else "c"
+
+#: :func:`py_pin_path`, in C where the extension is built.
+pin_path: Callable[[Node, int, int | None], tuple[int, int]] = (
+    py_pin_path if _EXT is None else _EXT.pin_path
+)
+#: :func:`py_unpin_path`, in C where the extension is built.
+unpin_path: Callable[[Node, int], tuple[int, int, list[Node] | None]] = (
+    py_unpin_path if _EXT is None else _EXT.unpin_path
+)
+#: :func:`py_path_lens`, in C where the extension is built.
+path_lens: Callable[[Node], tuple[int, int]] = py_path_lens if _EXT is None else _EXT.path_lens
