@@ -60,7 +60,7 @@ def check_prefix(core: CacheCore, prefix: Handle, ns: Namespace, skip: int) -> N
         kind = "match" if isinstance(prefix, MatchResult) else "insert result"
         raise InvalidInputError(f"insert prefix is an {kind} in namespace {node.ns!r}, not {ns!r}")
     if isinstance(prefix, MatchResult):
-        dev = prefix.device_len
+        dev = prefix.lens()[0]
         what = f"the prefix match's {dev} device tokens"
     else:
         dev = 0
@@ -169,7 +169,8 @@ def insert_tokens(
             was taken (dropped, or failed at load-back): nothing changed.
     """
     try:  # the tokens' own errors come first, as when they were checked before these
-        prio = check_priority(*priority)
+        unset = priority[0] is None and priority[1] is None  # nothing to check
+        prio = None if unset else check_priority(*priority)
         if prio is not None and prio[1] != math.inf and core.coordinator.deferred:
             raise InvalidInputError(
                 f"retention={priority[1]!r} is refused with tensor parallelism: a deadline is one "
