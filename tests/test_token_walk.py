@@ -169,3 +169,47 @@ async def test_bools_are_tokens_as_before() -> None:
         assert r.prefix_len == 2 and r.inserted_len == 3
         cache.release(r)
         cache.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_random_bad_tokens_are_named_where_a_full_check_would(seed: int) -> None:
+    """Seeded: random prompts over a random tree, a bad token at a random place in some.
+    Every call raises exactly when a full check of the list finds a bad token, with its
+    error type and index, and leaves the tree as it was; the others match and insert."""
+    rng = random.Random(seed)
+    p = rng.choice((1, 2, 4))
+    bads: list[Any] = [2.0, -1, 2**63, None, "x", np.int64(3), [1], Spy()]
+    async with akv.HiCache(small_config(page_size=p, device_pages=512, host_pages=0)) as cache:
+        stems = [[rng.randrange(50) for _ in range(rng.randrange(1, 6) * p)] for _ in range(4)]
+        for _ in range(60):
+            toks: list[Any] = [
+                *rng.choice(stems),
+                *(rng.randrange(50) for _ in range(rng.randrange(0, 3 * p + 2))),
+            ]
+            if rng.random() < 0.5:
+                at = rng.randrange(len(toks))
+                bad = rng.choice(bads)
+                toks[at] = bad if bad is not None else toks[at] + 0.0
+            first = fastcheck.py_first_bad_token(toks)
+            where = f"seed {seed}: tokens {toks!r}"
+            n = len(toks) // p * p
+            if first < 0:
+                m = cache.match_prefix(toks)
+                own = cache.alloc(n - m.device_len)
+                cache.release(cache.insert(toks[:n], own, prefix=m))
+                cache.release(m)
+                continue
+            before = cache.snapshot()
+            Spy.calls = 0
+            with pytest.raises((akv.InvalidTypeError, akv.InvalidInputError), match=f"at {first}$"):
+                cache.match_prefix(toks)
+            if n:
+                slots = cache.alloc(n)
+                with pytest.raises(
+                    (akv.InvalidTypeError, akv.InvalidInputError), match=f"at {first}$"
+                ):
+                    cache.insert(toks[:n] if first < n else toks, slots)
+                cache.free(slots)
+            assert cache.snapshot() == before, where
+            assert Spy.calls == 0, where
+        cache.check_invariants()
