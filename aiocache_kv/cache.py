@@ -86,7 +86,9 @@ class HiCache(CacheControls, CacheReports):
         self._engine = (
             copy_engine
             if copy_engine is not None
-            else default_engine(self._core.device, config.copy_threads, config.worker_nice)
+            else default_engine(
+                self._core.device, config.copy_threads, config.worker_nice, config.worker_idle
+            )
         )
         self._state = Lifecycle.NEW
         self._handles = HandleTable(self._core)

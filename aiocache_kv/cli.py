@@ -199,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 1024)",
     )
     xfer.add_argument(
+        "--worker-idle",
+        action="store_true",
+        help="lag suite: the copy worker under SCHED_IDLE (CacheConfig.worker_idle) instead of "
+        "nice +10",
+    )
+    xfer.add_argument(
         "--transfer-repeats", type=_positive, default=5, help="repeats, median reported (default 5)"
     )
     stor = bench.add_argument_group("storage suite")
@@ -447,6 +453,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     lag_mib=args.lag_mib,
                     max_running=args.max_running,
                     max_batch_tokens=args.max_batch_tokens,
+                    worker_idle=args.worker_idle,
                     seed=args.seed,
                 )
             )

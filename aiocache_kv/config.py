@@ -66,6 +66,10 @@ class CacheConfig:
     #: background workers (the CPU copy worker): nice increment over the loop's thread, so
     #: the loop wins a contended core (Linux; 0 leaves their priority alone)
     worker_nice: int = 10
+    #: the CPU copy worker under ``SCHED_IDLE`` instead (Linux; opt-in): it takes a core only
+    #: when no other thread wants one, so the loop always preempts it, but a CPU kept busy by
+    #: other threads delays the copies, their write-through acks and the pages those hold
+    worker_idle: bool = False
     #: storage tier: worker threads, per-call deadline (s), back-off (s) after a backup the
     #: store took nothing of (the call failed, or every page was refused)
     storage_workers: int = 2
@@ -137,6 +141,8 @@ class CacheConfig:
             )
         if type(self.worker_nice) is not int or not 0 <= self.worker_nice <= 19:
             raise ConfigError(f"worker_nice must be an int in [0, 19], got {self.worker_nice!r}")
+        if type(self.worker_idle) is not bool:
+            raise ConfigError(f"worker_idle must be a bool, got {self.worker_idle!r}")
         for name in ("storage_workers", "prefetch_batch_pages"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:

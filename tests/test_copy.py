@@ -12,10 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import aiocache_kv as akv
 from aiocache_kv import CacheConfig
 from aiocache_kv.errors import ConfigError
 from aiocache_kv.transfer import CopyJob, Direction, ThreadCopyEngine, page_runs
 from aiocache_kv.transfer.copy import device_to_host, host_to_device
+from tests.conftest import small_config
 
 
 def test_page_runs_coalesce_consecutive_pairs() -> None:
@@ -100,6 +102,47 @@ async def test_copy_worker_runs_below_the_loop(nice: int) -> None:
     assert probe.seen == [want, want], (base, nice, probe.seen)
     # the loop's own thread is untouched
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+
+
+class _PolicyProbe:
+    """A copy job that records the worker thread's scheduling policy and that of a thread it
+    starts (as OpenMP would), instead of copying."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def run(self, *, non_blocking: bool = False) -> None:
+        self.seen.append(os.sched_getscheduler(threading.get_native_id()))
+        child = threading.Thread(
+            target=lambda: self.seen.append(os.sched_getscheduler(threading.get_native_id()))
+        )
+        child.start()
+        child.join()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE is Linux's")
+@pytest.mark.parametrize("idle", [False, True])
+async def test_copy_worker_under_sched_idle_only_when_asked(idle: bool) -> None:
+    """``CacheConfig.worker_idle``: the copy worker (and the threads it starts) run under
+    SCHED_IDLE; without it, under the loop's policy at a lower nice; the loop is untouched."""
+    base = os.sched_getscheduler(threading.get_native_id())
+    async with akv.HiCache(small_config(worker_idle=idle)) as cache:
+        engine = cache._engine  # the engine the config chose
+        assert isinstance(engine, ThreadCopyEngine)
+        loop = asyncio.get_running_loop()
+        probe = _PolicyProbe()
+        fut: asyncio.Future[BaseException | None] = loop.create_future()
+        engine.submit(probe, fut.set_result)
+        assert await asyncio.wait_for(fut, 10) is None
+    want = os.SCHED_IDLE if idle else base
+    assert probe.seen == [want, want], (idle, probe.seen)
+    assert os.sched_getscheduler(threading.get_native_id()) == base
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_worker_idle_is_validated(bad: object) -> None:
+    with pytest.raises(ConfigError, match="worker_idle"):
+        CacheConfig(worker_idle=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [-1, 20, 1.5, True, "10"])

@@ -105,6 +105,8 @@ class LagBenchOptions:
     engine_s: float = 3.0  #: seconds of each ``engine`` arm, at least
     #: the engine's ``switch_interval`` (seconds; ``None``: the interpreter's, 5 ms)
     switch_interval: float | None = None
+    #: the copy worker under ``SCHED_IDLE`` (``CacheConfig.worker_idle``) instead of nice +10
+    worker_idle: bool = False
     size: str = "small"
     seed: int = 0
 
@@ -338,6 +340,7 @@ async def measure(opts: LagBenchOptions, model: Any) -> JSON:
         host_pages=opts.host_pages,
         write_policy="write_through",
         host_memory_reserve_bytes=0,
+        worker_idle=opts.worker_idle,
         namespace="bench-lag",
         enable_kv_events=False,
     )
@@ -380,6 +383,7 @@ async def measure(opts: LagBenchOptions, model: Any) -> JSON:
         "reply_tokens": opts.reply_tokens,
         "model_threads": engine.model_threads,
         "torch_threads": torch.get_num_threads(),
+        "copy_worker": "SCHED_IDLE" if opts.worker_idle else f"nice +{cfg.worker_nice}",
         "arms": arms,
         "rounds": opts.rounds,
         "load_average": {"start": load0[0], "end": os.getloadavg()[0], "cpus": os.cpu_count()},
@@ -416,7 +420,8 @@ def run(opts: LagBenchOptions) -> JSON:
     res = asyncio.run(measure(opts, model))
     arms = res["arms"]
     print(
-        f"GPT-2 {opts.size} on CPU ({res['model_threads']} model thread(s)), "
+        f"GPT-2 {opts.size} on CPU ({res['model_threads']} model thread(s), copy worker at "
+        f"{res['copy_worker']}), "
         f"max_running {opts.max_running} (+2 queued), prompts {opts.prompt_tokens[0]}-"
         f"{opts.prompt_tokens[1]} tokens, replies {opts.reply_tokens}, "
         f"{fmt_bytes(res['page_bytes'])} pages; ticker sleeps 1 ms; counted samples: "

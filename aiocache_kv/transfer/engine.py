@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from aiocache_kv.logs import get_logger
-from aiocache_kv.priority import lower_current_thread
+from aiocache_kv.priority import idle_current_thread, lower_current_thread
 from aiocache_kv.storage.deferred import copy_to_device, first_bad
 from aiocache_kv.storage.presum import copy_to_host, sum_slots
 from aiocache_kv.transfer.copy import copy_page_first, device_to_host, host_to_device
@@ -164,15 +164,22 @@ class ThreadCopyEngine:
     lowers the worker's CPU priority (and that of the OpenMP threads it starts) so the event
     loop wins a contended core (:mod:`aiocache_kv.priority`).  Measured on 2 cores, 1 GiB
     written through, loop-lag p99: default threads at nice 0 1.3-4.2 ms, at nice +10
-    0.8-1.0 ms at the same bandwidth; 1 thread ~1-1.5 ms at 0.65x the bandwidth.
+    0.8-1.0 ms at the same bandwidth; 1 thread ~1-1.5 ms at 0.65x the bandwidth.  ``idle``
+    runs the worker under ``SCHED_IDLE`` instead (opt-in; see :mod:`aiocache_kv.priority`).
     """
 
     def __init__(
-        self, name: str = "aiocache-kv-copy", *, threads: int | None = None, nice: int = 0
+        self,
+        name: str = "aiocache-kv-copy",
+        *,
+        threads: int | None = None,
+        nice: int = 0,
+        idle: bool = False,
     ) -> None:
         self._name = name
         self._threads = threads
         self._nice = nice
+        self._idle = idle
         self._queue: queue.SimpleQueue[tuple[_Job, Done] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -191,7 +198,9 @@ class ThreadCopyEngine:
     def _work(self) -> None:
         loop = self._loop
         assert loop is not None
-        lower_current_thread(self._nice)  # first: OpenMP threads started below inherit it
+        # first: the OpenMP threads started below inherit the priority
+        if not (self._idle and idle_current_thread()):
+            lower_current_thread(self._nice)
         if self._threads is not None:
             torch.set_num_threads(self._threads)
         while True:
@@ -268,8 +277,10 @@ class _EventWait:
         self.job.after_event()  # before the completion reaches the loop
 
 
-def default_engine(device: torch.device, threads: int | None = None, nice: int = 0) -> CopyEngine:
+def default_engine(
+    device: torch.device, threads: int | None = None, nice: int = 0, idle: bool = False
+) -> CopyEngine:
     """The engine for ``device``: CUDA streams on GPUs, a worker thread otherwise."""
     if device.type == "cuda":
         return CudaCopyEngine(device)
-    return ThreadCopyEngine(threads=threads, nice=nice)
+    return ThreadCopyEngine(threads=threads, nice=nice, idle=idle)
