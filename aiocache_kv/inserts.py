@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from aiocache_kv import fastcheck
 from aiocache_kv.config import WritePolicy
 from aiocache_kv.core import CacheCore
 from aiocache_kv.errors import InvalidInputError, KVCacheError, PrefixDroppedError
@@ -204,8 +203,7 @@ def insert_tokens(
     try:
         out, retained = core.insert_device(ns, toks, n, slots, skip // p, anchor, inherit)
     except InvalidInputError as exc:  # refused, nothing changed: was the prefix dropped?
-        if fastcheck.first_bad_token(toks) >= 0:
-            raise  # the tokens were at fault, whatever became of the prefix
+        check_token_ints(toks)  # the tokens were at fault, whatever became of the prefix
         gone = None if prefix is None or not skip else prefix_gone(core, prefix, skip)
         if gone is None and core.tree.detached:  # rows a match gave, dropped since
             gone = rows_dropped(core, slots)
