@@ -194,6 +194,17 @@ class HiCache(CacheControls, CacheReports):
             return self._default_ns
         return namespace_of(self.config.namespace, *check_names(tenant, lora))
 
+    def _walk_ns(self, toks: list[int], tenant: str | None, lora: str | None) -> Namespace:
+        """:meth:`_ns` for a call whose tokens' items its walk checks later: a bad name is
+        reported only after the tokens' own errors, as when the tokens were checked first."""
+        if tenant is None and lora is None:
+            return self._default_ns
+        try:
+            return self._ns(tenant, lora)
+        except InvalidTypeError:
+            check_token_ints(toks)
+            raise
+
     # ------------------------------------------------------------------ match / load back
 
     def cached_len(
@@ -229,11 +240,7 @@ class HiCache(CacheControls, CacheReports):
         if self._state is not _RUNNING or _get_ident() != self._core.owner:
             self._check()  # raises; the test inline: every request passes here
         toks = token_list(tokens)  # its items are checked by the match's walk
-        try:
-            ns = self._ns(tenant, lora)
-        except InvalidTypeError:
-            check_token_ints(toks)  # the tokens' own errors first, as when checked before
-            raise
+        ns = self._walk_ns(toks, tenant, lora)
         p = self.config.page_size
         core = self._core
         tree = core.tree
@@ -484,7 +491,7 @@ class HiCache(CacheControls, CacheReports):
         if self._state is not _RUNNING or _get_ident() != self._core.owner:
             self._check()  # raises; the test inline: every request passes here
         toks = token_list(tokens)  # its items are checked by the insert's walk
-        ns = self._ns(tenant, lora)
+        ns = self._walk_ns(toks, tenant, lora)
         use = (self._core, self._transfers, self._handles, self.release)
         return insert_tokens(*use, toks, kv_indices, prefix, ns, (priority, retention))
 

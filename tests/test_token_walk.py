@@ -213,3 +213,18 @@ async def test_random_bad_tokens_are_named_where_a_full_check_would(seed: int) -
             assert cache.snapshot() == before, where
             assert Spy.calls == 0, where
         cache.check_invariants()
+
+
+async def test_bad_tokens_are_reported_before_a_bad_tenant() -> None:
+    """The names are checked before the walk that checks the tokens: a call with both wrong
+    reports the tokens, as when every token was checked first, in match and insert alike."""
+    async with akv.HiCache(small_config(page_size=1, device_pages=64, host_pages=0)) as cache:
+        slots = cache.alloc(3)
+        with pytest.raises(akv.InvalidTypeError, match="tokens must be ints"):
+            cache.match_prefix([1, 2.5, 3], tenant=7)  # type: ignore[arg-type]
+        with pytest.raises(akv.InvalidTypeError, match="tokens must be ints"):
+            cache.insert([1, 2.5, 3], slots, tenant=7)  # type: ignore[arg-type]
+        with pytest.raises(akv.InvalidTypeError, match="tenant"):
+            cache.insert([1, 2, 3], slots, tenant=7)  # type: ignore[arg-type]
+        cache.free(slots)
+        cache.check_invariants()
