@@ -332,6 +332,8 @@ class Run:
     systems: list[list[int]] = field(default_factory=list)
     prompts: set[tuple[str | None, tuple[int, ...]]] = field(default_factory=set)
     pins: list[akv.CachePin] = field(default_factory=list)  #: hard pins chaos took
+    #: what maybe_cancel started: a caller cancelled while it waits leaves the task running
+    spawned: set[asyncio.Task[Any]] = field(default_factory=set)
     #: requests running now per (tenant, prompt), and drops per tenant so far (#26)
     active: collections.Counter[tuple[str | None, tuple[int, ...]]] = field(
         default_factory=collections.Counter
@@ -428,6 +430,8 @@ class Run:
         """Await ``aw`` in a task; with probability ``p`` cancel it after a random delay."""
         task = asyncio.ensure_future(aw)
         task.add_done_callback(_retrieve)  # an abandoned task's failure is not an error here
+        self.spawned.add(task)
+        task.add_done_callback(self.spawned.discard)
         if rng.random() < p:
             if rng.random() < 0.5:
                 for _ in range(rng.randint(0, 3)):
@@ -749,6 +753,9 @@ async def _drive(run: Run) -> None:
     results = await asyncio.gather(*tasks, return_exceptions=True)
     chaos.cancel()
     await asyncio.gather(chaos, return_exceptions=True)
+    # a warm or flush whose caller was cancelled mid-wait still runs (each is bounded): the
+    # settled state is checked once it ended, or a load-back it starts counts as a leak
+    await asyncio.gather(*run.spawned, return_exceptions=True)
     for pin in run.pins:  # expired ones: nothing to do; a drop or a page that failed at
         if pin.state is not akv.PinState.RELEASED:  # load-back ended (released) some
             cache.unpin(pin)
