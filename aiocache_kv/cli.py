@@ -8,7 +8,6 @@ as concise lines (:func:`aiocache_kv.logs.configure_console`).  ``main`` returns
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib.util
 import os
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 from aiocache_kv.bench import ENGINE_MODELS, ENGINE_SIDES, SERVE_ARMS, SUITE_HELP, SUITES
 from aiocache_kv.demo_defaults import DEFAULTS as D
 from aiocache_kv.logs import configure_console, get_logger
+from aiocache_kv.loop import run as run_loop
 
 log = get_logger(__name__)
 
@@ -205,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
         "nice +10",
     )
     xfer.add_argument(
+        "--stdlib-loop",
+        action="store_true",
+        help="lag suite: asyncio's default loop, whose epoll waits are rounded up to whole "
+        "milliseconds, instead of aiocache_kv.loop's precise one",
+    )
+    xfer.add_argument(
         "--transfer-repeats", type=_positive, default=5, help="repeats, median reported (default 5)"
     )
     stor = bench.add_argument_group("storage suite")
@@ -386,7 +392,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """``aiocache-kv demo``."""
     from aiocache_kv.demo import run_demo
 
-    return asyncio.run(run_demo(args))
+    return run_loop(run_demo(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -454,6 +460,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     max_running=args.max_running,
                     max_batch_tokens=args.max_batch_tokens,
                     worker_idle=args.worker_idle,
+                    stdlib_loop=args.stdlib_loop,
                     seed=args.seed,
                 )
             )

@@ -4,6 +4,8 @@ ticker arm, the bytes written through, the engine's throughput with and without 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -65,6 +67,26 @@ def test_tiny_run_reports_every_arm(capsys: pytest.CaptureFixture[str]) -> None:
     assert res["arms"]["write"]["writer_bytes"] == res["arms"]["write"]["bytes"]
     assert res["ticker_throughput_ratio"] > 0 and res["ticker_throughput_ratio_write"] > 0
     assert res["arms"]["engine"]["wall_s"] >= TINY.engine_s
+    assert res["loop"] == bench.LOOPS[False] and bench.LOOPS[False] in out
+
+
+def test_the_stdlib_loop_arm_runs_on_asyncios_loop(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``stdlib_loop``: measured on the loop ``asyncio.run`` makes, named as such."""
+    seen: list[str] = []
+    measure = bench.measure
+
+    async def spy(opts: bench.LagBenchOptions, model: object) -> dict[str, object]:
+        seen.append(type(asyncio.get_running_loop()._selector).__name__)  # type: ignore[attr-defined]
+        return await measure(opts, model)
+
+    monkeypatch.setattr(bench, "measure", spy)
+    short = dataclasses.replace(TINY, rounds=1, lag_mib=4, engine_s=0.05, idle_s=0.02)
+    res = bench.run(dataclasses.replace(short, stdlib_loop=True))
+    assert res["loop"] == bench.LOOPS[True] and bench.LOOPS[True] in capsys.readouterr().out
+    bench.run(short)
+    assert seen == ["EpollSelector", "PreciseEpollSelector"]
 
 
 def test_bad_options_raise_before_running() -> None:
@@ -78,3 +100,5 @@ def test_the_cli_knows_the_suite() -> None:
     assert "lag" in SUITES
     args = build_parser().parse_args(["bench", "lag", "--lag-mib", "64", "--max-running", "8"])
     assert (args.suite, args.lag_mib, args.max_running) == ("lag", 64, 8)
+    assert args.stdlib_loop is False
+    assert build_parser().parse_args(["bench", "lag", "--stdlib-loop"]).stdlib_loop is True

@@ -19,7 +19,6 @@ PNG; without matplotlib the CLI refuses it (exit 2) before measuring anything.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import shutil
 import statistics
@@ -33,6 +32,7 @@ from aiocache_kv.bench.report import JSON, heading, table
 from aiocache_kv.cache import HiCache
 from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.logs import get_logger
+from aiocache_kv.loop import run as run_loop
 from aiocache_kv.models import CachedLM, GPT2Spec, build_gpt2, cache_config_for
 from aiocache_kv.models.generate import reference_generate
 from aiocache_kv.storage import FileStorage
@@ -168,7 +168,7 @@ def run(opts: E2EBenchOptions) -> JSON:
     )
     root = opts.storage_dir or tempfile.mkdtemp(prefix="aiocache-kv-bench-e2e-")
     try:
-        results = asyncio.run(_measure(opts, model, root))
+        results = run_loop(_measure(opts, model, root))
     finally:
         if opts.storage_dir is None:
             shutil.rmtree(root, ignore_errors=True)

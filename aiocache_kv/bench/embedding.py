@@ -48,6 +48,7 @@ from aiocache_kv.embedding import EmbeddingCache, embedding_key
 from aiocache_kv.embedding.layout import EntryShape, pack_header
 from aiocache_kv.errors import StorageError
 from aiocache_kv.logs import get_logger
+from aiocache_kv.loop import run as run_loop
 from aiocache_kv.storage import MooncakeStorage
 from aiocache_kv.testing.mooncake_master import LoopbackMaster, mooncake_available
 
@@ -428,7 +429,7 @@ def run(opts: EmbeddingBenchOptions) -> JSON:
             addr, meta = master.rpc_addr, master.metadata_url
         else:
             addr, meta = opts.master, opts.metadata
-        results = asyncio.run(_run(opts, addr, meta))
+        results = run_loop(_run(opts, addr, meta))
     finally:
         if master is not None:
             master.terminate()
@@ -493,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--per-request", type=int, required=True)
     ap.add_argument("--seed", type=int, default=0)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    asyncio.run(_node_b(ap.parse_args(argv)))
+    run_loop(_node_b(ap.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ serves one unrelated warm-up request first, untimed.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import random
@@ -51,6 +50,7 @@ from aiocache_kv.bench.engine_sides import (
 from aiocache_kv.bench.report import JSON, heading, percentile, ratio, table
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.errors import InvalidInputError
+from aiocache_kv.loop import run as run_loop
 from aiocache_kv.models import GPT2Spec, build_gpt2, cache_config_for, reference_generate
 from aiocache_kv.models.llama import LlamaSpec, build_llama
 
@@ -356,7 +356,7 @@ def measure_model(name: str, opts: EngineBenchOptions) -> JSON:
         raise InvalidInputError(f"{pages} device pages cannot hold a {wl.longest()}-token request")
     reference_generate(model, wl.warmup, 2)  # the first forward passes of a process are slow
     load = [round(x, 2) for x in os.getloadavg()]  # other work on the machine skews timings
-    all_runs = asyncio.run(_sides(model, spec, wl, opts, pages))
+    all_runs = run_loop(_sides(model, spec, wl, opts, pages))
     runs = {side: _median_run(rs) for side, rs in all_runs.items()}
     sides: JSON = {}
     for side, run in runs.items():

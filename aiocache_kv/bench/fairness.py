@@ -9,7 +9,6 @@ round) alone, under the flood without quotas, and under the flood with ``flood``
 
 from __future__ import annotations
 
-import asyncio
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 
 from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig
+from aiocache_kv.loop import run as run_loop
 from aiocache_kv.quotas import TenantQuota
 
 __all__ = ["FairnessOptions", "run"]
@@ -99,7 +99,7 @@ def run(options: FairnessOptions) -> dict[str, Any]:
     print(f"\nfairness: {options}")
     print(f"{'arm':<22} {'small hit rate':>15} {'flood hit rate':>15} {'quota evictions':>16}")
     for name, (flood, quota) in arms.items():
-        res = asyncio.run(_hit_rates(options, flood, quota))
+        res = run_loop(_hit_rates(options, flood, quota))
         out[name] = res
         print(
             f"{name:<22} {res['small_hit_rate']:>15.3f} {res['flood_hit_rate']:>15.3f} "

@@ -51,6 +51,7 @@ from aiocache_kv.cache import HiCache
 from aiocache_kv.errors import CapacityError, EngineClosedError, InvalidInputError
 from aiocache_kv.handles import InsertResult
 from aiocache_kv.logs import get_logger
+from aiocache_kv.loop import run as run_loop
 from aiocache_kv.models import GPT2Spec, build_gpt2, cache_config_for
 from aiocache_kv.pools import available_host_bytes
 from aiocache_kv.serving import Engine
@@ -78,6 +79,11 @@ SPECS = {
 #: the arms run again without the ticker, for the engine's throughput
 NO_TICKER = ("engine+write_no_ticker", "engine_no_ticker")
 WRITER_TENANT = "bench-lag-writer"
+#: the loop an arm runs on, by ``LagBenchOptions.stdlib_loop``
+LOOPS = {
+    False: "precise loop (aiocache_kv.loop)",
+    True: "asyncio's default loop (waits rounded up to 1 ms)",
+}
 #: seconds between looks at whether the batch is full (a bench driver, not a test)
 POLL = 0.005
 #: seconds the aborted requests of an arm may take to leave the engine (a step or two)
@@ -107,6 +113,9 @@ class LagBenchOptions:
     switch_interval: float | None = None
     #: the copy worker under ``SCHED_IDLE`` (``CacheConfig.worker_idle``) instead of nice +10
     worker_idle: bool = False
+    #: asyncio's default loop (``epoll_wait``: waits rounded up to whole milliseconds)
+    #: instead of :func:`aiocache_kv.loop.new_event_loop`'s precise one
+    stdlib_loop: bool = False
     size: str = "small"
     seed: int = 0
 
@@ -417,11 +426,12 @@ def run(opts: LagBenchOptions) -> JSON:
     _check(opts)
     t_start = time.perf_counter()
     model = build_gpt2(SPECS[opts.size])  # before the loop: building reads files
-    res = asyncio.run(measure(opts, model))
+    res = (asyncio.run if opts.stdlib_loop else run_loop)(measure(opts, model))
+    res["loop"] = LOOPS[opts.stdlib_loop]
     arms = res["arms"]
     print(
         f"GPT-2 {opts.size} on CPU ({res['model_threads']} model thread(s), copy worker at "
-        f"{res['copy_worker']}), "
+        f"{res['copy_worker']}; {res['loop']}), "
         f"max_running {opts.max_running} (+2 queued), prompts {opts.prompt_tokens[0]}-"
         f"{opts.prompt_tokens[1]} tokens, replies {opts.reply_tokens}, "
         f"{fmt_bytes(res['page_bytes'])} pages; ticker sleeps 1 ms; counted samples: "

@@ -24,7 +24,6 @@ wall clock and by this thread's CPU time (steadier on a shared machine), in one 
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import re
 import time
@@ -39,6 +38,7 @@ import torch
 from aiocache_kv.bench.peer_stubs import sglang_wheel
 from aiocache_kv.bench.report import JSON, heading, median, table
 from aiocache_kv.bench.tree import build_sequences, frozen_gc, step_once
+from aiocache_kv.loop import run as run_loop
 
 #: targets of issue #27, peer / ours, per arm name prefix
 TARGETS = {"0.5.15 RadixCache": 2.0, "0.5.23 Rust TreeCore": 1.0}
@@ -231,7 +231,7 @@ def _arms(
 
 def _ours(seqs: Sequence[list[int]], p: int, ev: bool) -> tuple[float, float]:
     cpu: list[float] = []
-    wall = asyncio.run(step_once(seqs, p, ev, cpu=cpu))
+    wall = run_loop(step_once(seqs, p, ev, cpu=cpu))
     return wall, cpu[0]
 
 

@@ -21,7 +21,6 @@ With ``--url`` the same workload goes to an OpenAI-compatible server instead
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import math
 import os
@@ -47,6 +46,7 @@ from aiocache_kv.bench.serve_arms import (
     tiers,
 )
 from aiocache_kv.errors import InvalidInputError
+from aiocache_kv.loop import run as run_loop
 from aiocache_kv.models import GPT2Spec, build_gpt2, cache_config_for, reference_generate
 
 __all__ = ["ARMS", "PLOT_HINT", "ServeBenchOptions", "pool_sizes", "run"]
@@ -358,7 +358,7 @@ def run(opts: ServeBenchOptions) -> JSON:
         )
         pacing = Pacing(opts.max_in_flight, opts.request_rate, opts.round_barrier, opts.seed)
         try:
-            runs = {"server": asyncio.run(serve_url(opts.url, wl, pacing, model=opts.model))}
+            runs = {"server": run_loop(serve_url(opts.url, wl, pacing, model=opts.model))}
         except Exception as exc:
             runs = {"server": SideRun(error=f"{type(exc).__name__}: {exc}")}
         result["url"] = opts.url
@@ -378,7 +378,7 @@ def run(opts: ServeBenchOptions) -> JSON:
         reference_generate(model, wl.warmup, 2)  # the first forward passes of a process are slow
         root = tempfile.mkdtemp(prefix="aiocache-kv-bench-serve-", dir=opts.storage_dir)
         try:
-            runs = asyncio.run(_arms(model, spec, wl, opts, sizes, root))
+            runs = run_loop(_arms(model, spec, wl, opts, sizes, root))
         finally:
             shutil.rmtree(root, ignore_errors=True)
         result["cache"] = sizes

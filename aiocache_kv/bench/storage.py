@@ -54,7 +54,6 @@ pool ``2 * pages`` (a prefetch may reserve at most half of the host pool).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import gc
 import os
@@ -83,6 +82,7 @@ from aiocache_kv.bench.storage_paths import (
 )
 from aiocache_kv.errors import InvalidInputError, KVCacheError, StorageError
 from aiocache_kv.logs import get_logger
+from aiocache_kv.loop import run as run_loop
 from aiocache_kv.pools import available_host_bytes
 from aiocache_kv.storage import FRAME_OVERHEAD
 
@@ -264,7 +264,7 @@ def _run_backend(ctx: Context, opts: StorageBenchOptions) -> JSON:
     rows: list[list[object]] = []
     for plan in plans:
         t0 = time.perf_counter()
-        secs = asyncio.run(measure_config(ctx, plan, opts.repeats))
+        secs = run_loop(measure_config(ctx, plan, opts.repeats))
         gc.collect()
         entry = _summarise(plan, secs)
         entry["elapsed_s"] = time.perf_counter() - t0

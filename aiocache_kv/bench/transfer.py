@@ -47,6 +47,7 @@ from aiocache_kv.config import CacheConfig
 from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.handles import InsertResult, MatchResult
 from aiocache_kv.logs import get_logger
+from aiocache_kv.loop import run as run_loop
 from aiocache_kv.pools import available_host_bytes
 from aiocache_kv.transfer import device_to_host, host_to_device
 
@@ -348,7 +349,7 @@ def run(opts: TransferBenchOptions) -> JSON:
             )
         pages = max(1, mib * MiB // page_bytes)
         nbytes = pages * page_bytes
-        secs = asyncio.run(measure_page_size(page_bytes, pages, opts.repeats, gen))
+        secs = run_loop(measure_page_size(page_bytes, pages, opts.repeats, gen))
         gc.collect()
         gbs = {k: nbytes / median(v) for k, v in secs.items()}
         best = {k: nbytes / min(v) for k, v in secs.items()}
@@ -391,7 +392,7 @@ def run(opts: TransferBenchOptions) -> JSON:
             align="lrrrlrr",
         )
     heading(f"event-loop lag while {lag_mib} MiB moves through write-through")
-    lag = asyncio.run(measure_lag(lag_mib * MiB, 256 * KiB))
+    lag = run_loop(measure_lag(lag_mib * MiB, 256 * KiB))
     results["loop_lag"] = lag
     verdict = "met" if lag["p99_ms"] <= TARGET_LAG_P99_MS else "MISSED"
     table(

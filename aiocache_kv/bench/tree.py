@@ -26,7 +26,6 @@ implementation before the C fast path (one ``hashlib`` object per page), in the 
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import hashlib
 import random
@@ -42,6 +41,7 @@ from aiocache_kv.bench.report import JSON, fmt_ms, heading, median, ratio, table
 from aiocache_kv.cache import HiCache
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.logs import get_logger
+from aiocache_kv.loop import run as run_loop
 from aiocache_kv.tree import hashing
 from aiocache_kv.tree.radix import RadixTree
 
@@ -313,7 +313,7 @@ def run(opts: TreeBenchOptions) -> JSON:
     }
     for p in opts.page_sizes:
         a_runs = [tree_once(seqs, p) for _ in range(opts.repeats)]
-        b_runs = [asyncio.run(cache_once(seqs, p, opts.events)) for _ in range(opts.repeats)]
+        b_runs = [run_loop(cache_once(seqs, p, opts.events)) for _ in range(opts.repeats)]
         a = _summary(a_runs)
         b = _summary(b_runs)
         b["overhead_vs_tree"] = {k: ratio(b["median_ms"][k], a["median_ms"][k]) for k in OPS}
@@ -321,7 +321,7 @@ def run(opts: TreeBenchOptions) -> JSON:
         forms = {}
         for name, pre in (("serving_step", True), ("serving_step_all_slots", False)):
             steps = [
-                asyncio.run(step_once(seqs, p, opts.events, with_prefix=pre))
+                run_loop(step_once(seqs, p, opts.events, with_prefix=pre))
                 for _ in range(opts.repeats)
             ]
             step = {"median_ms": median(steps) * 1e3, "min_ms": min(steps) * 1e3}
