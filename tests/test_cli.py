@@ -235,7 +235,8 @@ def test_bench_storage_file_tiny(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "cache backup" in proc.stdout and "cache prefetch" in proc.stdout
     suite = _check_storage_report(report, "file", {"64KiB_b4", "256KiB_b4"})
-    assert suite["target_ratio"] == 0.9 and "mooncake" not in suite["backends"]
+    assert suite["target_ratio"] == {"file": 1.0, "mooncake": 0.95}
+    assert suite["backends"]["file"]["target_ratio"] == 1.0 and "mooncake" not in suite["backends"]
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # temp dirs removed
 
 
@@ -264,7 +265,8 @@ def test_bench_storage_mooncake_tiny(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "started a loopback master at 127.0.0.1:" in proc.stdout
-    _check_storage_report(report, "mooncake", {"64KiB_b4", "64KiB_b16"})
+    suite = _check_storage_report(report, "mooncake", {"64KiB_b4", "64KiB_b16"})
+    assert suite["backends"]["mooncake"]["target_ratio"] == 0.95
 
 
 def test_bench_e2e_tiny(tmp_path: Path) -> None:

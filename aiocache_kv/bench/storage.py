@@ -3,7 +3,7 @@
 For each backend (``file``, ``mooncake``), page size (64 KiB .. 4 MiB of KV per page, all
 layers) and batch (pages per storage call), the suite moves the same pages two ways in every
 round and reports GB/s (payload bytes, 10^9) and the ratio cache / raw of the same round
-(median over rounds; target >= 0.9):
+(median over rounds; targets, issue #27: >= 0.95 for Mooncake, >= 1.0 for files):
 
 * **raw** - the backend's own primitive, one thread, the calls in a plain loop:
 
@@ -23,9 +23,10 @@ round and reports GB/s (payload bytes, 10^9) and the ratio cache / raw of the sa
   device->host copies but *holds their completions* (the write acks); the clock starts when
   the acks are delivered and stops when ``await cache.flush()`` returns, i.e. it measures from
   the write ack to the storage ack: ack bookkeeping, key derivation, dispatch to the storage
-  workers, the integrity seal, the backend's existence check and the put - and none of the
-  device->host copy, which ``bench transfer`` measures.  The copy takes each page's checksum
-  in the same pass (``storage/presum.py``), so the seal only writes the trailer.
+  workers, the integrity seal and the put (no existence check first: a present key costs the
+  put its own round trip) - and none of the device->host copy, which ``bench transfer``
+  measures.  The copy takes each page's checksum in the same pass (``storage/presum.py``),
+  so the seal only writes the trailer.
 
 * **cache prefetch** - the tree is then emptied (evict device, then host: a cold node), and
   ``await cache.prefetch(tokens, policy="wait_complete")`` is timed: existence check of every
@@ -95,7 +96,7 @@ __all__ = [
     "LAYERS",
     "MAX_HOST_POOL",
     "PATHS",
-    "TARGET_RATIO",
+    "TARGETS",
     "TOKEN_BYTES",
     "GiB",
     "HeldAckEngine",
@@ -110,7 +111,9 @@ __all__ = [
 
 log = get_logger(__name__)
 
-TARGET_RATIO = 0.9
+#: cache / raw per backend (issue #27): within 5% of the raw Mooncake client; files at least
+#: as fast as plain system calls
+TARGETS = {"file": 1.0, "mooncake": 0.95}
 BACKENDS = ("file", "mooncake")
 #: the host pool of one measurement stays below this
 MAX_HOST_POOL = 2 * GiB
@@ -212,12 +215,12 @@ def _summarise(plan: Plan, secs: dict[str, list[float]]) -> JSON:
     }
 
 
-def _row(name: str, e: JSON) -> list[object]:
+def _row(e: JSON, target: float) -> list[object]:
     g = e["gbs"]
     r = e["ratio"]
 
     def verdict(x: float) -> str:
-        return "met" if x >= TARGET_RATIO else "below"
+        return "met" if x >= target else "below"
 
     return [
         f"{e['page_bytes'] // KiB} KiB",
@@ -257,7 +260,7 @@ _HEADERS = [
 
 def _run_backend(ctx: Context, opts: StorageBenchOptions) -> JSON:
     plans, notes = _plans(opts, ctx.kind)
-    out: JSON = {"configs": {}, "notes": notes}
+    out: JSON = {"configs": {}, "notes": notes, "target_ratio": TARGETS[ctx.kind]}
     for note in notes:
         print(note)
         log.warning("storage_bench_scaled", note=note)
@@ -269,7 +272,7 @@ def _run_backend(ctx: Context, opts: StorageBenchOptions) -> JSON:
         entry = _summarise(plan, secs)
         entry["elapsed_s"] = time.perf_counter() - t0
         out["configs"][plan.name] = entry
-        rows.append(_row(plan.name, entry))
+        rows.append(_row(entry, TARGETS[ctx.kind]))
         log.info(
             "storage_bench_config",
             backend=ctx.kind,
@@ -278,7 +281,7 @@ def _run_backend(ctx: Context, opts: StorageBenchOptions) -> JSON:
         )
     heading(
         f"{ctx.kind}: GB/s (payload, 10^9 B/s), median of {opts.repeats}; "
-        f"ratio = cache / raw per round, median (target >= {TARGET_RATIO})"
+        f"ratio = cache / raw per round, median (target >= {TARGETS[ctx.kind]})"
     )
     table(_HEADERS, rows)
     return out
@@ -333,7 +336,8 @@ def run(opts: StorageBenchOptions) -> JSON:
         "no fsync), fresh keys per round, objects of page + 40-byte trailer.\n"
         "cache backup: timed from the write acks (device->host copies already done, acks held "
         "by the bench's copy engine) to `await cache.flush()`: key derivation, dispatch, seal "
-        "(the trailer: the copy took the checksum), exists check, put; 2 storage workers.\n"
+        "(the trailer: the copy took the checksum), put (no existence check first); 2 storage "
+        "workers.\n"
         "cache prefetch: `await cache.prefetch(tokens, policy='wait_complete')` on an emptied "
         "tree: exists check, host reservation, reads of `batch` pages per call, verify, commit.\n"
         "ceiling: raw / the same raw call with one checksum pass over the same pages on a "
@@ -349,7 +353,7 @@ def run(opts: StorageBenchOptions) -> JSON:
         "geometry": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float16"},
         "target_mib_per_measurement": opts.mib,
         "repeats": opts.repeats,
-        "target_ratio": TARGET_RATIO,
+        "target_ratio": TARGETS,
         "method": {
             "raw": "backend primitive, one thread, fresh keys, registered buffer (Mooncake, same "
             "client as the cache) / os.write+os.readv one file per page, no fsync (file)",

@@ -71,7 +71,12 @@ from aiocache_kv.storage.base import (
     leading_run,
 )
 from aiocache_kv.storage.keys import check_keys
-from aiocache_kv.storage.mooncake_pipeline import PIPELINE_BYTES, pipelined_get, pipelined_put
+from aiocache_kv.storage.mooncake_pipeline import (
+    PIPELINE_BYTES,
+    pipelined_get,
+    pipelined_put,
+    put_chunks,
+)
 from aiocache_kv.storage.mooncake_tags import MooncakeTags
 from aiocache_kv.storage.sizes import env_first as _env
 from aiocache_kv.storage.sizes import parse_size
@@ -398,7 +403,9 @@ class MooncakeStorage(MooncakeTags):
         for i, key in enumerate(keys):
             first.setdefault(key, i)
         distinct = sorted(first.values())
-        chunks = byte_chunks(distinct, [b.nbytes for b in buffers], PIPELINE_BYTES)
+        # sealed while the existence check is in flight: the first chunk, or every page at
+        # once when their seals only write trailers
+        chunks = put_chunks(distinct, buffers, PIPELINE_BYTES)
         results = [False] * n
         sealed = 0  # chunks sealed before the pipeline starts
         todo: set[int] | None = None  # indices to send (None: every distinct one)

@@ -21,11 +21,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiocache_kv.storage import integrity
-from aiocache_kv.storage.base import PageBuffer
+from aiocache_kv.storage.base import PageBuffer, byte_chunks
 from aiocache_kv.storage.deferred import verify_trailers
 from aiocache_kv.storage.presum import covers
 
-__all__ = ["PIPELINE_BYTES", "Submit", "pipelined_get", "pipelined_put", "settle"]
+__all__ = ["PIPELINE_BYTES", "Submit", "pipelined_get", "pipelined_put", "put_chunks", "settle"]
 
 #: bytes per call of a pipelined put/get: one chunk is sent while the next is sealed
 PIPELINE_BYTES = 16 << 20
@@ -48,6 +48,18 @@ def _result(idx: list[int], future: concurrent.futures.Future[Any] | None, call:
         return call(idx)
     codes: list[int] = future.result()
     return codes
+
+
+def put_chunks(
+    idx: list[int], buffers: Sequence[PageBuffer], target: int = PIPELINE_BYTES
+) -> list[list[int]]:
+    """The calls a put of ``buffers[i]`` for ``i`` in ``idx`` goes out in: runs of about
+    ``target`` bytes (each sealed while the one before is sent), or one call when every
+    page's copy took its checksum (:func:`.presum.covers`: a seal that only writes trailers
+    has nothing to overlap with, and each call more is more master round trips)."""
+    if all(covers(buffers[i]) for i in idx):
+        return [idx]
+    return byte_chunks(idx, [b.nbytes for b in buffers], target)
 
 
 def pipelined_put(

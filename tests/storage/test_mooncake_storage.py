@@ -10,11 +10,13 @@ import textwrap
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from aiocache_kv.errors import ConfigError, InvalidInputError, StorageUnavailableError
 from aiocache_kv.storage import FRAME_OVERHEAD, MooncakeStorage, PageBuffer, StorageIO, integrity
+from aiocache_kv.storage.integrity import py_checksum
 from aiocache_kv.storage.keys import parse_storage_key, storage_key
 from aiocache_kv.storage.mooncake import MooncakeNotInstalledError, parse_size
 from aiocache_kv.testing.fake_mooncake import FakeMooncakeClient, FakeMooncakeStorage
@@ -351,6 +353,37 @@ def test_pipelined_put_chunks_skip_present_and_seal_everything(small_chunks: int
     by_key = {k: i for i, k in reversed(list(enumerate(keys)))}
     for j, k in enumerate(distinct):
         assert dst.payload(j) == src.payload(by_key[k])
+
+
+def test_presummed_pages_go_in_one_call_after_the_existence_check(small_chunks: int) -> None:
+    """With ``check_existing`` (the cache's backups), pages whose copy took their checksum
+    are one ``batch_put_from`` (the raw client's one call), not one call per chunk: their
+    seal only writes trailers, so chunking overlaps nothing and costs master round trips.
+    Pages without the sum are still chunked (sealed while the chunk before is sent)."""
+    from aiocache_kv.storage.presum import covers
+
+    client = FakeMooncakeClient()
+    s = scripted(client)
+    src = HostPool(7, seed=8)
+    table = np.zeros((7, 3), dtype=np.uint64)
+    slots = [PageBuffer.from_tensor(b.tensor, table[i]) for i, b in enumerate(src.slots)]
+    for i in range(7):
+        table[i] = (*py_checksum(src.slots[i].tensor[:PAGE]), PAGE)
+    assert all(covers(b) for b in slots)
+    keys = keys_for("presummed", 7)
+    assert s.put([keys[2]], [slots[2]]) == [True]  # present before: not re-sent
+    assert s.put(keys, slots) == [True] * 7
+    assert client.put_calls[1:] == [[k for i, k in enumerate(keys) if i != 2]]
+    dst = HostPool(7)
+    assert s.get_into(keys, dst.slots) == [True] * 7  # sealed right: every page verifies
+    assert [dst.payload(i) for i in range(7)] == [src.payload(i) for i in range(7)]
+    # one page without its sum: chunked as before
+    client.log.clear()
+    table[4, 2] = 0
+    more = keys_for("partly", 7)
+    assert s.put(more, slots) == [True] * 7
+    assert client.put_calls == [more[0:2], more[2:4], more[4:6], more[6:]]
+    assert s.get_into(more, dst.slots) == [True] * 7
 
 
 def test_pipelined_put_retries_no_space_from_every_chunk(small_chunks: int) -> None:
