@@ -537,11 +537,14 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve until interrupted."""
     from aiocache_kv.cli import configure_logging
+    from aiocache_kv.loop import new_event_loop
 
     configure_logging("info")
     opts = parse_args(argv)
     log.info("server_listening", url=f"http://{opts.host}:{opts.port}")
-    web.run_app(make_app(opts), host=opts.host, port=opts.port, print=None)
+    # timers to the microsecond: asyncio's default loop rounds its waits up to whole ms
+    loop = new_event_loop()
+    web.run_app(make_app(opts), host=opts.host, port=opts.port, print=None, loop=loop)
     return 0
 
 
