@@ -21,29 +21,11 @@ static inline int is_small_nonnegative(PyObject *v)
 #endif
 }
 
-/* first_bad_token(tokens, start=0) -> index of the first element from start on that is not
- * an int in [0, 2**63 - 1], or -1 */
-static PyObject *first_bad_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* the first index in [i, n) of items whose element is not an int in [0, 2**63 - 1], or -1;
+ * *inexact (if given) is set when an element before ``exact_to`` is an int subclass (a bool) */
+static Py_ssize_t scan_tokens(PyObject **items, Py_ssize_t i, Py_ssize_t n, Py_ssize_t exact_to,
+                              int *inexact)
 {
-    (void)self;
-    if (nargs < 1 || nargs > 2 || !PyList_CheckExact(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "first_bad_token needs a list (and a start)");
-        return NULL;
-    }
-    PyObject *arg = args[0];
-    Py_ssize_t i = 0;
-    if (nargs == 2) {
-        i = PyLong_AsSsize_t(args[1]);
-        if (i == -1 && PyErr_Occurred()) {
-            return NULL;
-        }
-        if (i < 0) {
-            PyErr_SetString(PyExc_ValueError, "start must be >= 0");
-            return NULL;
-        }
-    }
-    Py_ssize_t n = PyList_GET_SIZE(arg);
-    PyObject **items = ((PyListObject *)arg)->ob_item;
 #if PY_VERSION_HEX < 0x030C0000
     /* the common case, four exact ints in [0, 2**30) at a time with one branch (their
      * digit counts are 0 or 1: as unsigned, at most 1) */
@@ -60,19 +42,93 @@ static PyObject *first_bad_token(PyObject *self, PyObject *const *args, Py_ssize
 #endif
     for (; i < n; i++) {
         PyObject *item = items[i];
-        if (PyLong_CheckExact(item) && is_small_nonnegative(item)) {
-            continue; /* the common case: no conversion call */
-        }
-        if (!PyLong_Check(item)) {
-            return PyLong_FromSsize_t(i);
+        if (PyLong_CheckExact(item)) {
+            if (is_small_nonnegative(item)) {
+                continue; /* the common case: no conversion call */
+            }
+        } else if (!PyLong_Check(item)) {
+            return i;
+        } else if (inexact != NULL && i < exact_to) {
+            *inexact = 1;
         }
         int overflow = 0;
         long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
         if (overflow != 0 || v < 0) {
-            return PyLong_FromSsize_t(i);
+            return i;
         }
     }
-    return PyLong_FromSsize_t(-1);
+    return -1;
+}
+
+static int ssize_arg(PyObject *obj, Py_ssize_t *out)
+{
+    *out = PyLong_AsSsize_t(obj);
+    if (*out == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    return 0;
+}
+
+/* first_bad_token(tokens, start=0) -> index of the first element from start on that is not
+ * an int in [0, 2**63 - 1], or -1 */
+static PyObject *first_bad_token(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs < 1 || nargs > 2 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "first_bad_token needs a list (and a start)");
+        return NULL;
+    }
+    PyObject *arg = args[0];
+    Py_ssize_t i = 0;
+    if (nargs == 2) {
+        if (ssize_arg(args[1], &i) < 0) {
+            return NULL;
+        }
+        if (i < 0) {
+            PyErr_SetString(PyExc_ValueError, "start must be >= 0");
+            return NULL;
+        }
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    return PyLong_FromSsize_t(scan_tokens(((PyListObject *)arg)->ob_item, i, n, 0, NULL));
+}
+
+/* checked_key(tokens, start, pos, n) -> first_bad_token(tokens, start) if it is >= 0, else a
+ * new list tokens[pos:n], out of the cyclic collector's view when its items are exact ints
+ * (see _gcfree.c; items before start are the caller's: a tree walk matched them as ints);
+ * needs 0 <= pos <= start and pos <= n <= len(tokens) */
+static PyObject *checked_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 4 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "checked_key needs a list, start, pos and n");
+        return NULL;
+    }
+    PyObject *tokens = args[0];
+    Py_ssize_t start, pos, n;
+    if (ssize_arg(args[1], &start) < 0 || ssize_arg(args[2], &pos) < 0 ||
+        ssize_arg(args[3], &n) < 0) {
+        return NULL;
+    }
+    Py_ssize_t len = PyList_GET_SIZE(tokens);
+    if (pos < 0 || start < pos || n < pos || n > len) {
+        PyErr_SetString(PyExc_ValueError, "checked_key needs 0 <= pos <= start, pos <= n <= len");
+        return NULL;
+    }
+    PyObject **items = ((PyListObject *)tokens)->ob_item;
+    int inexact = 0;
+    for (Py_ssize_t i = pos; i < start && i < n; i++) {
+        inexact |= !PyLong_CheckExact(items[i]);
+    }
+    Py_ssize_t bad = scan_tokens(items, start, len, n, &inexact);
+    if (bad >= 0) {
+        return PyLong_FromSsize_t(bad);
+    }
+    PyObject *key = PyList_GetSlice(tokens, pos, n);
+    if (key != NULL && !inexact && PyObject_GC_IsTracked(key)) {
+        PyObject_GC_UnTrack(key);
+    }
+    return key;
 }
 
 static int int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what)
@@ -283,6 +339,29 @@ static int insert_fast(const int64_t *s, Py_ssize_t ns, long long p, long long l
     }
     Py_ssize_t size = state_size < stamp_size ? state_size : stamp_size;
     Py_ssize_t diff = 0, i = 0;
+    if (d == 0 && ns > 0 && s[0] >= 0 && s[0] % p == 0) {
+        /* the commonest case, only new pages from one alloc: the slots are one run, so the
+         * pages are one run of distinct ids (no stamps), and the loops below vectorize */
+        const uint64_t first = (uint64_t)s[0];
+        uint64_t off = 0;
+        for (Py_ssize_t k = 0; k < ns; k++) {
+            off |= (uint64_t)s[k] ^ (first + (uint64_t)k);
+        }
+        const int64_t id0 = s[0] / p;
+        if (off == 0 && s[0] <= limit - ns && id0 <= size - n) {
+            uint8_t other = 0;
+            for (Py_ssize_t k = 0; k < n; k++) {
+                other |= (uint8_t)(state[id0 + k] ^ (uint8_t)held);
+            }
+            if (other == 0) {
+                for (Py_ssize_t k = 0; k < n; k++) {
+                    out[k] = id0 + k;
+                }
+                *differing = 0;
+                return 1;
+            }
+        }
+    }
     if (p == 1 && d == 0) { /* the common case, only new pages: the loop below, pared */
         uint64_t lim = (uint64_t)(limit < size ? limit : size);
         for (; i < n; i++) {
@@ -441,12 +520,26 @@ static PyObject *set_states(PyObject *self, PyObject *args)
     Py_ssize_t n = iv.len / 8;
     uint8_t *st = (uint8_t *)sv.buf;
     int bad = 0;
+    /* ids[0], ids[0] + 1, ...: an allocator's run, one memset (an OR of differences: the
+     * loop vectorizes) */
+    const uint64_t first = n ? (uint64_t)ids[0] : 0;
+    uint64_t off = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        bad |= (uint64_t)ids[i] >= (uint64_t)sv.len; /* a negative id wraps above */
+        off |= (uint64_t)ids[i] ^ (first + (uint64_t)i);
     }
-    if (!bad) {
+    if (off == 0 && n) {
+        bad = (int64_t)first < 0 || (int64_t)first > (int64_t)sv.len - (int64_t)n;
+        if (!bad) {
+            memset(st + first, value, (size_t)n);
+        }
+    } else {
         for (Py_ssize_t i = 0; i < n; i++) {
-            st[ids[i]] = (uint8_t)value;
+            bad |= (uint64_t)ids[i] >= (uint64_t)sv.len; /* a negative id wraps above */
+        }
+        if (!bad) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                st[ids[i]] = (uint8_t)value;
+            }
         }
     }
     PyBuffer_Release(&sv);
@@ -499,6 +592,8 @@ static PyObject *page_slots(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"first_bad_token", (PyCFunction)(void (*)(void))first_bad_token, METH_FASTCALL,
      "Index of the first non-token (from start), or -1."},
+    {"checked_key", (PyCFunction)(void (*)(void))checked_key, METH_FASTCALL,
+     "first_bad_token(tokens, start) if >= 0, else tokens[pos:n], untracked."},
     {"slot_pages", slot_pages, METH_VARARGS, "Page ids of whole-page slot runs (status code)."},
     {"first_repeat", first_repeat, METH_VARARGS, "Index of the first repeated page id, or -1."},
     {"held_check", held_check, METH_VARARGS, "(first page not held, pages differing)."},

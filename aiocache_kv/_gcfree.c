@@ -10,7 +10,9 @@
  *
  * untrack_ints(lst) -> bool: untrack ``lst`` if it is an exact list of exact ints or exact
  * bytes (page hashes; bytes hold no references either); whether it is untracked now.  The
- * caller must never put anything but ints or bytes into it afterwards.
+ * caller must never put anything but ints or bytes into it afterwards.  A list untracked
+ * already is not scanned again: only this module and ``_fastcheck.checked_key`` (which
+ * checks the same) untrack lists; CPython never does.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -21,6 +23,9 @@ static PyObject *untrack_ints(PyObject *self, PyObject *arg)
     if (!PyList_CheckExact(arg)) {
         Py_RETURN_FALSE;
     }
+    if (!PyObject_GC_IsTracked(arg)) {
+        Py_RETURN_TRUE;
+    }
     Py_ssize_t n = PyList_GET_SIZE(arg);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(arg, i);
@@ -28,9 +33,7 @@ static PyObject *untrack_ints(PyObject *self, PyObject *arg)
             Py_RETURN_FALSE;
         }
     }
-    if (PyObject_GC_IsTracked(arg)) {
-        PyObject_GC_UnTrack(arg);
-    }
+    PyObject_GC_UnTrack(arg);
     Py_RETURN_TRUE;
 }
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from aiocache_kv.extensions import optional_extension
+from aiocache_kv.gcfree import keep
 from aiocache_kv.tree.hashing import MAX_TOKEN_ID
 
 #: :func:`slot_pages` codes
@@ -48,6 +49,21 @@ def py_first_bad_token(tokens: list[Any], start: int = 0) -> int:
     return next(
         i for i, t in enumerate(tokens) if not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID
     )
+
+
+def py_checked_key(tokens: list[Any], start: int, pos: int, n: int) -> int | list[int]:
+    """:func:`first_bad_token` ``(tokens, start)`` if it is >= 0, else a new list
+    ``tokens[pos:n]`` for a tree key, out of the collector's view (:func:`.gcfree.keep`) when
+    its items are exact ints.  The items before ``start`` are the caller's to vouch for (a
+    tree walk matched them as ints).
+
+    Raises:
+        ValueError: not ``0 <= pos <= start`` and ``pos <= n <= len(tokens)``.
+    """
+    if not (0 <= pos <= start and pos <= n <= len(tokens)):
+        raise ValueError("checked_key needs 0 <= pos <= start, pos <= n <= len")
+    bad = py_first_bad_token(tokens, start)
+    return bad if bad >= 0 else keep(tokens[pos:n])
 
 
 def py_slot_pages(slots: np.ndarray, page_size: int, limit: int, out: np.ndarray) -> int:
@@ -156,6 +172,7 @@ _EXT = optional_extension("aiocache_kv._fastcheck")
 FASTCHECK_IMPL = "python" if _EXT is None else "c"
 
 first_bad_token = py_first_bad_token if _EXT is None else _EXT.first_bad_token
+checked_key = py_checked_key if _EXT is None else _EXT.checked_key
 slot_pages = py_slot_pages if _EXT is None else _EXT.slot_pages
 first_repeat = py_first_repeat if _EXT is None else _EXT.first_repeat
 held_check = py_held_check if _EXT is None else _EXT.held_check
@@ -170,6 +187,7 @@ __all__ = [
     "SLOTS_NOT_PAGES",
     "SLOTS_OK",
     "SLOTS_OUT_OF_RANGE",
+    "checked_key",
     "first_bad_token",
     "first_repeat",
     "held_check",

@@ -70,6 +70,94 @@ def test_first_bad_token_agrees_on_hostile_lists() -> None:
             assert all(isinstance(t, int) and 0 <= t <= MAX_TOKEN_ID for t in toks)
 
 
+class _Token(int):
+    """An int subclass: a valid token, but a list holding it stays tracked (its instances
+    carry a ``__dict__``, so they could close a reference cycle)."""
+
+
+def test_checked_key_agrees_and_untracks_only_exact_int_keys() -> None:
+    """``checked_key`` (the plan's one pass: check the tail, make the new leaf's key) against
+    the reference ``first_bad_token`` + slice + ``gcfree.keep``: the same bad index, or an
+    equal new list, untracked exactly when every item of the key is an exact int."""
+    import gc
+
+    ext = _ext()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    goods: list[Any] = [*_GOOD, _Token(9), _Token(1 << 40)]
+    for trial in range(600):
+        size = rng.randint(1, 200)
+        toks: list[Any] = [
+            rng.choice(goods) if rng.random() < 0.1 else rng.randrange(1 << 15) for _ in range(size)
+        ]
+        pos = rng.randint(0, size)
+        start = rng.randint(pos, size)
+        n = rng.randint(pos, size)
+        if rng.random() < 0.5 and start < size:  # a bad token after start (the walk's part
+            toks[rng.randrange(start, size)] = rng.choice(_BAD)  # before it is vouched for)
+        why = f"seed {seed} trial {trial}: start {start} pos {pos} n {n}"
+        want = fastcheck.py_checked_key(toks, start, pos, n)
+        got = ext.checked_key(toks, start, pos, n)
+        if isinstance(want, int):
+            assert got == want == fastcheck.py_first_bad_token(toks, start) >= 0, why
+            continue
+        assert isinstance(got, list) and got == want == toks[pos:n], why
+        assert got is not toks and all(a is b for a, b in zip(got, toks[pos:n], strict=True))
+        exact = all(type(t) is int for t in toks[pos:n])
+        assert gc.is_tracked(got) is (not exact), why
+        assert gc.is_tracked(want) is (not exact), why
+    for bad in ((toks, 0, 1, 1), (toks, 2, 1, len(toks) + 1), (toks, 1, 2, 3), ([1], -1, -1, 0)):
+        with pytest.raises(ValueError):
+            ext.checked_key(*bad)
+        with pytest.raises(ValueError):
+            fastcheck.py_checked_key(*bad)
+    with pytest.raises(TypeError):
+        ext.checked_key((1, 2), 0, 0, 1)
+
+
+def test_set_states_agrees_on_runs_scatters_and_bad_ids() -> None:
+    """``set_states`` (an allocator's ``take``: one memset for a contiguous run, a scatter
+    otherwise) writes what numpy's ``state[ids] = value`` writes, and nothing at all when an
+    id is outside the array."""
+    ext = _ext()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    for trial in range(500):
+        size = rng.randint(1, 300)
+        backing = np.zeros(size + 64, dtype=np.uint8)  # what a bad write past the end hits
+        state = backing[:size]
+        state[:] = [rng.randrange(6) for _ in range(size)]
+        n = rng.randint(0, size)
+        a = rng.randint(0, size - n)
+        kind = rng.choice(["run", "shuffled", "gappy", "bad", "run_past"])
+        ids = np.arange(a, a + n, dtype=np.int64)
+        if kind == "shuffled" and n > 1:
+            ids = ids[rng.sample(range(n), n)]
+        elif kind == "gappy" and n:
+            ids = np.array(sorted(rng.sample(range(size), n)), dtype=np.int64)
+        elif kind == "bad":
+            ids = np.append(ids, rng.choice([-1, size, size + 7, -(1 << 40)])).astype(np.int64)
+            ids = ids[rng.sample(range(ids.size), ids.size)]
+        elif kind == "run_past":  # a run that ends past the array, or starts below it
+            lo = rng.choice([size - rng.randint(0, 5), -rng.randint(1, 5)])
+            ids = np.arange(lo, lo + rng.randint(6, 20), dtype=np.int64)
+            kind = "bad"
+        value = rng.randrange(256)
+        why = f"seed {seed} trial {trial}: {kind} ids {ids.tolist()[:8]}"
+        orig, want, got = state.copy(), state.copy(), state  # got: a write past it hits backing
+        if kind == "bad":
+            with pytest.raises(IndexError):
+                fastcheck.py_set_states(want, ids, value)
+            with pytest.raises(IndexError):
+                ext.set_states(got, ids, value)
+            assert np.array_equal(got, orig), why  # nothing written
+            assert not backing[size:].any(), why  # nor past the end
+            continue
+        fastcheck.py_set_states(want, ids, value)
+        ext.set_states(got, ids, value)
+        assert np.array_equal(got, want), why
+
+
 def test_slot_pages_agrees_and_catches_every_broken_run() -> None:
     ext = _ext()
     seed = random.randrange(1 << 30)
@@ -148,11 +236,19 @@ def test_insert_pages_agrees_with_the_reference_and_the_separate_checks() -> Non
     for trial in range(600):
         p = rng.choice((1, 2, 4))
         pages = [rng.randrange(num + 2) for _ in range(rng.randint(0, 8))]
+        if rng.random() < 0.3:  # one alloc's run (the fast path), maybe past the pool's end
+            a = rng.randrange(num + 2)
+            pages = list(range(a, a + rng.randint(1, 10)))
         slots = np.array([pg * p + j for pg in pages for j in range(p)], dtype=np.int64)
         if slots.size and rng.random() < 0.15:  # break a run
             slots[rng.randrange(slots.size)] += rng.choice((-1, 1))
-        state = np.array([rng.randrange(4) for _ in range(num)], dtype=np.uint8)
-        k = rng.randint(0, len(pages))
+        # pages past the pool read as HELD were the bounds not checked (the array is a view)
+        backing = np.full(num + 16, int(PageState.HELD), dtype=np.uint8)
+        state = backing[:num]
+        state[:] = [rng.randrange(4) for _ in range(num)]
+        if rng.random() < 0.5:  # mostly held, as after an alloc
+            state[np.array([rng.random() < 0.9 for _ in range(num)])] = int(PageState.HELD)
+        k = rng.randint(0, len(pages)) if rng.random() < 0.5 else 0
         existing = np.array(
             [pg if rng.random() < 0.7 else rng.randrange(num) for pg in pages[:k]], dtype=np.int64
         )

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from aiocache_kv.errors import InvalidInputError
+from aiocache_kv.fastcheck import checked_key
 from aiocache_kv.gcfree import keep
 from aiocache_kv.tree.evict import Evictor
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
@@ -72,6 +73,24 @@ def _walk_key(tokens: list[int], pos: int, p: int, unchecked: bool) -> tuple[Any
             unchecked = False
         key = tuple(tokens[pos : pos + p])
     return key, unchecked
+
+
+def _checked_key(tokens: list[int], start: int, pos: int, n: int) -> list[int] | None:
+    """Check ``tokens[start:]`` (:func:`check_token_ints`) and, where the walk leaves
+    tokens to insert (``pos < n``), make the new leaf's key ``tokens[pos:n]`` in the same C
+    call (untracked: :mod:`aiocache_kv.gcfree`).
+
+    Raises:
+        InvalidTypeError / InvalidInputError: as :func:`check_token_ints`.
+    """
+    if pos >= n:
+        check_token_ints(tokens, start)
+        return None
+    key = checked_key(tokens, start, pos, n)
+    if type(key) is int:
+        check_token_ints(tokens, start)  # raises, naming the item
+        raise AssertionError(f"checked_key found a bad token at {key} that a check did not")
+    return key  # type: ignore[return-value]
 
 
 class RadixTree(Evictor):
@@ -224,7 +243,7 @@ class RadixTree(Evictor):
         plan = InsertPlan(node)
         if node is None:
             if unchecked:
-                check_token_ints(tokens)
+                plan.key = _checked_key(tokens, 0, 0, n)
             return plan
         pos = checked = 0
         steps = plan.steps
@@ -265,7 +284,7 @@ class RadixTree(Evictor):
             pos += common
             break
         if unchecked:  # what the walk matched are ints equal to cached keys
-            check_token_ints(tokens, pos + checked)
+            plan.key = _checked_key(tokens, pos + checked, pos, n)
         plan.pos = pos
         return plan
 
@@ -324,7 +343,9 @@ class RadixTree(Evictor):
         out.prefix_tokens = pos
         if pos < n and (node.device is not FILLING or node.parent is None):
             # fresh device-only leaf: the device transition ABSENT->RESIDENT, inlined
-            new = Node(tokens[pos:n], node, ns)
+            key = plan.key
+            assert key is None or len(key) == n - pos, "stale insert plan key"
+            new = Node(tokens[pos:n] if key is None else key, node, ns)
             new.last_access = clock
             a, b = (pos - base) // p, (n - base) // p
             # the common case, a caller that passed just the new pages, takes no slice

@@ -35,6 +35,9 @@ class InsertPlan:
     #: the device pages of the leading run, from the walk's ``skip`` page on
     existing: list[np.ndarray] = field(default_factory=list)
     existing_pages: int = 0  #: pages in the leading device run (``skip`` included)
+    #: ``tokens[pos:n]``, made while the walk checked the tokens after it (the new leaf's
+    #: key; ``None``: the walk had nothing to check, or nothing is left to insert)
+    key: list[int] | None = None
 
     def device_pages(self) -> np.ndarray:
         """Device pages the tree holds for the leading part of the walk (after ``skip``):
