@@ -378,6 +378,7 @@ async def test_insert_rejects_bad_pages_and_keeps_no_caller_buffer(
             ("first_repeat", fastcheck.py_first_repeat),
             ("page_slots_into", fastcheck.py_page_slots),
             ("first_bad_token", fastcheck.py_first_bad_token),
+            ("checked_key", fastcheck.py_checked_key),
         ):
             monkeypatch.setattr(fastcheck, name, ref)
     async with HiCache(_cfg(p)) as cache:

@@ -53,3 +53,27 @@ def test_node_keys_and_hashes_stay_untracked_through_splits() -> None:
         assert not gc.is_tracked(node.key), node
         assert node.hashes is None or not gc.is_tracked(node.hashes), node
     tree.check_invariants()
+
+
+@pytest.mark.parametrize("p", [1, 4])
+async def test_an_inserts_new_key_is_made_untracked_in_the_check(p: int) -> None:
+    """Through ``HiCache.insert`` the new leaf's key comes from the walk's token check
+    (``fastcheck.checked_key``): untracked for exact ints, tracked when a token is a ``bool``
+    (an int subclass: valid, but its list is left to the collector)."""
+    _c()
+    from aiocache_kv import HiCache
+    from tests.conftest import small_config
+
+    async with HiCache(small_config(page_size=p)) as cache:
+        toks = list(range(300, 300 + 8 * p))
+        r = cache.insert(toks, cache.alloc(len(toks)))
+        assert r.node.key == toks and not gc.is_tracked(r.node.key)
+        cache.release(r)
+        more: list[int] = [*toks, *range(900, 900 + 4 * p)]
+        more[8 * p + 1] = True  # a bool in the part after the cached prefix
+        m = cache.match_prefix(toks)
+        r2 = cache.insert(more, cache.alloc(4 * p), prefix=m)
+        assert r2.node.key == more[8 * p :] and gc.is_tracked(r2.node.key)
+        cache.release(r2)
+        cache.release(m)
+        cache.check_invariants()

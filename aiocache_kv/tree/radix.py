@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from aiocache_kv import fastcheck
 from aiocache_kv.errors import InvalidInputError
-from aiocache_kv.fastcheck import checked_key
 from aiocache_kv.gcfree import keep
 from aiocache_kv.tree.evict import Evictor
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
@@ -86,7 +86,7 @@ def _checked_key(tokens: list[int], start: int, pos: int, n: int) -> list[int] |
     if pos >= n:
         check_token_ints(tokens, start)
         return None
-    key = checked_key(tokens, start, pos, n)
+    key = fastcheck.checked_key(tokens, start, pos, n)
     if type(key) is int:
         check_token_ints(tokens, start)  # raises, naming the item
         raise AssertionError(f"checked_key found a bad token at {key} that a check did not")
