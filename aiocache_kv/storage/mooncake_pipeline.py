@@ -75,14 +75,9 @@ def pipelined_put(
 ) -> dict[int, int]:
     """Seal every chunk (``idents[i]``: what page ``i`` was computed from) and send its
     members that are in ``todo`` (all: ``None``); the first ``sealed`` chunks are sealed
-    already.  Returns index -> put code.
-
-    Pages whose copy took their checksum (:func:`.presum.covers`: their seal writes only the
-    trailer) have nothing to overlap with a send: such a batch goes in one call, as the raw
-    client would send it, instead of one call (and its master round trips) per chunk."""
+    already.  Returns index -> put code.  ``chunks`` come from :func:`put_chunks` (one when
+    every page's copy took its checksum)."""
     codes: dict[int, int] = {}
-    if len(chunks) > 1 and not sealed and all(covers(buffers[i]) for c in chunks for i in c):
-        chunks = [[i for c in chunks for i in c]]
 
     def seal(k: int) -> list[int]:
         chunk = chunks[k]

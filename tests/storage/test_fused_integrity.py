@@ -348,7 +348,7 @@ async def test_cuda_waiter_records_sums_after_the_event(tmp_path: Path) -> None:
 
 def test_a_mooncake_put_of_presummed_pages_is_one_call() -> None:
     """Pages whose copy took their sum have no seal to overlap with a send: one call."""
-    from aiocache_kv.storage.mooncake_pipeline import pipelined_put
+    from aiocache_kv.storage.mooncake_pipeline import pipelined_put, put_chunks
 
     n, size = 6, 1000
     table = np.zeros((n, 3), dtype=np.uint64)
@@ -364,16 +364,21 @@ def test_a_mooncake_put_of_presummed_pages_is_one_call() -> None:
         calls.append(idx)
         return [0] * len(idx)
 
-    chunks = [[0, 1], [2, 3], [4, 5]]
-    pipelined_put(chunks, keys, bufs, idents, send, lambda fn, *a: None)
+    target = 2 * bufs[0].nbytes  # two pages a chunk
+
+    def put() -> None:
+        chunks = put_chunks(list(range(n)), bufs, target)
+        pipelined_put(chunks, keys, bufs, idents, send, lambda fn, *a: None)
+
+    put()
     assert calls == [[0, 1], [2, 3], [4, 5]]  # no sums: chunk by chunk, sealed in full
     calls.clear()
     table[:] = (*py_checksum(bufs[0].tensor[:size]), size)
     table[3, 2] = 0  # one page without: the pipeline as before
-    pipelined_put(chunks, keys, bufs, idents, send, lambda fn, *a: None)
+    put()
     assert calls == [[0, 1], [2, 3], [4, 5]]
     calls.clear()
     table[3, 2] = size
-    pipelined_put(chunks, keys, bufs, idents, send, lambda fn, *a: None)
+    put()
     assert calls == [[0, 1, 2, 3, 4, 5]]
     assert integrity.verify_many(bufs, keys) == [Verdict.OK] * n
