@@ -20,11 +20,13 @@ setup(
         Extension(
             "aiocache_kv.tree._keycmp",
             sources=["aiocache_kv/tree/_keycmp.c"],
+            depends=["aiocache_kv/tree/_tokens.h"],  # the token helpers both share
             optional=True,
         ),
         Extension(
             "aiocache_kv.tree._pathwalk",
             sources=["aiocache_kv/tree/_pathwalk.c"],
+            depends=["aiocache_kv/tree/_tokens.h"],
             optional=True,
         ),
         Extension(

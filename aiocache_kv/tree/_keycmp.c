@@ -12,30 +12,10 @@
 #include <Python.h>
 #include <string.h>
 
+#include "_tokens.h"
+
 /* pointers compared per memcmp call while the lists hold the same objects */
 #define CHUNK 32
-
-/* whether v is an exact int small enough to read inline, and its value in *out */
-static inline int small_int(PyObject *v, Py_ssize_t *out)
-{
-    if (!PyLong_CheckExact(v)) {
-        return 0;
-    }
-#if PY_VERSION_HEX >= 0x030C0000
-    if (!PyUnstable_Long_IsCompact((PyLongObject *)v)) {
-        return 0;
-    }
-    *out = PyUnstable_Long_CompactValue((PyLongObject *)v);
-    return 1;
-#else
-    Py_ssize_t size = Py_SIZE(v); /* digits, negative for a negative value */
-    if (size < -1 || size > 1) {
-        return 0;
-    }
-    *out = size * (Py_ssize_t)((PyLongObject *)v)->ob_digit[0];
-    return 1;
-#endif
-}
 
 /* how many items the loop may read: limit clipped to what both lists hold now */
 static inline Py_ssize_t bound(PyObject *key, PyObject *tokens, Py_ssize_t pos, Py_ssize_t limit)
@@ -163,19 +143,9 @@ static PyObject *page_key(PyObject *self, PyObject *const *args, Py_ssize_t narg
     if (PyList_GET_SIZE(tokens) - pos < p) {
         Py_RETURN_NONE;
     }
-    PyObject **items = ((PyListObject *)tokens)->ob_item + pos;
-    for (Py_ssize_t i = 0; i < p; i++) {
-        if (!PyLong_CheckExact(items[i])) {
-            Py_RETURN_NONE;
-        }
-    }
-    PyObject *out = PyTuple_New(p);
-    if (out == NULL) {
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < p; i++) {
-        Py_INCREF(items[i]);
-        PyTuple_SET_ITEM(out, i, items[i]);
+    PyObject *out = page_tuple(((PyListObject *)tokens)->ob_item + pos, p);
+    if (out == NULL && !PyErr_Occurred()) {
+        Py_RETURN_NONE;
     }
     return out;
 }

@@ -15,6 +15,8 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include "_tokens.h"
+
 static PyTypeObject *node_type = NULL;
 static PyObject *ABSENT = NULL, *FILLING = NULL, *RESIDENT = NULL;
 static Py_ssize_t off_parent, off_pins, off_key, off_device, off_host, off_storage,
@@ -399,6 +401,115 @@ static PyObject *path_lens(PyObject *self, PyObject *node)
     return Py_BuildValue("(nn)", (Py_ssize_t)0, run == HOST_ONLY ? host : 0);
 }
 
+/* descend(node, tokens, n, page_size, plan) -> (node, pos, child, same, steps) or None:
+ * see pathwalk.py */
+static PyObject *descend(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    Py_ssize_t p, n;
+    PyObject *node = walk_args(args, nargs, 5, "descend(node, page_size, tokens, n, plan)", &p);
+    if (node == NULL) {
+        return NULL;
+    }
+    PyObject *tokens = args[2];
+    if (!PyList_CheckExact(tokens)) {
+        PyErr_SetString(PyExc_TypeError, "descend needs a list of tokens");
+        return NULL;
+    }
+    n = PyLong_AsSsize_t(args[3]);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int plan = PyObject_IsTrue(args[4]);
+    if (plan < 0) {
+        return NULL;
+    }
+    PyObject *steps = NULL, *child = NULL, *out = NULL;
+    if (plan && (steps = PyList_New(0)) == NULL) {
+        return NULL;
+    }
+    Py_INCREF(node); /* strong: an allocation here may collect garbage, which runs code */
+    Py_ssize_t pos = 0, same = 0;
+    while (pos < n) {
+        PyObject *key = child_key(tokens, pos, p);
+        if (key == NULL) {
+            if (PyErr_Occurred()) {
+                goto fail;
+            }
+            goto fallback;
+        }
+        PyObject *children = get(node, off_children, "children");
+        if (children == NULL || !PyDict_CheckExact(children)) {
+            if (children != NULL) {
+                PyErr_SetString(PyExc_TypeError, "node.children is not a dict");
+            }
+            Py_DECREF(key);
+            goto fail;
+        }
+        child = PyDict_GetItemWithError(children, key);
+        Py_DECREF(key);
+        if (child == NULL) {
+            if (PyErr_Occurred()) {
+                goto fail;
+            }
+            break;
+        }
+        Py_INCREF(child);
+        if (!PyObject_TypeCheck(child, node_type)) {
+            PyErr_SetString(PyExc_TypeError, "a child is not a node");
+            goto fail;
+        }
+        PyObject *d = get(node, off_device, "device"), *cd = get(child, off_device, "device");
+        if (d == NULL || cd == NULL) {
+            goto fail;
+        }
+        if (plan && d == FILLING && cd != FILLING) {
+            Py_CLEAR(child); /* nothing hangs below a node still loading but its own load */
+            break;
+        }
+        PyObject *ckey = get(child, off_key, "key");
+        if (ckey == NULL) {
+            goto fail;
+        }
+        if (!PyList_CheckExact(ckey)) {
+            PyErr_SetString(PyExc_TypeError, "node.key is not a list");
+            goto fail;
+        }
+        Py_ssize_t klen = PyList_GET_SIZE(ckey);
+        same = exact_common_len(ckey, tokens, pos, n - pos);
+        if (same < 0) {
+            if (same == DESCEND_FALLBACK) {
+                goto fallback;
+            }
+            goto fail;
+        }
+        if (same < klen) {
+            break; /* child: the node the walk ends inside */
+        }
+        if (steps != NULL && PyList_Append(steps, child) < 0) {
+            goto fail;
+        }
+        Py_SETREF(node, child);
+        child = NULL;
+        pos += klen;
+        same = 0;
+    }
+    out = Py_BuildValue("(OnOnO)", node, pos, child ? child : Py_None, same,
+                        steps ? steps : Py_None);
+    goto done;
+fallback:
+    out = Py_None;
+    Py_INCREF(out);
+    goto done;
+fail:
+    out = NULL;
+done:
+    Py_XDECREF(child);
+    Py_XDECREF(steps);
+    Py_DECREF(node);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS,
      "bind(node_type, absent, filling, resident)\n--\n\nThe node class and the tier states."},
@@ -408,6 +519,9 @@ static PyMethodDef methods[] = {
      "unpin_path(node, page_size)\n--\n\nDrop one pin from the path to a non-root node."},
     {"path_lens", path_lens, METH_O,
      "path_lens(node)\n--\n\nThe device run and the host-only run after it, in tokens."},
+    {"descend", (PyCFunction)(void (*)(void))descend, METH_FASTCALL,
+     "descend(node, page_size, tokens, n, plan)\n--\n\nThe walk down a match or insert "
+     "takes, or None where the Python walk must take it."},
     {NULL, NULL, 0, NULL},
 };
 

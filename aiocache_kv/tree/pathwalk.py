@@ -1,4 +1,5 @@
-"""The walks up a node's path that every request makes: pin (and stamp), unpin, run lengths.
+"""The walks along a node's path that every request makes: down from a root (match,
+insert plan), and up: pin (and stamp), unpin, run lengths.
 
 A match pins its path and stamps it as used, a release unpins it, and each handle reads the
 lengths of its device run and of the host-only run after it.  Two implementations return
@@ -7,7 +8,12 @@ compiler is at hand), which reads and writes a node's slots at the offsets its c
 and the functions below (the reference, used where the extension is missing).
 :data:`PATHWALK_IMPL` says which one runs.
 
-Each walk stops below the namespace root (the caller handles a root itself).  The pin
+:func:`descend` only reads: it returns where the walk ends, and the caller checks the tokens
+it did not compare and changes the tree.  The C walk compares only exact ints (nothing it
+does can run Python code) and returns ``None`` at anything else; the caller then takes
+:func:`py_descend`, which checks the tokens as it goes.
+
+Each walk up stops below the namespace root (the caller handles a root itself).  The pin
 counts move pages between the tiers' evictable and protected counts by
 :func:`protect_delta`'s rule; the walks return those counts and leave applying them, and
 offering nodes to the victim heaps, to the tree (``tiers.py``).
@@ -19,19 +25,87 @@ from collections.abc import Callable
 from typing import Any
 
 from aiocache_kv.extensions import optional_extension
+from aiocache_kv.tree.keycmp import int_common_len, page_key
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node
+from aiocache_kv.validate import check_token_ints
 
 __all__ = [
     "PATHWALK_IMPL",
+    "Descent",
+    "descend",
     "may_be_victim",
     "path_lens",
     "pin_path",
     "protect_delta",
+    "py_descend",
     "py_path_lens",
     "py_pin_path",
     "py_unpin_path",
     "unpin_path",
 ]
+
+
+#: ``(node, pos, child, same, steps)``: see :func:`py_descend`
+Descent = tuple[Node, int, "Node | None", int, "list[Node] | None"]
+
+
+def walk_key(tokens: list[Any], pos: int, p: int, unchecked: bool) -> tuple[Any, bool]:
+    """The child key of the page at ``pos`` (page size ``p``: the token itself at 1, else a
+    tuple) and whether ``tokens`` are still unchecked.  Looking up anything but exact ints
+    could run code, so a page with another item has ``tokens`` checked whole first (raising
+    at a bad one: nothing has changed yet).
+
+    Raises:
+        InvalidTypeError / InvalidInputError: as :func:`check_token_ints`.
+    """
+    if p == 1:
+        key: Any = tokens[pos]
+        if unchecked and type(key) is not int:
+            check_token_ints(tokens)
+            unchecked = False
+        return key, unchecked
+    key = page_key(tokens, pos, p)
+    if key is None:
+        if unchecked:
+            check_token_ints(tokens)
+            unchecked = False
+        key = tuple(tokens[pos : pos + p])
+    return key, unchecked
+
+
+def py_descend(node: Node, page_size: int, tokens: list[Any], n: int, plan: bool) -> Descent:
+    """The walk down from ``node`` along ``tokens[:n]`` (page-aligned) that a match or an
+    insert takes, changing nothing.  Returns ``(node, pos, child, same, steps)``: the last
+    node whose whole key matched (``node`` itself if none) and ``pos``, the tokens down to
+    it; ``child``, the node below it whose key matched only its first ``same`` tokens (a
+    split point when ``same`` reaches a page boundary), else ``None`` and 0; with ``plan``
+    (an insert's walk), ``steps``, the nodes whose whole key matched, in order, and the walk
+    also ends at a child of a node still loading that is not that load's (nothing may hang
+    below a node still loading), else ``None``.  Every token before ``pos + same`` is an int
+    equal to a cached key's (checked); those after it are the caller's to check.
+
+    Raises:
+        InvalidTypeError / InvalidInputError: a page the walk reaches holds an item that is
+            not an exact int, and ``tokens`` hold a bad item (nothing changed).
+    """
+    pos = 0
+    unchecked = True
+    steps: list[Node] | None = [] if plan else None
+    while pos < n:
+        key, unchecked = walk_key(tokens, pos, page_size, unchecked)
+        child = node.children.get(key)
+        if child is None:
+            break
+        if plan and node.device is FILLING and child.device is not FILLING:
+            break
+        same = int_common_len(child.key, tokens, pos, n - pos)  # in place, no slice
+        if same < len(child.key):
+            return node, pos, child, same, steps
+        if steps is not None:
+            steps.append(child)
+        node = child
+        pos += same
+    return node, pos, None, 0, steps
 
 
 def protect_delta(node: Node, page_size: int) -> tuple[int, int]:
@@ -148,6 +222,11 @@ pin_path: Callable[[Node, int, int | None], tuple[int, int]] = (
 #: :func:`py_unpin_path`, in C where the extension is built.
 unpin_path: Callable[[Node, int], tuple[int, int, list[Node] | None]] = (
     py_unpin_path if _EXT is None else _EXT.unpin_path
+)
+#: :func:`py_descend` in C where the extension is built (it gives ``None`` where the walk
+#: meets an item that is not an exact int: take :func:`py_descend` then).
+descend: Callable[[Node, int, list[Any], int, bool], Descent | None] = (
+    py_descend if _EXT is None else _EXT.descend
 )
 #: :func:`py_path_lens`, in C where the extension is built.
 path_lens: Callable[[Node], tuple[int, int]] = py_path_lens if _EXT is None else _EXT.path_lens

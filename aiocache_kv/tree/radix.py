@@ -46,33 +46,14 @@ import torch
 from aiocache_kv import fastcheck
 from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.gcfree import keep
+from aiocache_kv.tree import pathwalk
 from aiocache_kv.tree.evict import Evictor
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
-from aiocache_kv.tree.keycmp import common_len, int_common_len, page_key
+from aiocache_kv.tree.keycmp import common_len
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, Tier, TierState, check_node
 from aiocache_kv.tree.results import Eviction, InsertOutcome, InsertPlan
 from aiocache_kv.tree.tiers import check_host_pins
 from aiocache_kv.validate import check_token_ints
-
-
-def _walk_key(tokens: list[int], pos: int, p: int, unchecked: bool) -> tuple[Any, bool]:
-    """The child key of the page at ``pos`` (page size ``p``: the token itself at 1, else a
-    tuple) and whether ``tokens`` are still unchecked.  Looking up anything but exact ints
-    could run code, so a page with another item has ``tokens`` checked whole first (raising
-    at a bad one: nothing has changed yet)."""
-    if p == 1:
-        key: Any = tokens[pos]
-        if unchecked and type(key) is not int:
-            check_token_ints(tokens)
-            unchecked = False
-        return key, unchecked
-    key = page_key(tokens, pos, p)
-    if key is None:
-        if unchecked:
-            check_token_ints(tokens)
-            unchecked = False
-        key = tuple(tokens[pos : pos + p])
-    return key, unchecked
 
 
 def _checked_key(tokens: list[int], start: int, pos: int, n: int) -> list[int] | None:
@@ -190,31 +171,17 @@ class RadixTree(Evictor):
                 check_token_ints(tokens)
                 unchecked = False
             node = self.root(ns, tag)
-        pos = checked = 0
         p = self.page_size
-        split = None
-        while pos < n:
-            key, unchecked = _walk_key(tokens, pos, p, unchecked)
-            child = node.children.get(key)
-            if child is None:
-                break
-            klen = len(child.key)
-            same = int_common_len(child.key, tokens, pos, n - pos)  # in place, no slice
-            if same == klen:
-                node = child
-                pos += klen
-                continue
-            checked = same
-            common = same - same % p
-            if common:
-                split = child
-                pos += common
-                checked -= common
-            break
+        walk = pathwalk.descend(node, p, tokens, n, False)
+        if walk is None:  # an item the C walk does not compare: the checking walk
+            walk = pathwalk.py_descend(node, p, tokens, n, False)
+        node, pos, split, same, _ = walk
         if unchecked:  # what the walk matched are ints equal to cached keys
-            check_token_ints(tokens, pos + checked)
-        if split is not None:
+            check_token_ints(tokens, pos + same)
+        common = same - same % p  # the child's first page matched its dict key: >= p
+        if split is not None and common:
             node = self._split(split, common)
+            pos += common
         self._clock += 1
         if pin:
             self.pin(node, self._clock)  # stamps in the same walk
@@ -245,46 +212,41 @@ class RadixTree(Evictor):
             if unchecked:
                 plan.key = _checked_key(tokens, 0, 0, n)
             return plan
-        pos = checked = 0
-        steps = plan.steps
+        walk = pathwalk.descend(node, p, tokens, n, True)
+        if walk is None:  # an item the C walk does not compare: the checking walk
+            walk = pathwalk.py_descend(node, p, tokens, n, True)
+        _, pos, split, same, steps = walk
+        assert steps is not None, "a plan's walk lists its steps"
+        plan.steps = steps
         existing = plan.existing
+        have = 0  # pages of the leading device run so far
         on_device = True
-        while pos < n:
-            key, unchecked = _walk_key(tokens, pos, p, unchecked)
-            child = node.children.get(key)
-            if child is None:
+        for child in steps:
+            if child.device is ABSENT:
+                on_device = False
                 break
-            if node.device is FILLING and child.device is not FILLING:
-                # nothing may hang below a node still loading (see ``insert``); its FILLING
-                # children are the same load's (a split of a loading node): walked on
-                break
-            klen = len(child.key)
-            on_device = on_device and child.device is not ABSENT
-            same = int_common_len(child.key, tokens, pos, n - pos)
-            if same == klen:
-                steps.append(child)
-                if on_device:
-                    have = plan.existing_pages
-                    if have + klen // p > skip:
-                        dp = child.device_pages
-                        existing.append(dp if have >= skip else dp[skip - have :])  # type: ignore[arg-type,index]
-                    plan.existing_pages = have + klen // p
-                node = child
-                pos += klen
-                continue
-            common = same - same % p
-            checked = same - common
-            plan.split = child
+            k = len(child.key) // p
+            if have + k > skip:
+                dp = child.device_pages
+                assert dp is not None, f"device pages missing on {child!r}"
+                existing.append(dp if have >= skip else dp[skip - have :])
+            have += k
+        common = same - same % p  # the child's first page matched its dict key: >= p
+        if split is not None and common:
+            plan.split = split
             plan.common = common
-            if on_device:
-                have = plan.existing_pages
-                if have + common // p > skip:
-                    existing.append(child.device_pages[max(skip - have, 0) : common // p])  # type: ignore[index]
-                plan.existing_pages = have + common // p
+            k = common // p
+            if on_device and split.device is not ABSENT:
+                sp = split.device_pages
+                assert sp is not None, f"device pages missing on {split!r}"
+                if have + k > skip:
+                    existing.append(sp[max(skip - have, 0) : k])
+                have += k
             pos += common
-            break
+            same -= common
+        plan.existing_pages = have
         if unchecked:  # what the walk matched are ints equal to cached keys
-            plan.key = _checked_key(tokens, pos + checked, pos, n)
+            plan.key = _checked_key(tokens, pos + same, pos, n)
         plan.pos = pos
         return plan
 
