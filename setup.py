@@ -32,6 +32,7 @@ setup(
         Extension(
             "aiocache_kv._fastcheck",
             sources=["aiocache_kv/_fastcheck.c"],
+            depends=["aiocache_kv/_pagecheck.h"],
             optional=True,
         ),
         Extension(

@@ -6,8 +6,11 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "_pagecheck.h"
 
 /* whether an exact int is in [0, 2**30) without converting it (its internal layout) */
 static inline int is_small_nonnegative(PyObject *v)
@@ -66,6 +69,38 @@ static int ssize_arg(PyObject *obj, Py_ssize_t *out)
     if (*out == -1 && PyErr_Occurred()) {
         return -1;
     }
+    return 0;
+}
+
+/* a long long argument (an int, or an object with __index__, as PyArg_ParseTuple's "L") */
+static int ll_arg(PyObject *obj, long long *out)
+{
+    *out = PyLong_AsLongLong(obj);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* an int argument (as PyArg_ParseTuple's "i": OverflowError outside a C int) */
+static int int_arg(PyObject *obj, int *out)
+{
+    long v = PyLong_AsLong(obj);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (v < INT_MIN || v > INT_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "signed integer is out of range for a C int");
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+/* whether a fast call got ``want`` arguments (TypeError naming ``usage`` if not) */
+static int nargs_ok(Py_ssize_t nargs, Py_ssize_t want, const char *usage)
+{
+    if (nargs == want) {
+        return 1;
+    }
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", usage, want, nargs);
     return 0;
 }
 
@@ -144,37 +179,6 @@ static int int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char
     return 0;
 }
 
-/* slot_pages on raw buffers: see slot_pages() */
-static long slot_pages_core(const int64_t *s, Py_ssize_t n, long long p, long long limit,
-                            int64_t *o, Py_ssize_t on)
-{
-    if (n % p != 0 || on != n / p) {
-        return 2;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (s[i] < 0 || s[i] >= limit) {
-            return 1;
-        }
-    }
-    if (p == 1) { /* no runs to check, and no division per slot */
-        memcpy(o, s, (size_t)n * 8);
-        return 0;
-    }
-    for (Py_ssize_t i = 0; i < n; i += p) {
-        int64_t first = s[i];
-        if (first % p != 0) {
-            return 2;
-        }
-        for (long long j = 1; j < p; j++) {
-            if (s[i + j] != first + j) {
-                return 2;
-            }
-        }
-        o[i / p] = first / p;
-    }
-    return 0;
-}
-
 /* slot_pages(slots, page_size, limit, out) -> 0 ok, 1 a slot outside [0, limit), 2 a run of
  * page_size slots that is not page * page_size + 0..page_size-1.  Writes the page ids (slot
  * // page_size of each run's first slot; the slots themselves when page_size is 1) to out. */
@@ -203,24 +207,6 @@ static PyObject *slot_pages(PyObject *self, PyObject *args)
     PyBuffer_Release(&sv);
     PyBuffer_Release(&ov);
     return PyLong_FromLong(code);
-}
-
-/* first_repeat on raw buffers (sets *bad_id for an id outside stamp) */
-static Py_ssize_t first_repeat_core(const int64_t *pg, Py_ssize_t n, int64_t *st,
-                                    Py_ssize_t size, long long epoch, int *bad_id)
-{
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t id = pg[i];
-        if (id < 0 || id >= size) {
-            *bad_id = 1;
-            return -1;
-        }
-        if (st[id] == epoch) {
-            return i;
-        }
-        st[id] = epoch;
-    }
-    return -1;
 }
 
 /* first_repeat(pages, stamp, epoch) -> index of the first page id seen before in pages, or -1.
@@ -252,33 +238,6 @@ static PyObject *first_repeat(PyObject *self, PyObject *args)
         return NULL;
     }
     return PyLong_FromSsize_t(found);
-}
-
-/* held_check on raw buffers: returns first_bad, sets *differing (and *bad_id for an id outside
- * state) */
-static Py_ssize_t held_check_core(const int64_t *pg, Py_ssize_t n, const int64_t *ex,
-                                  Py_ssize_t d, const uint8_t *state, Py_ssize_t size, int held,
-                                  Py_ssize_t *differing, int *bad_id)
-{
-    Py_ssize_t bad = -1;
-    if (d > n) {
-        d = n;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t id = pg[i];
-        if (id < 0 || id >= size) {
-            *bad_id = 1;
-            return -1;
-        }
-        int same = i < d && id == ex[i];
-        if (i < d && !same) {
-            (*differing)++;
-        }
-        if (!same && state[id] != held && bad < 0) {
-            bad = i;
-        }
-    }
-    return bad;
 }
 
 /* held_check(pages, existing, state, held) -> (first_bad, differing).  Page i < len(existing)
@@ -321,116 +280,24 @@ static PyObject *held_check(PyObject *self, PyObject *args)
     return Py_BuildValue("nn", bad, differing);
 }
 
-/* insert_pages()'s checks in one pass over the slots, for the common case of an insert
- * that passes all of them: returns 1 with out and *differing filled in, or 0 at the first
- * thing amiss, with the stamps it wrote set back below epoch's reach (so the three passes
- * of insert_pages() can find exactly what and where, with the same epoch).  Stamps only ever
- * hold epochs, which the caller counts down: epoch + 1 is never asked for again. */
-static int insert_fast(const int64_t *s, Py_ssize_t ns, long long p, long long limit,
-                       int64_t *out, Py_ssize_t n, const int64_t *ex, Py_ssize_t d,
-                       const uint8_t *state, Py_ssize_t state_size, int held, int64_t *st,
-                       Py_ssize_t stamp_size, long long epoch, Py_ssize_t *differing)
-{
-    if (ns % p != 0 || n != ns / p) {
-        return 0;
-    }
-    if (d > n) {
-        d = n;
-    }
-    Py_ssize_t size = state_size < stamp_size ? state_size : stamp_size;
-    Py_ssize_t diff = 0, i = 0;
-    if (d == 0 && ns > 0 && s[0] >= 0 && s[0] % p == 0) {
-        /* the commonest case, only new pages from one alloc: the slots are one run, so the
-         * pages are one run of distinct ids (no stamps), and the loops below vectorize */
-        const uint64_t first = (uint64_t)s[0];
-        uint64_t off = 0;
-        for (Py_ssize_t k = 0; k < ns; k++) {
-            off |= (uint64_t)s[k] ^ (first + (uint64_t)k);
-        }
-        const int64_t id0 = s[0] / p;
-        if (off == 0 && s[0] <= limit - ns && id0 <= size - n) {
-            uint8_t other = 0;
-            for (Py_ssize_t k = 0; k < n; k++) {
-                other |= (uint8_t)(state[id0 + k] ^ (uint8_t)held);
-            }
-            if (other == 0) {
-                for (Py_ssize_t k = 0; k < n; k++) {
-                    out[k] = id0 + k;
-                }
-                *differing = 0;
-                return 1;
-            }
-        }
-    }
-    if (p == 1 && d == 0) { /* the common case, only new pages: the loop below, pared */
-        uint64_t lim = (uint64_t)(limit < size ? limit : size);
-        for (; i < n; i++) {
-            int64_t id = s[i];
-            if ((uint64_t)id >= lim || st[id] == epoch || state[id] != held) {
-                break;
-            }
-            st[id] = epoch;
-            out[i] = id;
-        }
-    }
-    for (; i < n; i++) {
-        int64_t first = s[i * p];
-        if ((uint64_t)first >= (uint64_t)limit || (uint64_t)first + (uint64_t)(p - 1) >=
-                                                      (uint64_t)limit) {
-            break;
-        }
-        int64_t id = first;
-        if (p > 1) {
-            if (first % p != 0) {
-                break;
-            }
-            const int64_t *run = s + i * p;
-            long long j = 1;
-            while (j < p && run[j] == first + j) {
-                j++;
-            }
-            if (j < p) {
-                break;
-            }
-            id = first / p;
-        }
-        if (id >= size || st[id] == epoch) {
-            break;
-        }
-        int same = i < d && id == ex[i];
-        if (!same && state[id] != held) {
-            break;
-        }
-        st[id] = epoch;
-        diff += i < d && !same;
-        out[i] = id;
-    }
-    if (i == n) {
-        *differing = diff;
-        return 1;
-    }
-    for (Py_ssize_t k = 0; k < i; k++) {
-        st[out[k]] = epoch + 1;
-    }
-    return 0;
-}
-
 /* insert_pages(slots, page_size, limit, out, existing, state, held, stamp, epoch)
  *   -> (code, index, differing): every check of an insert in one call.  First slot_pages()
  * into out (code 1 or 2 as there; index -1), then first_repeat() of out (code 3: out[index]
  * repeats an earlier id), then held_check() of out (code 4: out[index] is neither
  * existing[index] nor in state `held`).  Code 0: all fine; differing counts the leading ids
  * that are not the tree's own. */
-static PyObject *insert_pages(PyObject *self, PyObject *args)
+static PyObject *insert_pages(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    PyObject *slots_obj, *out_obj, *existing_obj, *state_obj, *stamp_obj;
     long long p, limit, epoch;
     int held;
-    if (!PyArg_ParseTuple(args, "OLLOOOiOL", &slots_obj, &p, &limit, &out_obj, &existing_obj,
-                          &state_obj, &held, &stamp_obj, &epoch)) {
+    if (!nargs_ok(nargs, 9, "insert_pages") || ll_arg(args[1], &p) < 0 ||
+        ll_arg(args[2], &limit) < 0 || int_arg(args[6], &held) < 0 ||
+        ll_arg(args[8], &epoch) < 0) {
         return NULL;
     }
+    PyObject *slots_obj = args[0], *out_obj = args[3], *existing_obj = args[4];
+    PyObject *state_obj = args[5], *stamp_obj = args[7];
     if (p < 1) {
         PyErr_SetString(PyExc_ValueError, "page_size must be >= 1");
         return NULL;
@@ -491,19 +358,25 @@ done:
         PyErr_SetString(PyExc_IndexError, "page id outside the stamp or state array");
         return NULL;
     }
-    return Py_BuildValue("lnn", code, index, differing);
+    PyObject *c = PyLong_FromLong(code), *i = PyLong_FromSsize_t(index);
+    PyObject *d = PyLong_FromSsize_t(differing);
+    PyObject *out = c && i && d ? PyTuple_Pack(3, c, i, d) : NULL;
+    Py_XDECREF(c);
+    Py_XDECREF(i);
+    Py_XDECREF(d);
+    return out;
 }
 
 /* set_states(state, ids, value): state[ids[i]] = value for each i (the uint8 state array of
  * a page allocator); IndexError, with nothing written, if an id is outside state */
-static PyObject *set_states(PyObject *self, PyObject *args)
+static PyObject *set_states(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    PyObject *state_obj, *ids_obj;
     int value;
-    if (!PyArg_ParseTuple(args, "OOi", &state_obj, &ids_obj, &value)) {
+    if (!nargs_ok(nargs, 3, "set_states") || int_arg(args[2], &value) < 0) {
         return NULL;
     }
+    PyObject *state_obj = args[0], *ids_obj = args[1];
     if (value < 0 || value > 255) {
         PyErr_SetString(PyExc_ValueError, "value must fit in a uint8");
         return NULL;
@@ -552,14 +425,14 @@ static PyObject *set_states(PyObject *self, PyObject *args)
 }
 
 /* page_slots(pages, page_size, out): out[i * p + j] = pages[i] * p + j */
-static PyObject *page_slots(PyObject *self, PyObject *args)
+static PyObject *page_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    PyObject *pages_obj, *out_obj;
     long long p;
-    if (!PyArg_ParseTuple(args, "OLO", &pages_obj, &p, &out_obj)) {
+    if (!nargs_ok(nargs, 3, "page_slots") || ll_arg(args[1], &p) < 0) {
         return NULL;
     }
+    PyObject *pages_obj = args[0], *out_obj = args[2];
     Py_buffer pv, ov;
     if (int64_buffer(pages_obj, &pv, 0, "pages") < 0) {
         return NULL;
@@ -597,9 +470,11 @@ static PyMethodDef methods[] = {
     {"slot_pages", slot_pages, METH_VARARGS, "Page ids of whole-page slot runs (status code)."},
     {"first_repeat", first_repeat, METH_VARARGS, "Index of the first repeated page id, or -1."},
     {"held_check", held_check, METH_VARARGS, "(first page not held, pages differing)."},
-    {"page_slots", page_slots, METH_VARARGS, "Token slots of whole pages."},
-    {"insert_pages", insert_pages, METH_VARARGS, "(code, index, differing) of an insert."},
-    {"set_states", set_states, METH_VARARGS, "state[ids] = value."},
+    {"page_slots", (PyCFunction)(void (*)(void))page_slots, METH_FASTCALL,
+     "Token slots of whole pages."},
+    {"insert_pages", (PyCFunction)(void (*)(void))insert_pages, METH_FASTCALL,
+     "(code, index, differing) of an insert."},
+    {"set_states", (PyCFunction)(void (*)(void))set_states, METH_FASTCALL, "state[ids] = value."},
     {NULL, NULL, 0, NULL},
 };
 

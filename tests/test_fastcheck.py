@@ -451,3 +451,30 @@ def _shape(tree: RadixTree) -> list[tuple[tuple[int, ...], list[int]]]:
         out.append((tuple(t for n in tree.path(node) for t in n.key), pages))
         stack.extend(node.children.values())
     return sorted(out)
+
+
+def test_fast_calls_refuse_bad_arguments_before_reading_a_buffer() -> None:
+    """The per-request C calls parse their arguments by hand: a wrong count, a float where
+    an int goes, or an int past a C int raise before any buffer is read or written."""
+    ext = _ext()
+    state = np.zeros(8, dtype=np.uint8)
+    ids = np.arange(4, dtype=np.int64)
+    out = np.zeros(8, dtype=np.int64)
+    stamp = np.zeros(8, dtype=np.int64)
+    for call, args in (
+        (ext.set_states, (state, ids)),
+        (ext.page_slots, (ids, 2)),
+        (ext.insert_pages, (ids, 1, 8, out, ids, state, 1, stamp)),
+    ):
+        with pytest.raises(TypeError, match="takes"):
+            call(*args)
+    with pytest.raises(TypeError):
+        ext.page_slots(ids, 2.0, out)
+    with pytest.raises(OverflowError):
+        ext.set_states(state, ids, 1 << 40)
+    with pytest.raises(TypeError):
+        ext.insert_pages(ids, 1, 8.0, out[:4], ids[:0], state, 1, stamp, 1)
+    assert not state.any() and not out.any() and not stamp.any()
+    ext.set_states(state, ids, 3)  # the same calls, well formed
+    ext.page_slots(ids[:2], 4, out)
+    assert state.tolist() == [3] * 4 + [0] * 4 and out.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]

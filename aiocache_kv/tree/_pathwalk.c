@@ -229,6 +229,26 @@ static int step(PyObject *node, PyObject **parent, long *pins)
     return 1;
 }
 
+/* (a, b) of two sizes, or NULL with an exception set */
+static PyObject *pair(Py_ssize_t a, Py_ssize_t b)
+{
+    PyObject *x = PyLong_FromSsize_t(a), *y = PyLong_FromSsize_t(b);
+    PyObject *out = x && y ? PyTuple_Pack(2, x, y) : NULL;
+    Py_XDECREF(x);
+    Py_XDECREF(y);
+    return out;
+}
+
+/* (a, b, obj) with a new reference to obj taken, or NULL with an exception set */
+static PyObject *pair_and(Py_ssize_t a, Py_ssize_t b, PyObject *obj)
+{
+    PyObject *x = PyLong_FromSsize_t(a), *y = PyLong_FromSsize_t(b);
+    PyObject *out = x && y ? PyTuple_Pack(3, x, y, obj) : NULL;
+    Py_XDECREF(x);
+    Py_XDECREF(y);
+    return out;
+}
+
 /* pin_path(node, page_size, clock) -> (dev, host): see pathwalk.py */
 static PyObject *pin_path(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -263,7 +283,7 @@ static PyObject *pin_path(PyObject *self, PyObject *const *args, Py_ssize_t narg
     if (more < 0) {
         return NULL;
     }
-    return Py_BuildValue("(nn)", dev, host);
+    return pair(dev, host);
 }
 
 /* whether a node left without a pin may be a victim of a tier now (pathwalk.may_be_victim):
@@ -334,10 +354,9 @@ static PyObject *unpin_path(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (more < 0) {
         goto fail;
     }
-    if (unpinned == NULL) {
-        return Py_BuildValue("(nnO)", dev, host, Py_None);
-    }
-    return Py_BuildValue("(nnN)", dev, host, unpinned);
+    PyObject *out = pair_and(dev, host, unpinned == NULL ? Py_None : unpinned);
+    Py_XDECREF(unpinned);
+    return out;
 fail:
     Py_XDECREF(unpinned);
     return NULL;
@@ -396,9 +415,9 @@ static PyObject *path_lens(PyObject *self, PyObject *node)
         node = parent;
     }
     if (run == ON_DEVICE) {
-        return Py_BuildValue("(nn)", dev, host);
+        return pair(dev, host);
     }
-    return Py_BuildValue("(nn)", (Py_ssize_t)0, run == HOST_ONLY ? host : 0);
+    return pair(0, run == HOST_ONLY ? host : 0);
 }
 
 /* descend(node, tokens, n, page_size, plan) -> (node, pos, child, same, steps) or None:
@@ -494,8 +513,12 @@ static PyObject *descend(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         pos += klen;
         same = 0;
     }
-    out = Py_BuildValue("(OnOnO)", node, pos, child ? child : Py_None, same,
-                        steps ? steps : Py_None);
+    PyObject *at = PyLong_FromSsize_t(pos), *matched = PyLong_FromSsize_t(same);
+    out = at && matched ? PyTuple_Pack(5, node, at, child ? child : Py_None, matched,
+                                       steps ? steps : Py_None)
+                        : NULL;
+    Py_XDECREF(at);
+    Py_XDECREF(matched);
     goto done;
 fallback:
     out = Py_None;
