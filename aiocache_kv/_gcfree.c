@@ -8,6 +8,7 @@
  * can never be part of a reference cycle, so it needs no tracking; reference counting still
  * frees it.  CPython untracks such tuples and dicts by itself, but never lists.
  *
+ * keep(lst) -> lst: the same, returning the list (gcfree.keep).
  * untrack_ints(lst) -> bool: untrack ``lst`` if it is an exact list of exact ints or exact
  * bytes (page hashes; bytes hold no references either); whether it is untracked now.  The
  * caller must never put anything but ints or bytes into it afterwards.  A list untracked
@@ -17,28 +18,44 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-static PyObject *untrack_ints(PyObject *self, PyObject *arg)
+/* untrack arg under the rule above; whether it is untracked now */
+static int untrack(PyObject *arg)
 {
-    (void)self;
     if (!PyList_CheckExact(arg)) {
-        Py_RETURN_FALSE;
+        return 0;
     }
     if (!PyObject_GC_IsTracked(arg)) {
-        Py_RETURN_TRUE;
+        return 1;
     }
     Py_ssize_t n = PyList_GET_SIZE(arg);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(arg, i);
         if (!PyLong_CheckExact(item) && !PyBytes_CheckExact(item)) {
-            Py_RETURN_FALSE;
+            return 0;
         }
     }
     PyObject_GC_UnTrack(arg);
-    Py_RETURN_TRUE;
+    return 1;
+}
+
+static PyObject *untrack_ints(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    return PyBool_FromLong(untrack(arg));
+}
+
+/* keep(lst) -> lst, untracked where untrack_ints would (gcfree.keep, in one C call) */
+static PyObject *keep(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    untrack(arg);
+    Py_INCREF(arg);
+    return arg;
 }
 
 static PyMethodDef methods[] = {
     {"untrack_ints", untrack_ints, METH_O, "Untrack a list of ints from the cyclic GC."},
+    {"keep", keep, METH_O, "The list, untracked where untrack_ints would untrack it."},
     {NULL, NULL, 0, NULL},
 };
 

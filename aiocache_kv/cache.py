@@ -26,7 +26,14 @@ from aiocache_kv.distributed import SingleRank, TPGroup
 from aiocache_kv.errors import CacheClosedError, CapacityError, InvalidInputError, InvalidTypeError
 from aiocache_kv.events import KVEvent
 from aiocache_kv.flush import settle_work
-from aiocache_kv.handles import Handle, InsertResult, MatchResult, check_handle
+from aiocache_kv.handles import (
+    HANDLE_TYPES,
+    PINNED,
+    Handle,
+    InsertResult,
+    MatchResult,
+    check_handle,
+)
 from aiocache_kv.inserts import insert_tokens
 from aiocache_kv.introspection import describe
 from aiocache_kv.lifecycle import Lifecycle
@@ -40,6 +47,7 @@ from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
 from aiocache_kv.transfer import CopyEngine, default_engine
 from aiocache_kv.transfer.ops import OpKind, Transfers
 from aiocache_kv.tree import Node, Tier
+from aiocache_kv.tree.pathwalk import path_lens
 from aiocache_kv.validate import (
     check_names,
     check_token_ints,
@@ -239,8 +247,8 @@ class HiCache(CacheControls, CacheReports):
         """
         if self._state is not _RUNNING or _get_ident() != self._core.owner:
             self._check()  # raises; the test inline: every request passes here
-        toks = token_list(tokens)  # its items are checked by the match's walk
-        ns = self._walk_ns(toks, tenant, lora)
+        toks = tokens if type(tokens) is list and tokens else token_list(tokens)  # (inline)
+        ns = self._default_ns if tenant is lora is None else self._walk_ns(toks, tenant, lora)
         p = self.config.page_size
         core = self._core
         tree = core.tree
@@ -250,7 +258,7 @@ class HiCache(CacheControls, CacheReports):
         c = core.counters
         c.match_queries += 1
         if node.parent is not None:
-            dev, host = m.lens()
+            dev, host = m.lens() if core.trailing else path_lens(node)  # (lens, inline)
             c.hit_tokens_device += dev
             c.hit_tokens_host += host
             if self.config.write_policy is _SELECTIVE:
@@ -490,8 +498,8 @@ class HiCache(CacheControls, CacheReports):
         """
         if self._state is not _RUNNING or _get_ident() != self._core.owner:
             self._check()  # raises; the test inline: every request passes here
-        toks = token_list(tokens)  # its items are checked by the insert's walk
-        ns = self._walk_ns(toks, tenant, lora)
+        toks = tokens if type(tokens) is list and tokens else token_list(tokens)  # (inline)
+        ns = self._default_ns if tenant is lora is None else self._walk_ns(toks, tenant, lora)
         use = (self._core, self._transfers, self._handles, self.release)
         return insert_tokens(*use, toks, kv_indices, prefix, ns, (priority, retention))
 
@@ -502,9 +510,11 @@ class HiCache(CacheControls, CacheReports):
             HandleError: released twice, or a handle of another cache.
             CacheClosedError: the cache is not running.
         """
-        if self._state is not _RUNNING or _get_ident() != self._core.owner:
+        core = self._core
+        if self._state is not _RUNNING or _get_ident() != core.owner:
             self._check()  # raises; the test inline: every request passes here
-        check_handle(handle, Handle, self._core)
+        if not (type(handle) in HANDLE_TYPES and handle.core is core and handle.state is PINNED):
+            check_handle(handle, Handle, core)  # (its passing case is the test inline)
         self._handles.release(handle)
 
     # ------------------------------------------------------------------ backups, flush

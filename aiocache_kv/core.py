@@ -249,7 +249,8 @@ class CacheCore:
                 f"device (the tree holds {plan.existing_pages * p} leading tokens of these "
                 "tokens on device): the tokens do not extend that prefix"
             )
-        existing = plan.device_pages()
+        parts = plan.existing  # (plan.device_pages(), inline: the common cases, 0 or 1 part)
+        existing = _NO_IDS if not parts else parts[0] if len(parts) == 1 else plan.device_pages()
         d = existing.size
         code, at, differing, ids = alloc.check_insert(slots, p, existing)
         if code == INSERT_NOT_HELD and alloc.retained:  # retained rows are the caller's too

@@ -20,18 +20,21 @@ from aiocache_kv.extensions import optional_extension
 
 _T = TypeVar("_T", int, bytes)
 
-__all__ = ["GCFREE_IMPL", "keep"]
+__all__ = ["GCFREE_IMPL", "keep", "py_keep"]
 
 
 _EXT = optional_extension("aiocache_kv._gcfree")
 #: ``"c"`` where kept int lists are untracked, else ``"none"`` (they stay tracked)
 GCFREE_IMPL = "none" if _EXT is None else "c"
-_untrack = None if _EXT is None else _EXT.untrack_ints
 
 
-def keep(ints: list[_T]) -> list[_T]:
+def py_keep(ints: list[_T]) -> list[_T]:
     """``ints`` (a list of ints or of bytes, returned), out of the collector's view where
-    possible: the caller keeps it and never stores anything but ints or bytes in it."""
-    if _untrack is not None:
-        _untrack(ints)
+    possible: the caller keeps it and never stores anything but ints or bytes in it.  (This
+    one, where the extension is missing, leaves it tracked.)"""
     return ints
+
+
+#: :func:`py_keep`, untracking the list, as one C call where the extension is built (every
+#: node a request inserts keeps its key through it)
+keep = py_keep if _EXT is None else _EXT.keep

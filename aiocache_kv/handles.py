@@ -140,7 +140,8 @@ class MatchResult(Handle):
     @property
     def device_len(self) -> int:
         """Tokens of the leading device-resident part."""
-        return self.lens()[0]
+        # (lens, inline: a serving loop reads this on every request)
+        return self.lens()[0] if self.core.trailing else path_lens(self.node)[0]
 
     @property
     def host_len(self) -> int:
@@ -284,4 +285,20 @@ def check_handle(handle: object, kind: type[Handle], core: CacheCore) -> None:
     raise HandleError(f"handle already {handle.state.name.lower()}")
 
 
-__all__ = ["ABSENT", "FILLING", "Handle", "HandleState", "InsertResult", "MatchResult", "WriteAck"]
+#: the handle classes the caches issue, and their live state: ``type(h) in HANDLE_TYPES and
+#: h.core is core and h.state is PINNED`` is :func:`check_handle`'s passing case, which the
+#: per-request calls test inline
+HANDLE_TYPES = frozenset((MatchResult, InsertResult))
+PINNED = HandleState.PINNED
+
+__all__ = [
+    "ABSENT",
+    "FILLING",
+    "HANDLE_TYPES",
+    "PINNED",
+    "Handle",
+    "HandleState",
+    "InsertResult",
+    "MatchResult",
+    "WriteAck",
+]

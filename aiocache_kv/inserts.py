@@ -29,11 +29,20 @@ import torch
 from aiocache_kv.config import WritePolicy
 from aiocache_kv.core import CacheCore
 from aiocache_kv.errors import InvalidInputError, KVCacheError, PrefixDroppedError
-from aiocache_kv.handles import Handle, InsertResult, MatchResult, WriteAck, check_handle
+from aiocache_kv.handles import (
+    HANDLE_TYPES,
+    PINNED,
+    Handle,
+    InsertResult,
+    MatchResult,
+    WriteAck,
+    check_handle,
+)
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.pins import HandleTable
 from aiocache_kv.transfer.ops import OpKind, Transfers
 from aiocache_kv.tree.node import ABSENT
+from aiocache_kv.tree.pathwalk import path_lens
 from aiocache_kv.tree.retention import check_priority
 from aiocache_kv.validate import check_token_ints, slot_array
 
@@ -59,7 +68,8 @@ def check_prefix(core: CacheCore, prefix: Handle, ns: Namespace, skip: int) -> N
         kind = "match" if isinstance(prefix, MatchResult) else "insert result"
         raise InvalidInputError(f"insert prefix is an {kind} in namespace {node.ns!r}, not {ns!r}")
     if isinstance(prefix, MatchResult):
-        dev = prefix.lens()[0]
+        # (lens() without trailing windows, inline: every insert after a match passes here)
+        dev = prefix.lens()[0] if core.trailing else path_lens(node)[0]
         what = f"the prefix match's {dev} device tokens"
     else:
         dev = 0
@@ -178,7 +188,9 @@ def insert_tokens(
         p = core.page_size
         n = len(toks) // p * p
         skip = 0
-        if prefix is not None:
+        if prefix is not None and not (
+            type(prefix) in HANDLE_TYPES and prefix.core is core and prefix.state is PINNED
+        ):  # (check_handle's passing case, inline: every insert with a prefix passes here)
             check_handle(prefix, Handle, core)
         if isinstance(kv_indices, torch.Tensor) and kv_indices.dim() == 1:
             skip = len(toks) - kv_indices.numel()

@@ -21,7 +21,10 @@ class Namespace:
     lora: str = ""
     #: the hash of the parts, computed once: the tree looks namespaces up on every request
     _hash: int = field(init=False, repr=False, compare=False)
-    _tag: str = field(init=False, repr=False, compare=False)
+    #: storage-safe tag: a readable model prefix plus a digest of every part (the tenant
+    #: salt appears only inside the digest, so keys do not reveal it); a field, computed
+    #: once, as the hash: every match reads it
+    tag: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("model", "tenant", "lora"):
@@ -31,18 +34,10 @@ class Namespace:
         if not self.model:
             raise InvalidInputError("namespace model must not be empty")
         object.__setattr__(self, "_hash", hash((self.model, self.tenant, self.lora)))
-        object.__setattr__(self, "_tag", _tag(self.model, self.tenant, self.lora))
+        object.__setattr__(self, "tag", _tag(self.model, self.tenant, self.lora))
 
     def __hash__(self) -> int:
         return self._hash
-
-    @property
-    def tag(self) -> str:
-        """Storage-safe tag: readable model prefix plus a digest of every part.
-
-        The tenant salt appears only inside the digest, so keys do not reveal it.
-        """
-        return self._tag
 
 
 @functools.lru_cache(maxsize=4096)

@@ -70,7 +70,13 @@ class HandleTable:
         retained rows; the handle is ``RELEASED`` from now on."""
         handle.state = _RELEASED
         handle.on_drop = None
-        self._drop(handle.token, self._pins.pop(handle.token))
+        token = handle.token
+        node = self._pins.pop(token)
+        if self._retained:  # (_drop, inline: every request releases two handles)
+            rows = self._retained.pop(token, None)
+            if rows is not None:
+                self._core.unretain(rows)
+        self._core.tree.unpin(node)
 
     def _drop(self, token: int, node: Node) -> None:
         rows = self._retained.pop(token, None)

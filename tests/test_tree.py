@@ -322,3 +322,33 @@ def test_check_node_names_each_illegal_state() -> None:
     for message, kw in bad.items():
         with pytest.raises(AssertionError, match=message):
             check_node(node(**kw), 2)
+
+
+def test_root_lookup_cache_follows_reclaims_and_equal_namespaces() -> None:
+    """The tree remembers the root it found last, by identity: an equal namespace made
+    afresh finds the same root, a root reclaimed (its namespace emptied) is never served
+    again, and the next match makes a new one."""
+    from aiocache_kv.namespace import Namespace
+
+    tree = RadixTree(1)
+    a, b = Namespace("m", "t"), Namespace("m", "t")  # equal, two objects
+    other = Namespace("m", "u")
+    tree.insert(a, [1, 2, 3], 3, np.arange(3, dtype=np.int64), pin=False)
+    assert tree.match(b, [1, 2, 3, 4], 3)[1] == 3  # b is not the cached object: same root
+    node, got = tree.match(other, [1, 2, 3], 3, pin=True)
+    assert got == 0 and node is not tree.root(a)  # another namespace: its own root
+    tree.unpin(node)  # (reclaimed: empty)
+    assert tree.match(a, [1, 2], 2)[1] == 2
+    tree.check_invariants()
+    first = tree.root(a)
+    assert tree.evict_device(3).num_pages == 3  # no host copy: deleted, the root emptied
+    assert not first.alive  # reclaimed with the namespace's last node
+    node, got = tree.match(a, [1, 2, 3], 3, pin=True)
+    assert got == 0 and node is not first and node.alive  # a new root, not the dead one
+    tree.unpin(node)  # the last pin of an empty namespace: reclaimed too
+    assert not node.alive
+    tree.check_invariants()
+    again, _ = tree.match(b, [1], 1, pin=True)
+    assert again is not node and again.alive
+    tree.unpin(again)
+    tree.check_invariants()

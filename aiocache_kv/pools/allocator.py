@@ -315,14 +315,15 @@ class PageAllocator:
         of them at once: ``(code, index, differing, ids)``.  ``ids`` is scratch (read it
         before the next call); codes are :func:`fastcheck.insert_pages`'s: whole pages in
         range, distinct, each ``existing[i]`` (the tree's own) or HELD by the caller."""
-        ids = self.scratch(slots.size // page_size)
+        n = slots.size // page_size
+        ids = self._ids[:n] if n <= self._ids.size else self.scratch(n)  # (scratch, inline)
         self._epoch -= 1
         code, index, differing = fastcheck.insert_pages(
             slots,
             page_size,
             self.num_pages * page_size,
             ids,
-            _int64(existing),
+            existing if not existing.size else _int64(existing),  # (none: the common case)
             self._state,
             _HELD,
             self._stamp,

@@ -37,6 +37,7 @@ flight; host candidates are unpinned host-only leaves.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -54,6 +55,8 @@ from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node, Tier, TierSta
 from aiocache_kv.tree.results import Eviction, InsertOutcome, InsertPlan
 from aiocache_kv.tree.tiers import check_host_pins
 from aiocache_kv.validate import check_token_ints
+
+_get_ident = threading.get_ident  # one global lookup on every ownership check
 
 
 def _checked_key(tokens: list[int], start: int, pos: int, n: int) -> list[int] | None:
@@ -85,6 +88,10 @@ class RadixTree(Evictor):
         self._seeds: dict[Hashable, bytes] = {}
         self._on_split = on_split
         self.num_nodes = 0
+        #: the root found last (a one-entry cache of ``_roots`` that takes no hash: a
+        #: namespace's ``__hash__`` is a Python call, and every request looks its root up);
+        #: good while its ``ns`` is the very object asked for and it is ``alive``
+        self._last_root: Node | None = None
 
     # ---------------------------------------------------------------- roots
 
@@ -117,6 +124,8 @@ class RadixTree(Evictor):
             del self._roots[root.ns]
             del self._seeds[root.ns]
             root.alive = False
+            if self._last_root is root:
+                self._last_root = None  # (a one-off namespace's root is not kept)
 
     # ---------------------------------------------------------------- keys
 
@@ -164,20 +173,26 @@ class RadixTree(Evictor):
             InvalidTypeError / InvalidInputError: with ``unchecked``, an item of ``tokens``
                 is not an int in ``[0, 2**63)`` (nothing changed).
         """
-        self._check_owner()
-        node = self._roots.get(ns)
-        if node is None:
-            if unchecked:
-                check_token_ints(tokens)
-                unchecked = False
-            node = self.root(ns, tag)
+        if _get_ident() != self._owner:  # _check_owner, inline: every request matches
+            self._check_owner()
+        node = self._last_root
+        if node is None or node.ns is not ns or not node.alive:
+            node = self._roots.get(ns)
+            if node is None:
+                if unchecked:
+                    check_token_ints(tokens)
+                    unchecked = False
+                node = self.root(ns, tag)
+            self._last_root = node
         p = self.page_size
         walk = pathwalk.descend(node, p, tokens, n, False)
         if walk is None:  # an item the C walk does not compare: the checking walk
             walk = pathwalk.py_descend(node, p, tokens, n, False)
         node, pos, split, same, _ = walk
-        if unchecked:  # what the walk matched are ints equal to cached keys
-            check_token_ints(tokens, pos + same)
+        # what the walk matched are ints equal to cached keys; the rest: check_token_ints,
+        # whose passing case (one C pass) is inline
+        if unchecked and fastcheck.first_bad_token(tokens, pos + same) >= 0:
+            check_token_ints(tokens, pos + same)  # raises, naming the item
         common = same - same % p  # the child's first page matched its dict key: >= p
         if split is not None and common:
             node = self._split(split, common)
@@ -206,7 +221,11 @@ class RadixTree(Evictor):
                 is not an int in ``[0, 2**63)``.
         """
         p = self.page_size
-        node = self._roots.get(ns)
+        node = self._last_root
+        if node is None or node.ns is not ns or not node.alive:
+            node = self._roots.get(ns)
+            if node is not None:
+                self._last_root = node
         plan = InsertPlan(node)
         if node is None:
             if unchecked:
@@ -246,7 +265,9 @@ class RadixTree(Evictor):
             same -= common
         plan.existing_pages = have
         if unchecked:  # what the walk matched are ints equal to cached keys
-            plan.key = _checked_key(tokens, pos + same, pos, n)
+            # (_checked_key's passing case, inline: every insert makes a new leaf's key)
+            key = fastcheck.checked_key(tokens, pos + same, pos, n) if pos < n else None
+            plan.key = key if type(key) is list else _checked_key(tokens, pos + same, pos, n)
         plan.pos = pos
         return plan
 
@@ -272,7 +293,8 @@ class RadixTree(Evictor):
         device (``plan.device_pages()``): only pages the tree takes need be passed.  The
         nodes keep int64 arrays (a tensor is read as its array, shared).
         """
-        self._check_owner()
+        if _get_ident() != self._owner:  # _check_owner, inline: every request inserts
+            self._check_owner()
         if not isinstance(pages, np.ndarray):
             pages = pages.numpy()
         if plan is None:
@@ -491,6 +513,10 @@ class RadixTree(Evictor):
             "hp": self.host_protected,
         }
         assert got == counts, f"page accounting {got} != recomputed {counts}"
+        last = self._last_root
+        assert last is None or (last.alive and self._roots.get(last.ns) is last), (
+            f"the cached root {last!r} is not its namespace's"
+        )
         for root in self._roots.values():
             assert root.device is RESIDENT and root.alive, f"root state changed {root!r}"
             assert root.children or root.pins or id(root) in under, f"empty ns kept {root!r}"
