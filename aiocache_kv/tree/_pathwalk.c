@@ -1,15 +1,17 @@
-/* The walks up a node's path that every request makes, in C: the optional fast path of
+/* The walks along a node's path that every request makes, in C: the optional fast path of
  * aiocache_kv/tree/pathwalk.py (which holds the Python reference of each function and says
  * what it returns).
  *
- * A match pins and stamps its path, a release unpins it, and every handle reads its
+ * A match and an insert plan walk down from a root (descend: child lookups and key comparisons
+ * of exact ints only, so no token's code runs; anything else is handed back to the Python
+ * walk).  A match pins and stamps its path, a release unpins it, and every handle reads its
  * device/host run lengths from it: a few nodes each, but a dozen attribute reads and writes
  * per node, which in Python cost more than the rest of the step's bookkeeping.  Here a node's
- * slots are read and written at the offsets its class's member descriptors give (read once,
- * by bind(), from the class itself, and checked to be plain object slots), so no attribute
- * lookup runs.  Nothing here calls back into Python code: the values written are ints (the
- * pin counts and the clock the caller passes), whose release runs no code, and the tier
- * states are compared by identity with the members bind() was given.
+ * slots are read and written at the offsets its class's member descriptors give (read once, by
+ * bind(), from the class itself, and checked to be plain object slots), so no attribute lookup
+ * runs.  Nothing here calls back into Python code: the values written are ints (the pin counts
+ * and the clock the caller passes), whose release runs no code, and the tier states are
+ * compared by identity with the members bind() was given.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -420,7 +422,7 @@ static PyObject *path_lens(PyObject *self, PyObject *node)
     return pair(0, run == HOST_ONLY ? host : 0);
 }
 
-/* descend(node, tokens, n, page_size, plan) -> (node, pos, child, same, steps) or None:
+/* descend(node, page_size, tokens, n, plan) -> (node, pos, child, same, steps) or None:
  * see pathwalk.py */
 static PyObject *descend(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {

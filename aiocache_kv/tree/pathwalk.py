@@ -49,7 +49,7 @@ __all__ = [
 Descent = tuple[Node, int, "Node | None", int, "list[Node] | None"]
 
 
-def walk_key(tokens: list[Any], pos: int, p: int, unchecked: bool) -> tuple[Any, bool]:
+def _walk_key(tokens: list[Any], pos: int, p: int, unchecked: bool) -> tuple[Any, bool]:
     """The child key of the page at ``pos`` (page size ``p``: the token itself at 1, else a
     tuple) and whether ``tokens`` are still unchecked.  Looking up anything but exact ints
     could run code, so a page with another item has ``tokens`` checked whole first (raising
@@ -92,7 +92,7 @@ def py_descend(node: Node, page_size: int, tokens: list[Any], n: int, plan: bool
     unchecked = True
     steps: list[Node] | None = [] if plan else None
     while pos < n:
-        key, unchecked = walk_key(tokens, pos, page_size, unchecked)
+        key, unchecked = _walk_key(tokens, pos, page_size, unchecked)
         child = node.children.get(key)
         if child is None:
             break
