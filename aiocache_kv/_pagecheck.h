@@ -10,6 +10,44 @@
 #include <stdint.h>
 #include <string.h>
 
+/* 1 when s[k] == first + k for each k < n: an OR of differences, so the loop vectorizes */
+static inline int is_run(const int64_t *s, Py_ssize_t n, int64_t first)
+{
+    uint64_t off = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        off |= (uint64_t)s[k] ^ ((uint64_t)first + (uint64_t)k);
+    }
+    return off == 0;
+}
+
+/* 1 when each of the n bytes at b is v: eight at a time */
+static inline int all_bytes(const uint8_t *b, Py_ssize_t n, uint8_t v)
+{
+    const uint64_t w = 0x0101010101010101ULL * v;
+    uint64_t acc = 0;
+    Py_ssize_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        uint64_t x;
+        memcpy(&x, b + k, 8);
+        acc |= x ^ w;
+    }
+    for (; k < n; k++) {
+        acc |= (uint64_t)(b[k] ^ v);
+    }
+    return acc == 0;
+}
+
+/* out[k] = first + k for each k < n (not inlined: inlined, gcc 12 no longer vectorizes it) */
+#if defined(__GNUC__)
+__attribute__((noinline))
+#endif
+static void fill_run(int64_t *restrict out, Py_ssize_t n, int64_t first)
+{
+    for (Py_ssize_t k = 0; k < n; k++) {
+        out[k] = first + k;
+    }
+}
+
 /* slot_pages on raw buffers: see slot_pages() */
 static inline long slot_pages_core(const int64_t *s, Py_ssize_t n, long long p, long long limit,
                             int64_t *o, Py_ssize_t on)
@@ -106,25 +144,17 @@ static inline int insert_fast(const int64_t *s, Py_ssize_t ns, long long p, long
     Py_ssize_t diff = 0, i = 0;
     if (d == 0 && ns > 0 && s[0] >= 0 && s[0] % p == 0) {
         /* the commonest case, only new pages from one alloc: the slots are one run, so the
-         * pages are one run of distinct ids (no stamps), and the loops below vectorize */
-        const uint64_t first = (uint64_t)s[0];
-        uint64_t off = 0;
-        for (Py_ssize_t k = 0; k < ns; k++) {
-            off |= (uint64_t)s[k] ^ (first + (uint64_t)k);
-        }
+         * pages are one run of distinct ids (no stamps) */
         const int64_t id0 = s[0] / p;
-        if (off == 0 && s[0] <= limit - ns && id0 <= size - n) {
-            uint8_t other = 0;
-            for (Py_ssize_t k = 0; k < n; k++) {
-                other |= (uint8_t)(state[id0 + k] ^ (uint8_t)held);
+        if (is_run(s, ns, s[0]) && s[0] <= limit - ns && id0 <= size - n &&
+            all_bytes(state + id0, n, (uint8_t)held)) {
+            if (p == 1) { /* the ids are the slots */
+                memcpy(out, s, (size_t)n * 8);
+            } else {
+                fill_run(out, n, id0);
             }
-            if (other == 0) {
-                for (Py_ssize_t k = 0; k < n; k++) {
-                    out[k] = id0 + k;
-                }
-                *differing = 0;
-                return 1;
-            }
+            *differing = 0;
+            return 1;
         }
     }
     if (p == 1 && d == 0) { /* the common case, only new pages: the loop below, pared */

@@ -240,6 +240,20 @@ class CacheCore:
         alloc = self.dev_alloc
         assert alloc is not None, "cache not started"
         tree = self.tree
+        checked = None
+        if slots.size:  # the common insert: new pages only, one new leaf (one C call)
+            checked = alloc.check_insert(slots, p, _NO_IDS)
+            if not checked[0]:
+                own = checked[3].copy()
+                leaf = tree.grow(ns, tokens, n, own, skip, anchor)
+                if leaf is not None:
+                    alloc.take(own)
+                    if inherit.size:
+                        alloc.retain(inherit)
+                    self.counters.inserted_tokens += n - skip * p
+                    if self.events.enabled:
+                        self.emit_stored(leaf, _DEVICE)
+                    return InsertOutcome(leaf, skip * p, n, [leaf]), inherit
         # validate ownership before changing anything (not even a new namespace's root)
         # the walk, once; it checks the items of ``tokens`` before anything changes
         plan = tree.plan_insert(ns, tokens, n, skip=skip, unchecked=True)
@@ -252,7 +266,10 @@ class CacheCore:
         parts = plan.existing  # (plan.device_pages(), inline: the common cases, 0 or 1 part)
         existing = _NO_IDS if not parts else parts[0] if len(parts) == 1 else plan.device_pages()
         d = existing.size
-        code, at, differing, ids = alloc.check_insert(slots, p, existing)
+        # (the check above holds when the tree has none of these pages)
+        code, at, differing, ids = (
+            checked if checked and not d else alloc.check_insert(slots, p, existing)
+        )
         if code == INSERT_NOT_HELD and alloc.retained:  # retained rows are the caller's too
             code, at, differing = alloc.recheck_insert(ids, existing)
         if code:

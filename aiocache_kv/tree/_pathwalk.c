@@ -17,239 +17,8 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include "_nodeslots.h"
 #include "_tokens.h"
-
-static PyTypeObject *node_type = NULL;
-static PyObject *ABSENT = NULL, *FILLING = NULL, *RESIDENT = NULL;
-static Py_ssize_t off_parent, off_pins, off_key, off_device, off_host, off_storage,
-    off_host_pins, off_last_access, off_corrupt, off_children, off_n_dev_children;
-
-#define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
-
-/* the offset of the object slot ``name`` of type t, or -1 with an exception set */
-static Py_ssize_t slot_offset(PyObject *t, const char *name)
-{
-    PyObject *d = PyObject_GetAttrString(t, name);
-    if (d == NULL) {
-        return -1;
-    }
-    Py_ssize_t off = -1;
-    if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
-        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-        if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) {
-            off = m->offset;
-        }
-    }
-    Py_DECREF(d);
-    if (off < 0) {
-        PyErr_Format(PyExc_TypeError, "%s is not a writable __slots__ member", name);
-    }
-    return off;
-}
-
-/* bind(node_type, absent, filling, resident): the node class and the tier states */
-static PyObject *bind(PyObject *self, PyObject *args)
-{
-    (void)self;
-    PyObject *t, *a, *f, *r;
-    if (!PyArg_ParseTuple(args, "O!OOO", &PyType_Type, &t, &a, &f, &r)) {
-        return NULL;
-    }
-    Py_ssize_t o[11];
-    const char *names[11] = {"parent",    "pins",        "key",     "device",
-                             "host",      "storage",     "host_pins", "last_access",
-                             "corrupt",   "children",    "n_dev_children"};
-    for (int i = 0; i < 11; i++) {
-        o[i] = slot_offset(t, names[i]);
-        if (o[i] < 0) {
-            return NULL;
-        }
-    }
-    off_parent = o[0];
-    off_pins = o[1];
-    off_key = o[2];
-    off_device = o[3];
-    off_host = o[4];
-    off_storage = o[5];
-    off_host_pins = o[6];
-    off_last_access = o[7];
-    off_corrupt = o[8];
-    off_children = o[9];
-    off_n_dev_children = o[10];
-    Py_INCREF(t);
-    Py_INCREF(a);
-    Py_INCREF(f);
-    Py_INCREF(r);
-    Py_XSETREF(node_type, (PyTypeObject *)t);
-    Py_XSETREF(ABSENT, a);
-    Py_XSETREF(FILLING, f);
-    Py_XSETREF(RESIDENT, r);
-    Py_RETURN_NONE;
-}
-
-/* a slot's value (borrowed), or NULL with AttributeError when it is unset */
-static inline PyObject *get(PyObject *node, Py_ssize_t off, const char *name)
-{
-    PyObject *v = SLOT(node, off);
-    if (v == NULL) {
-        PyErr_Format(PyExc_AttributeError, "node has no %s", name);
-    }
-    return v;
-}
-
-/* an int slot's value; -1 with an exception set when it is not an int */
-static inline long get_long(PyObject *node, Py_ssize_t off, const char *name)
-{
-    PyObject *v = get(node, off, name);
-    if (v == NULL) {
-        return -1;
-    }
-    if (!PyLong_Check(v)) {
-        PyErr_Format(PyExc_TypeError, "node.%s is not an int", name);
-        return -1;
-    }
-    return PyLong_AsLong(v);
-}
-
-/* store a new int in a slot (the old value is an int: releasing it runs no code) */
-static inline int set_long(PyObject *node, Py_ssize_t off, long value)
-{
-    PyObject *v = PyLong_FromLong(value);
-    if (v == NULL) {
-        return -1;
-    }
-    Py_XSETREF(SLOT(node, off), v);
-    return 0;
-}
-
-/* the node's parent (borrowed): a node, Py_None at a root, NULL with an exception */
-static inline PyObject *parent_of(PyObject *node)
-{
-    PyObject *p = get(node, off_parent, "parent");
-    if (p != NULL && p != Py_None && !PyObject_TypeCheck(p, node_type)) {
-        PyErr_SetString(PyExc_TypeError, "node.parent is not a node");
-        return NULL;
-    }
-    return p;
-}
-
-/* pages of the node's key */
-static inline Py_ssize_t pages_of(PyObject *node, Py_ssize_t page_size)
-{
-    PyObject *key = get(node, off_key, "key");
-    if (key == NULL) {
-        return -1;
-    }
-    if (!PyList_CheckExact(key)) {
-        PyErr_SetString(PyExc_TypeError, "node.key is not a list");
-        return -1;
-    }
-    return PyList_GET_SIZE(key) / page_size;
-}
-
-/* the pages a pin change of ``node`` moves between evictable and protected, per tier
- * (pathwalk.protect_delta); -1 with an exception set */
-static int protect_delta(PyObject *node, Py_ssize_t page_size, Py_ssize_t *dev, Py_ssize_t *host)
-{
-    PyObject *d = get(node, off_device, "device");
-    PyObject *h = get(node, off_host, "host");
-    PyObject *s = get(node, off_storage, "storage");
-    if (d == NULL || h == NULL || s == NULL) {
-        return -1;
-    }
-    if (d == FILLING || h == FILLING) {
-        return 0;
-    }
-    Py_ssize_t k = pages_of(node, page_size);
-    if (k < 0) {
-        return -1;
-    }
-    if (d != ABSENT) {
-        *dev += k;
-    }
-    if (h != ABSENT && s != FILLING) {
-        long hp = get_long(node, off_host_pins, "host_pins");
-        if (hp == -1 && PyErr_Occurred()) {
-            return -1;
-        }
-        if (hp == 0) {
-            *host += k;
-        }
-    }
-    return 0;
-}
-
-static int ready(PyObject *node, Py_ssize_t page_size)
-{
-    if (node_type == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "pathwalk: bind() was not called");
-        return 0;
-    }
-    if (!PyObject_TypeCheck(node, node_type)) {
-        PyErr_SetString(PyExc_TypeError, "expected a node");
-        return 0;
-    }
-    if (page_size < 1) {
-        PyErr_SetString(PyExc_ValueError, "page_size must be >= 1");
-        return 0;
-    }
-    return 1;
-}
-
-/* the node and page size of a walk's arguments (nargs of them, the node first and the page
- * size second), or NULL with an exception set */
-static PyObject *walk_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
-                           const char *usage, Py_ssize_t *p)
-{
-    if (nargs != want) {
-        PyErr_SetString(PyExc_TypeError, usage);
-        return NULL;
-    }
-    *p = PyLong_AsSsize_t(args[1]);
-    if ((*p == -1 && PyErr_Occurred()) || !ready(args[0], *p)) {
-        return NULL;
-    }
-    return args[0];
-}
-
-/* one step up a path: 1 with the node's parent and pin count, 0 at the root (the walk
- * ends), -1 with an exception set */
-static int step(PyObject *node, PyObject **parent, long *pins)
-{
-    PyObject *up = parent_of(node);
-    if (up == NULL) {
-        return -1;
-    }
-    if (up == Py_None) {
-        return 0;
-    }
-    *pins = get_long(node, off_pins, "pins");
-    if (*pins == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    *parent = up;
-    return 1;
-}
-
-/* (a, b) of two sizes, or NULL with an exception set */
-static PyObject *pair(Py_ssize_t a, Py_ssize_t b)
-{
-    PyObject *x = PyLong_FromSsize_t(a), *y = PyLong_FromSsize_t(b);
-    PyObject *out = x && y ? PyTuple_Pack(2, x, y) : NULL;
-    Py_XDECREF(x);
-    Py_XDECREF(y);
-    return out;
-}
-
-/* (a, b, obj) with a new reference to obj taken, or NULL with an exception set */
-static PyObject *pair_and(Py_ssize_t a, Py_ssize_t b, PyObject *obj)
-{
-    PyObject *x = PyLong_FromSsize_t(a), *y = PyLong_FromSsize_t(b);
-    PyObject *out = x && y ? PyTuple_Pack(3, x, y, obj) : NULL;
-    Py_XDECREF(x);
-    Py_XDECREF(y);
-    return out;
-}
 
 /* pin_path(node, page_size, clock) -> (dev, host): see pathwalk.py */
 static PyObject *pin_path(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -266,23 +35,7 @@ static PyObject *pin_path(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     Py_ssize_t dev = 0, host = 0;
-    PyObject *parent;
-    long pins;
-    int more;
-    while ((more = step(node, &parent, &pins)) > 0) {
-        if (pins == 0 && protect_delta(node, p, &dev, &host) < 0) {
-            return NULL;
-        }
-        if (set_long(node, off_pins, pins + 1) < 0) {
-            return NULL;
-        }
-        if (clock != Py_None) {
-            Py_INCREF(clock);
-            Py_XSETREF(SLOT(node, off_last_access), clock);
-        }
-        node = parent;
-    }
-    if (more < 0) {
+    if (pin_from(node, p, clock, &dev, &host) < 0) {
         return NULL;
     }
     return pair(dev, host);
@@ -422,6 +175,46 @@ static PyObject *path_lens(PyObject *self, PyObject *node)
     return pair(0, run == HOST_ONLY ? host : 0);
 }
 
+/* what looking up the child of a page finds */
+enum found { FOUND, NO_CHILD, NOT_EXACT, FAILED };
+
+/* the child of node for the page of tokens at pos, a node (*child, borrowed); NO_CHILD with
+ * the page's key in *key (a new reference) when key is not NULL; NOT_EXACT where the page
+ * holds an item that is not an exact int (looking it up could run code); FAILED with an
+ * exception set */
+static enum found lookup(PyObject *node, PyObject *tokens, Py_ssize_t pos, Py_ssize_t p,
+                         PyObject **child, PyObject **key)
+{
+    PyObject *k = child_key(tokens, pos, p);
+    if (k == NULL) {
+        return PyErr_Occurred() ? FAILED : NOT_EXACT;
+    }
+    PyObject *children = get(node, off_children, "children");
+    if (children != NULL && !PyDict_CheckExact(children)) {
+        PyErr_SetString(PyExc_TypeError, "node.children is not a dict");
+    }
+    *child = children && PyDict_CheckExact(children) ? PyDict_GetItemWithError(children, k)
+                                                     : NULL;
+    if (*child == NULL || !PyObject_TypeCheck(*child, node_type)) {
+        if (*child != NULL) {
+            PyErr_SetString(PyExc_TypeError, "a child is not a node");
+        }
+        if (PyErr_Occurred()) {
+            Py_DECREF(k);
+            return FAILED;
+        }
+        if (key != NULL) {
+            *key = k;
+        }
+        else {
+            Py_DECREF(k);
+        }
+        return NO_CHILD;
+    }
+    Py_DECREF(k);
+    return FOUND;
+}
+
 /* descend(node, page_size, tokens, n, plan) -> (node, pos, child, same, steps) or None:
  * see pathwalk.py */
 static PyObject *descend(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -452,34 +245,18 @@ static PyObject *descend(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_INCREF(node); /* strong: an allocation here may collect garbage, which runs code */
     Py_ssize_t pos = 0, same = 0;
     while (pos < n) {
-        PyObject *key = child_key(tokens, pos, p);
-        if (key == NULL) {
-            if (PyErr_Occurred()) {
-                goto fail;
+        enum found f = lookup(node, tokens, pos, p, &child, NULL);
+        if (f != FOUND) {
+            child = NULL;
+            if (f == NOT_EXACT) {
+                goto fallback;
             }
-            goto fallback;
-        }
-        PyObject *children = get(node, off_children, "children");
-        if (children == NULL || !PyDict_CheckExact(children)) {
-            if (children != NULL) {
-                PyErr_SetString(PyExc_TypeError, "node.children is not a dict");
-            }
-            Py_DECREF(key);
-            goto fail;
-        }
-        child = PyDict_GetItemWithError(children, key);
-        Py_DECREF(key);
-        if (child == NULL) {
-            if (PyErr_Occurred()) {
+            if (f == FAILED) {
                 goto fail;
             }
             break;
         }
         Py_INCREF(child);
-        if (!PyObject_TypeCheck(child, node_type)) {
-            PyErr_SetString(PyExc_TypeError, "a child is not a node");
-            goto fail;
-        }
         PyObject *d = get(node, off_device, "device"), *cd = get(child, off_device, "device");
         if (d == NULL || cd == NULL) {
             goto fail;
@@ -535,6 +312,148 @@ done:
     return out;
 }
 
+/* whether node is anchor or one of its ancestors; -1 with an exception set */
+static int leads_to(PyObject *node, PyObject *anchor)
+{
+    while (anchor != Py_None) {
+        if (anchor == node) {
+            return 1;
+        }
+        if ((anchor = parent_of(anchor)) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* grow(root, page_size, tokens, n, skip, anchor, pages, clock, ns) -> (leaf, pos, dev, host)
+ * or None: see pathwalk.py.  Everything that can refuse is done before the first change. */
+static PyObject *grow(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    Py_ssize_t p, n, skip;
+    PyObject *node = walk_args(args, nargs, 9,
+                               "grow(root, page_size, tokens, n, skip, anchor, pages, clock, ns)",
+                               &p);
+    if (node == NULL) {
+        return NULL;
+    }
+    PyObject *tokens = args[2], *anchor = args[5], *pages = args[6], *clock = args[7];
+    if (!PyList_CheckExact(tokens) || !PyLong_CheckExact(clock) ||
+        (anchor != Py_None && !PyObject_TypeCheck(anchor, node_type))) {
+        PyErr_SetString(PyExc_TypeError, "grow needs a token list, an int clock, a node or None");
+        return NULL;
+    }
+    if (((n = PyLong_AsSsize_t(args[3])) == -1 || (skip = PyLong_AsSsize_t(args[4])) == -1) &&
+        PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *up = parent_of(node);
+    if (up == NULL) {
+        return NULL;
+    }
+    if (up != Py_None || n < 0 || n % p || n > PyList_GET_SIZE(tokens)) {
+        PyErr_SetString(PyExc_ValueError, "grow starts at a root, with n page-aligned tokens");
+        return NULL;
+    }
+    PyObject *ckey = NULL, *ndc = NULL, *key = NULL, *leaf = NULL, *out = NULL;
+    Py_INCREF(node); /* strong: an allocation here may collect garbage, which runs code */
+    Py_ssize_t pos = 0;
+    while (pos < n) {
+        PyObject *child;
+        enum found f = lookup(node, tokens, pos, p, &child, &ckey);
+        if (f == NO_CHILD) {
+            break; /* ckey: the new leaf's key in its parent */
+        }
+        if (f != FOUND) {
+            goto fallback_or_fail;
+        }
+        PyObject *cd = get(child, off_device, "device"), *key_of = get(child, off_key, "key");
+        if (cd == NULL || key_of == NULL) {
+            goto fail;
+        }
+        if (cd != RESIDENT || !PyList_CheckExact(key_of)) {
+            goto fallback; /* a host-only node to adopt pages, or one still loading */
+        }
+        Py_ssize_t same = exact_common_len(key_of, tokens, pos, n - pos);
+        if (same < 0) {
+            goto fallback_or_fail;
+        }
+        if (same < PyList_GET_SIZE(key_of)) {
+            goto fallback; /* the walk ends inside a node: a split */
+        }
+        Py_INCREF(child);
+        Py_SETREF(node, child);
+        pos += same;
+    }
+    /* one new leaf after exactly the skipped pages, every token after them plain */
+    if (pos >= n || pos != skip * p || !plain_tokens(tokens, pos)) {
+        goto fallback;
+    }
+    if (skip > 0) {
+        int on = leads_to(node, anchor);
+        if (on <= 0) {
+            goto fallback_or_fail;
+        }
+    }
+    long ndev = get_long(node, off_n_dev_children, "n_dev_children");
+    if ((ndev == -1 && PyErr_Occurred()) || (ndc = PyLong_FromLong(ndev + 1)) == NULL ||
+        (key = PyList_GetSlice(tokens, pos, n)) == NULL) {
+        goto fail;
+    }
+    PyObject *init[3] = {key, node, args[8]};
+    leaf = PyObject_Vectorcall((PyObject *)node_type, init, 3, NULL);
+    if (leaf == NULL) {
+        goto fail;
+    }
+    if (!Py_IS_TYPE(leaf, node_type)) {
+        PyErr_SetString(PyExc_TypeError, "the node class made something else");
+        goto fail;
+    }
+    /* the leaf's slots hold what Node() gave them (ints, None, members): no code runs */
+    Py_INCREF(clock);
+    Py_XSETREF(SLOT(leaf, off_last_access), clock);
+    Py_INCREF(pages);
+    Py_XSETREF(SLOT(leaf, off_device_pages), pages);
+    Py_INCREF(RESIDENT);
+    Py_XSETREF(SLOT(leaf, off_device), RESIDENT);
+    PyObject *children = get(node, off_children, "children");
+    if (children == NULL || PyDict_SetItem(children, ckey, leaf) < 0) {
+        goto fail; /* not linked: the tree is as it was */
+    }
+    /* the tree has changed from here */
+    Py_XSETREF(SLOT(node, off_n_dev_children), ndc);
+    ndc = NULL;
+    Py_ssize_t dev = 0, host = 0;
+    if (pin_from(leaf, p, clock, &dev, &host) < 0) {
+        goto fail;
+    }
+    PyObject *at = PyLong_FromSsize_t(pos), *d = PyLong_FromSsize_t(dev),
+             *h = PyLong_FromSsize_t(host);
+    out = at && d && h ? PyTuple_Pack(4, leaf, at, d, h) : NULL;
+    Py_XDECREF(at);
+    Py_XDECREF(d);
+    Py_XDECREF(h);
+    goto done;
+fallback_or_fail:
+    if (PyErr_Occurred()) {
+        goto fail;
+    }
+fallback:
+    out = Py_None;
+    Py_INCREF(out);
+    goto done;
+fail:
+    out = NULL;
+done:
+    Py_XDECREF(ckey);
+    Py_XDECREF(ndc);
+    Py_XDECREF(key);
+    Py_XDECREF(leaf);
+    Py_DECREF(node);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS,
      "bind(node_type, absent, filling, resident)\n--\n\nThe node class and the tier states."},
@@ -547,6 +466,10 @@ static PyMethodDef methods[] = {
     {"descend", (PyCFunction)(void (*)(void))descend, METH_FASTCALL,
      "descend(node, page_size, tokens, n, plan)\n--\n\nThe walk down a match or insert "
      "takes, or None where the Python walk must take it."},
+    {"grow", (PyCFunction)(void (*)(void))grow, METH_FASTCALL,
+     "grow(root, page_size, tokens, n, skip, anchor, pages, clock, ns)\n--\n\nThe common "
+     "insert, one new pinned leaf below the device path, or None where the tree's insert must "
+     "run."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,3 +9,15 @@ def path_lens(node: Node, /) -> tuple[int, int]: ...
 def descend(
     node: Node, page_size: int, tokens: list[Any], n: int, plan: bool, /
 ) -> tuple[Node, int, Node | None, int, list[Node] | None] | None: ...
+def grow(
+    root: Node,
+    page_size: int,
+    tokens: list[Any],
+    n: int,
+    skip: int,
+    anchor: Node | None,
+    pages: Any,
+    clock: int,
+    ns: Any,
+    /,
+) -> tuple[Node, int, int, int] | None: ...

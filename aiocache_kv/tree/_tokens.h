@@ -121,4 +121,19 @@ static inline PyObject *child_key(PyObject *tokens, Py_ssize_t pos, Py_ssize_t p
     return items[0];
 }
 
+/* whether tokens[from:] are all exact ints in [0, 2**30) (one digit, not negative), the
+ * tokens a new key may take with no further check; 0 at any other item (which may still be
+ * a valid token: the Python check decides) */
+static inline int plain_tokens(PyObject *tokens, Py_ssize_t from)
+{
+    PyObject **items = ((PyListObject *)tokens)->ob_item;
+    for (Py_ssize_t i = from; i < PyList_GET_SIZE(tokens); i++) {
+        Py_ssize_t v;
+        if (!small_int(items[i], &v) || v < 0) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 #endif

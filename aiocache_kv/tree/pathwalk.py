@@ -13,6 +13,11 @@ it did not compare and changes the tree.  The C walk compares only exact ints (n
 does can run Python code) and returns ``None`` at anything else; the caller then takes
 :func:`py_descend`, which checks the tokens as it goes.
 
+:func:`grow` is the common insert whole: the walk down over nodes held on device, one new
+leaf, its path pinned.  It changes nothing, and returns ``None``, wherever the insert is not
+that simple (a split, a host-only node, one still loading, pages the caller passed for tokens
+the tree has, an item that is not a plain int); the tree's general insert then runs.
+
 Each walk up stops below the namespace root (the caller handles a root itself).  The pin
 counts move pages between the tiers' evictable and protected counts by
 :func:`protect_delta`'s rule; the walks return those counts and leave applying them, and
@@ -33,11 +38,13 @@ __all__ = [
     "PATHWALK_IMPL",
     "Descent",
     "descend",
+    "grow",
     "may_be_victim",
     "path_lens",
     "pin_path",
     "protect_delta",
     "py_descend",
+    "py_grow",
     "py_path_lens",
     "py_pin_path",
     "py_unpin_path",
@@ -208,6 +215,72 @@ def py_path_lens(node: Node) -> tuple[int, int]:
     return 0, host if run == _HOST_ONLY else 0
 
 
+#: tokens :func:`grow` takes without the Python check: exact ints in ``[0, 2**30)``
+_PLAIN = 1 << 30
+
+
+def py_grow(
+    root: Node,
+    page_size: int,
+    tokens: list[Any],
+    n: int,
+    skip: int,
+    anchor: Node | None,
+    pages: Any,
+    clock: int,
+    ns: Any,
+) -> tuple[Node, int, int, int] | None:
+    """The common insert of ``tokens[:n]`` (page-aligned) below ``root``, whole: the walk
+    down passes only nodes on device (``RESIDENT``) whose keys ``tokens`` match whole, and
+    ends after exactly ``skip`` pages, on ``anchor`` or an ancestor of it (when ``skip`` >
+    0), with no child there for the next page.  The tokens from there on (all of them, the
+    unaligned tail too) are exact ints in ``[0, 2**30)``.  Then a new leaf for
+    ``tokens[pos:n]`` in namespace ``ns`` takes ``pages`` (its device page ids), is stamped
+    ``clock`` and pinned with its path (:func:`py_pin_path`).  Returns ``(leaf, pos, dev,
+    host)`` (``pos``: the tokens above the leaf; ``dev``/``host``: the pages the pin
+    protected, as :func:`py_pin_path` returns them), or ``None`` with nothing changed where
+    the insert is not that simple.  The caller keeps the tree's counts."""
+    p = page_size
+    assert root.parent is None and 0 <= n <= len(tokens) and n % p == 0, (
+        "grow starts at a root, with n page-aligned tokens"
+    )
+    node, pos = root, 0
+    key: Any = None
+    while pos < n:
+        page = tokens[pos : pos + p]
+        if any(type(t) is not int for t in page):
+            return None
+        key = page[0] if p == 1 else tuple(page)
+        child = node.children.get(key)
+        if child is None:
+            break
+        k = len(child.key)
+        run = tokens[pos : min(pos + k, n)]
+        if child.device is not RESIDENT or any(type(t) is not int for t in run):
+            return None
+        if run != child.key:
+            return None  # the walk ends inside the child: a split
+        node, pos = child, pos + k
+    if pos >= n or pos != skip * p or any(type(t) is not int for t in tokens[pos:]):
+        return None
+    if not all(0 <= t < _PLAIN for t in tokens[pos:]):
+        return None
+    if skip:
+        up = anchor
+        while up is not None and up is not node:
+            up = up.parent
+        if up is None:
+            return None
+    leaf = Node(tokens[pos:n], node, ns)
+    leaf.last_access = clock
+    leaf.device_pages = pages
+    leaf.device = RESIDENT
+    node.children[key] = leaf
+    node.n_dev_children += 1
+    dev, host = py_pin_path(leaf, p, clock)
+    return leaf, pos, dev, host
+
+
 _EXT: Any = optional_extension("aiocache_kv.tree._pathwalk")
 if _EXT is not None:
     _EXT.bind(Node, ABSENT, FILLING, RESIDENT)
@@ -230,3 +303,5 @@ descend: Callable[[Node, int, list[Any], int, bool], Descent | None] = (
 )
 #: :func:`py_path_lens`, in C where the extension is built.
 path_lens: Callable[[Node], tuple[int, int]] = py_path_lens if _EXT is None else _EXT.path_lens
+#: :func:`py_grow`, in C where the extension is built.
+grow: Callable[..., tuple[Node, int, int, int] | None] = py_grow if _EXT is None else _EXT.grow

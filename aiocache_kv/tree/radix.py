@@ -354,6 +354,45 @@ class RadixTree(Evictor):
             self._stamp(node, clock)
         return out
 
+    def grow(
+        self,
+        ns: Hashable,
+        tokens: list[int],
+        n: int,
+        pages: np.ndarray,
+        skip: int,
+        anchor: Node | None,
+    ) -> Node | None:
+        """The common insert, one C call (:func:`pathwalk.grow`): ``tokens[:n]``
+        (page-aligned) whose first ``skip`` pages are whole nodes on device, on the path to
+        ``anchor`` (when ``skip`` > 0), and whose other pages, ``pages`` (int64 ids: all of
+        them new, none the tree holds), become one new leaf, pinned and stamped as
+        :meth:`insert` pins it.  Returns the leaf, or ``None`` with nothing changed where
+        :meth:`plan_insert` and :meth:`insert` must run instead: any other shape (a split,
+        a host-only node, one still loading, tokens the tree holds past ``skip`` pages), a
+        namespace root the tree has not looked up last, tenants being counted, or a token
+        that is not an exact int in ``[0, 2**30)``.
+        """
+        if _get_ident() != self._owner:  # _check_owner, inline: every request inserts
+            self._check_owner()
+        root = self._last_root
+        if root is None or root.ns is not ns or not root.alive or self.tenants is not None:
+            return None
+        clock = self._clock + 1
+        got = pathwalk.grow(root, self.page_size, tokens, n, skip, anchor, pages, clock, ns)
+        if got is None:
+            return None
+        leaf, pos, dev, host = got
+        self._clock = clock
+        self.num_nodes += 1
+        # the leaf's pages are evictable, then its pin protects them with the path's
+        self.dev_evictable += (n - pos) // self.page_size - dev
+        self.dev_protected += dev
+        if host:
+            self.host_evictable -= host
+            self.host_protected += host
+        return leaf
+
     def device_prefix(self, ns: Hashable, tokens: list[int], n: int) -> np.ndarray:
         """Device pages the tree holds for the leading part of ``tokens[:n]``, read-only
         (those of :meth:`plan_insert`)."""
