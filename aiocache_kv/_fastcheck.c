@@ -444,14 +444,7 @@ static PyObject *page_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_ssize_t n = pv.len / 8;
     int ok = p >= 1 && ov.len / 8 == n * p;
     if (ok) {
-        const int64_t *pg = (const int64_t *)pv.buf;
-        int64_t *o = (int64_t *)ov.buf;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t base = pg[i] * p;
-            for (long long j = 0; j < p; j++) {
-                *o++ = base + j;
-            }
-        }
+        page_slots_core((const int64_t *)pv.buf, n, p, (int64_t *)ov.buf);
     }
     PyBuffer_Release(&pv);
     PyBuffer_Release(&ov);

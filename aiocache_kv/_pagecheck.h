@@ -210,4 +210,20 @@ static inline int insert_fast(const int64_t *s, Py_ssize_t ns, long long p, long
     return 0;
 }
 
+/* out[i * p + j] = pages[i] * p + j for the n pages: one run of slots when the pages are one
+ * run of ids (an alloc's, the common case), else page by page */
+static inline void page_slots_core(const int64_t *pages, Py_ssize_t n, long long p, int64_t *out)
+{
+    if (n > 0 && is_run(pages, n, pages[0])) {
+        fill_run(out, n * p, pages[0] * p);
+        return;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t base = pages[i] * p;
+        for (long long j = 0; j < p; j++) {
+            *out++ = base + j;
+        }
+    }
+}
+
 #endif

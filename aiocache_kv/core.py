@@ -37,7 +37,7 @@ from aiocache_kv.stats import CacheCounters
 from aiocache_kv.telemetry import Latencies
 from aiocache_kv.tree import Node, RadixTree, Tier
 from aiocache_kv.tree.node import RESIDENT, lacking
-from aiocache_kv.tree.results import InsertOutcome, InsertPlan
+from aiocache_kv.tree.results import InsertPlan
 from aiocache_kv.validate import raise_for_insert
 
 SplitHook = Callable[[Node, Node], None]
@@ -216,7 +216,7 @@ class CacheCore:
         skip: int = 0,
         anchor: Node | None = None,
         inherit: np.ndarray = _NO_IDS,
-    ) -> tuple[InsertOutcome, np.ndarray]:
+    ) -> tuple[Node, int, int, np.ndarray]:
         """Insert ``tokens[:n]`` (page-aligned) whose token slots after the first ``skip``
         pages are ``slots`` (C-contiguous int64, checked here): pages the tree does not hold on
         device become the tree's; the caller's other pages (its copies of pages the tree has,
@@ -225,8 +225,10 @@ class CacheCore:
         ``inherit`` (pages an earlier result retained, for ``prefix=`` that result) is
         retained once more.  The skipped pages must be on the path to ``anchor`` (the caller's
         prefix handle), the path whose KV the new pages were computed against.  Emits the
-        device ``BlockStored`` events; returns the tree's outcome (pinned at its node) and the
-        distinct page ids the result retains (one reference each).
+        device ``BlockStored`` events; returns the node the insert ends at (pinned), the tokens
+        the tree held before it (any tier) and holds now for it (``InsertOutcome``'s
+        ``prefix_tokens`` and ``inserted_tokens``), and the distinct page ids the result
+        retains (one reference each).
 
         ``tokens`` is a list whose items are still to be checked (the walk checks them).
 
@@ -253,7 +255,7 @@ class CacheCore:
                     self.counters.inserted_tokens += n - skip * p
                     if self.events.enabled:
                         self.emit_stored(leaf, _DEVICE)
-                    return InsertOutcome(leaf, skip * p, n, [leaf]), inherit
+                    return leaf, skip * p, n, inherit
         # validate ownership before changing anything (not even a new namespace's root)
         # the walk, once; it checks the items of ``tokens`` before anything changes
         plan = tree.plan_insert(ns, tokens, n, skip=skip, unchecked=True)
@@ -296,7 +298,7 @@ class CacheCore:
         if self.events.enabled:
             for node in out.adopted + out.created:
                 self.emit_stored(node, _DEVICE)
-        return out, retained
+        return out.node, out.prefix_tokens, out.inserted_tokens, retained
 
     def alloc_host(self, n: int) -> torch.Tensor | None:
         """``n`` host pages (evicting host-only leaves if that can succeed), else ``None``."""

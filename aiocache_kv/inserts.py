@@ -213,7 +213,9 @@ def insert_tokens(
         check_token_ints(toks)
         raise
     try:
-        out, retained = core.insert_device(ns, toks, n, slots, skip // p, anchor, inherit)
+        node, before, got, retained = core.insert_device(
+            ns, toks, n, slots, skip // p, anchor, inherit
+        )
     except InvalidInputError as exc:  # refused, nothing changed: was the prefix dropped?
         check_token_ints(toks)  # the tokens were at fault, whatever became of the prefix
         gone = None if prefix is None or not skip else prefix_gone(core, prefix, skip)
@@ -223,17 +225,14 @@ def insert_tokens(
             raise gone from exc
         raise
     if prio is not None:
-        core.tree.deadlines.raise_path(out.node, *prio)
+        core.tree.deadlines.raise_path(node, *prio)
     if core.tree.tenants is not None:  # the path is pinned: the tenant's other pages go
         core.enforce_quotas()
     ack = None
     if core.config.write_policy is _WRITE_THROUGH and n and core.host_pool:
-        op = transfers.backup(core.tree.path(out.node), OpKind.WRITE_THROUGH)
+        op = transfers.backup(core.tree.path(node), OpKind.WRITE_THROUGH)
         if op is not None:
             ack = WriteAck(op.future)
-    got = out.inserted_tokens
-    r = InsertResult(
-        core, out.node, out.prefix_tokens, got, ack, release, len(toks) - got, retained
-    )
+    r = InsertResult(core, node, before, got, ack, release, len(toks) - got, retained)
     handles.add(r, retained)
     return r

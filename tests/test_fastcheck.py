@@ -279,14 +279,28 @@ def test_insert_pages_agrees_with_the_reference_and_the_separate_checks() -> Non
 
 
 def test_page_slots_agree() -> None:
+    """Scattered pages, one run of ids (an alloc's: filled as one run of slots), runs broken
+    at the start, middle or end, one page, none: C, reference and the definition agree."""
     ext = _ext()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    cases = [[5, 0, 9, 3], [7, 8, 9, 10], [7], []]
+    for _ in range(200):
+        first, n = rng.randrange(1000), rng.randint(1, 40)
+        run = list(range(first, first + n))
+        if rng.random() < 0.6:  # a run with one id off by one (a near-run is no run)
+            k = rng.randrange(n)
+            run[k] += rng.choice((-1, 1, n))
+        cases.append(run)
     for p in (1, 2, 16):
-        pages = np.array([5, 0, 9, 3], dtype=np.int64)
-        a = np.empty(pages.size * p, dtype=np.int64)
-        b = np.empty(pages.size * p, dtype=np.int64)
-        ext.page_slots(pages, p, a)
-        fastcheck.py_page_slots(pages, p, b)
-        assert a.tolist() == b.tolist() == [pg * p + j for pg in pages.tolist() for j in range(p)]
+        for ids in cases:
+            pages = np.array(ids, dtype=np.int64)
+            a = np.full(pages.size * p, -7, dtype=np.int64)
+            b = np.empty(pages.size * p, dtype=np.int64)
+            ext.page_slots(pages, p, a)
+            fastcheck.py_page_slots(pages, p, b)
+            want = [pg * p + j for pg in ids for j in range(p)]
+            assert a.tolist() == b.tolist() == want, f"seed {seed}: p={p} {ids}"
     with pytest.raises(ValueError):
         ext.page_slots(np.zeros(2, dtype=np.int64), 4, np.empty(7, dtype=np.int64))
 

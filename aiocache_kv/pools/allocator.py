@@ -108,21 +108,16 @@ class PageAllocator:
         self._free = np.arange(num_pages, dtype=np.int64)
         self._cursor = 0
         self._returned: list[np.ndarray] = []
-        self._returned_count = 0
+        #: pages currently free (kept, not computed: every request reads it)
+        self.num_free = num_pages
         #: ``id(tensor) -> (tensor, its array, data pointer)`` of recent HELD allocations
         self._handed: dict[int, tuple[torch.Tensor, np.ndarray, int]] = {}
-
-    @property
-    def num_free(self) -> int:
-        """Pages currently free."""
-        return self._free.size - self._cursor + self._returned_count
 
     def _consolidate(self) -> None:
         parts = [self._free[self._cursor :], *self._returned]
         self._free = np.sort(np.concatenate(parts))
         self._cursor = 0
         self._returned = []
-        self._returned_count = 0
 
     def alloc(
         self, n: int, state: PageState = PageState.OWNED, *, slots_of: int = 0
@@ -144,6 +139,7 @@ class PageAllocator:
         # new array), so the ids are handed out as a view: no copy, one tensor made
         taken = self._free[cursor : cursor + n]
         self._cursor = cursor + n
+        self.num_free -= n
         first = taken.item(0) if n else 0
         # the free list is sorted (``_consolidate`` sorts it), so n distinct ids spanning
         # n values are one contiguous run: a slice fill instead of a gather (``fill``: half
@@ -201,7 +197,7 @@ class PageAllocator:
         if idx.size:
             self._state[idx] = _FREE
             self._returned.append(idx)
-            self._returned_count += idx.size
+            self.num_free += idx.size
             if self.on_free is not None:
                 self.on_free()
 
@@ -341,7 +337,11 @@ class PageAllocator:
         """``owned`` (every page the tree and transfers hold) must be exactly the OWNED pages,
         and ``retained`` (one id array per live insert result) exactly the references."""
         free = torch.from_numpy(np.concatenate([self._free[self._cursor :], *self._returned]))
-        assert free.numel() == self.num_free, f"{self.name}: free count drifted"
+        assert (
+            free.numel()
+            == self.num_free
+            == self._free.size - self._cursor + sum(r.size for r in self._returned)
+        ), f"{self.name}: free count drifted"
         assert not has_duplicates(free), f"{self.name}: page on free list twice"
         assert bool((self._state[free.numpy()] == PageState.FREE).all()), (
             f"{self.name}: free page in use"
