@@ -12,8 +12,8 @@
  * untrack_ints(lst) -> bool: untrack ``lst`` if it is an exact list of exact ints or exact
  * bytes (page hashes; bytes hold no references either); whether it is untracked now.  The
  * caller must never put anything but ints or bytes into it afterwards.  A list untracked
- * already is not scanned again: only this module and ``_fastcheck.checked_key`` (which
- * checks the same) untrack lists; CPython never does.
+ * already is not scanned again: only this module, ``_fastcheck.checked_key`` and
+ * ``tree/_pathwalk.c``'s grow (which check the same) untrack lists; CPython never does.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

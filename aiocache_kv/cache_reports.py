@@ -13,6 +13,7 @@ from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.stats import CacheStatistics
 
 if TYPE_CHECKING:
+    from aiocache_kv.capacity import CapacityWaiters
     from aiocache_kv.core import CacheCore
     from aiocache_kv.pins import HandleTable
     from aiocache_kv.storage.tier import StorageTier
@@ -28,6 +29,7 @@ class CacheReports:
     _l3: StorageTier | None
     _transfers: Transfers
     _state: Lifecycle
+    _waiters: CapacityWaiters
 
     def statistics(self) -> CacheStatistics:
         """A frozen snapshot of sizes, hits, latencies and operations in flight."""
@@ -63,3 +65,4 @@ class CacheReports:
         """
         handles = self._handles
         check_all(self._core, handles.nodes(), self._transfers, self._l3, handles.retained())
+        self._waiters.check_invariants()

@@ -54,10 +54,28 @@ class CapacityWaiters:
         self._line: deque[_Waiter[Any]] = deque()
         self._scheduled = False
         self._closed = False
-        core.on_capacity = self.notify
 
     def __len__(self) -> int:
         return len(self._line)
+
+    def check_invariants(self) -> None:
+        """The core hears of capacity changes for the line while anybody is in it (a pass
+        that emptied it leaves the hook until the last waiter it served runs again).
+
+        Raises:
+            AssertionError: somebody is in line and the core would not tell the line.
+        """
+        assert not self._line or self._core.on_capacity == self.notify, (
+            f"no capacity hook with {len(self._line)} in line"
+        )
+
+    def _listen(self) -> None:
+        """Hear of capacity changes exactly while someone is in line (``relisten``): after
+        each change of the line but the passes' (each waiter they serve leaves ``acquire``
+        through its ``finally``, which listens again)."""
+        want = self.notify if self._line else None
+        if self._core.on_capacity != want:
+            self._core.listen_capacity(want)
 
     def notify(self) -> None:
         """Pages may have come back: serve the line in a pass of its own (soon, on the loop)."""
@@ -112,6 +130,7 @@ class CapacityWaiters:
         fut: asyncio.Future[T] = loop.create_future()
         w: _Waiter[T] = _Waiter(attempt, fut)
         self._line.append(w)
+        self._listen()
         # no pass now: nothing came back since the attempt above, or the head's last one
         timer = loop.call_later(timeout, self._expire, w, describe)
         try:
@@ -129,6 +148,7 @@ class CapacityWaiters:
             head = bool(self._line) and self._line[0] is w
             with contextlib.suppress(ValueError):
                 self._line.remove(w)
+            self._listen()
             if head:
                 self.notify()  # the next in line may fit now
 
@@ -143,6 +163,7 @@ class CapacityWaiters:
             if not w.future.done():
                 w.future.set_exception(CacheClosedError("cache closed while waiting for pages"))
         self._line.clear()
+        self._listen()
 
     # ------------------------------------------------------------------ the two waits
 

@@ -106,7 +106,6 @@ class CacheCore:
         #: a drop's zeroing of freed pages, or the drop of pages that failed verification at
         #: load-back, in flight (``purge.py``; ``flush`` waits for them)
         self.zeroing: set[asyncio.Task[Any]] = set()
-        self.tree.on_unpinned = self.capacity_changed
         self._split_hooks: list[SplitHook] = []
         #: hard pins with expiry (``cache.pin``): the tree pins they hold and their timer
         self.hard_pins = HardPins(self.tree, config)
@@ -125,7 +124,7 @@ class CacheCore:
         cfg = self.config
         self.device_pool, self.host_pool, self.sidecars = device_pool, host_pool, sidecars
         self.dev_alloc = PageAllocator(cfg.device_pages, "device")
-        self.dev_alloc.on_free = self.capacity_changed
+        self.relisten()
         self.host_alloc = PageAllocator(cfg.host_pages, "host") if cfg.host_pages else None
         self.loop = loop
         self.owner = threading.get_ident()
@@ -189,6 +188,27 @@ class CacheCore:
             f"{alloc.retained} retained by insert results, "
             f"{alloc.quarantined} held by workers"
         )
+
+    def relisten(self) -> None:
+        """Run :meth:`capacity_changed` on the tree's unpins and the device allocator's frees
+        only while it has something to do: a capacity waiter in line (``on_capacity``), an
+        idle hook, or tenants whose quotas it enforces.  Otherwise an unpin (two on every
+        request) calls nothing.  Called whenever one of those three changes."""
+        waits = self.on_capacity is not None or self.tree.tenants is not None
+        hook = self.capacity_changed if waits or self.idle_hooks else None
+        self.tree.on_unpinned = hook
+        if self.dev_alloc is not None:
+            self.dev_alloc.on_free = hook
+
+    def listen_capacity(self, notify: Callable[[], None] | None) -> None:
+        """Set the capacity waiters' hook (``None``: nobody waits) and :meth:`relisten`."""
+        self.on_capacity = notify
+        self.relisten()
+
+    def add_idle_hook(self, hook: Callable[[], None]) -> None:
+        """Also call ``hook`` from :meth:`capacity_changed` from now on."""
+        self.idle_hooks.append(hook)
+        self.relisten()
 
     def capacity_changed(self) -> None:
         """Device pages may have become free or evictable (a free, an unpin, a copy that
@@ -360,6 +380,7 @@ class CacheCore:
             book = QuotaBook(self.config.default_tenant_quota, self.config.tenant_quotas)
             book.on_over = self._quota_over
             self.tree.enable_quotas(book)
+            self.relisten()
         return book
 
     def _quota_over(self) -> None:

@@ -100,7 +100,7 @@ class Purger:
         self._zero: set[int] = set()
         self._scheduled = False
         self._tasks = core.zeroing  # flush waits for them
-        core.idle_hooks.append(self._poke)
+        core.add_idle_hook(self._poke)
 
     # ------------------------------------------------------------------ reaper
 

@@ -283,3 +283,61 @@ async def test_copies_in_flight_is_the_snapshot_count_without_the_snapshot() -> 
         cache.release(r)
     with pytest.raises(akv.CacheClosedError):
         cache.copies_in_flight()
+
+
+async def test_unpins_call_the_capacity_hook_only_while_someone_listens() -> None:
+    """With nobody waiting, no quotas and no drop, an unpin or a free calls nothing (two
+    unpins on every request).  A waiter in line installs the hook, and every way out of the
+    line (served, timed out, cancelled, the cache closing) takes it away again when the line
+    is empty; quotas and a drop's reaper keep it.  ``check_invariants`` checks it throughout,
+    and a waiter is still served by a release while it waits."""
+    cache = akv.HiCache(small_config(device_pages=8, host_pages=0))
+    async with cache:
+        core = cache._core
+
+        def hooked() -> bool:
+            cache.check_invariants()
+            return core.tree.on_unpinned is not None
+
+        assert not hooked()
+        r, _held = fill(cache)  # held until the cache closes: later waiters wait
+        served = asyncio.ensure_future(cache.alloc_wait(4, timeout=5))
+        await asyncio.sleep(0)
+        assert hooked()
+        cache.release(r)  # the waiter is served through the hook
+        cache.free(await asyncio.wait_for(served, 1))
+        assert not hooked()
+        timed_out = asyncio.ensure_future(cache.alloc_wait(6 * P, timeout=0.01))
+        await asyncio.sleep(0)
+        assert hooked()
+        with pytest.raises(akv.CapacityError):
+            await timed_out
+        assert not hooked()
+        a = asyncio.ensure_future(cache.alloc_wait(6 * P, timeout=5))
+        b = asyncio.ensure_future(cache.alloc_wait(6 * P, timeout=5))
+        await asyncio.sleep(0)
+        a.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await a
+        assert hooked()  # b is still in line
+        b.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await b
+        assert not hooked()
+        last = asyncio.ensure_future(cache.alloc_wait(6 * P, timeout=5))
+        await asyncio.sleep(0)
+        assert hooked()
+    with pytest.raises(akv.CacheClosedError):
+        await last
+    assert core.tree.on_unpinned is None
+    quotas = small_config(
+        device_pages=8, host_pages=0, default_tenant_quota=akv.TenantQuota(device_pages=4)
+    )
+    async with akv.HiCache(quotas) as q:
+        assert q._core.tree.on_unpinned is not None  # quotas are enforced on unpins
+        q.check_invariants()
+    async with akv.HiCache(small_config(device_pages=8, host_pages=0)) as d:
+        d.release(d.insert([1, 2, 3, 4], d.alloc(4)))
+        await d.drop([1, 2, 3, 4])
+        assert d._core.tree.on_unpinned is not None  # the reaper listens from the drop on
+        d.check_invariants()

@@ -4,6 +4,7 @@ never does (every insert through ``plan_insert`` + ``insert``), request by reque
 
 from __future__ import annotations
 
+import gc
 import random
 from typing import Any
 
@@ -122,6 +123,7 @@ def test_grow_c_path_agrees_with_the_reference(page_size: int) -> None:
             grown += 1
             assert got[0].key == want[0].key and got[1:] == want[1:], where
             assert got[0].device_pages is pages and got[0].last_access == clock, where
+            assert not gc.is_tracked(got[0].key), where  # ints only: out of the GC's view
             assert shape(a.root("ns")) == shape(b.root("ns")), where
             before = shape(a.root("ns"))
     assert grown > 200 and refused > 200, (grown, refused)

@@ -401,6 +401,7 @@ static PyObject *grow(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         (key = PyList_GetSlice(tokens, pos, n)) == NULL) {
         goto fail;
     }
+    PyObject_GC_UnTrack(key); /* exact ints only (plain_tokens): Node()'s keep() skips it */
     PyObject *init[3] = {key, node, args[8]};
     leaf = PyObject_Vectorcall((PyObject *)node_type, init, 3, NULL);
     if (leaf == NULL) {
