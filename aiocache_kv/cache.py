@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -35,7 +35,6 @@ from aiocache_kv.handles import (
     check_handle,
 )
 from aiocache_kv.inserts import insert_tokens
-from aiocache_kv.introspection import describe
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
 from aiocache_kv.namespace import Namespace, namespace_of
@@ -360,7 +359,11 @@ class HiCache(CacheControls, CacheReports):
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
         p = self.config.page_size
-        return self._core.alloc_device(-(-n // p), _HELD, slots_of=p)
+        pages = -(-n // p)
+        alloc = self._core.dev_alloc
+        if alloc is not None and alloc.num_free >= pages:  # (alloc_device's passing case)
+            return alloc.alloc(pages, _HELD, slots_of=p)
+        return self._core.alloc_device(pages, _HELD, slots_of=p)
 
     async def alloc_wait(self, n: int, *, timeout: float | None = None) -> torch.Tensor:
         """Like :meth:`alloc`, but waits for pages.  Without ``timeout``: only for pages held
@@ -588,13 +591,6 @@ class HiCache(CacheControls, CacheReports):
         """
         self._core.check_owner()
         return self._core.events.take()
-
-    def events(self) -> AsyncIterator[KVEvent]:
-        """Async iterator over KV events as they happen; ends when the cache closes."""
-        return self._core.events.stream()
-
-    def __repr__(self) -> str:
-        return describe(self._core, self._transfers, self._state.name)
 
 
 __all__ = ["CacheState", "HiCache"]

@@ -4,11 +4,12 @@ cached blocks (for a KV-event consumer that joined late) and the invariant check
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from aiocache_kv.blocks import BlockInfo
-from aiocache_kv.events import BlockStored
-from aiocache_kv.introspection import blocks, check_all, snapshot, snapshot_events
+from aiocache_kv.events import BlockStored, KVEvent
+from aiocache_kv.introspection import blocks, check_all, describe, snapshot, snapshot_events
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.stats import CacheStatistics
 
@@ -66,3 +67,10 @@ class CacheReports:
         handles = self._handles
         check_all(self._core, handles.nodes(), self._transfers, self._l3, handles.retained())
         self._waiters.check_invariants()
+
+    def events(self) -> AsyncIterator[KVEvent]:
+        """Async iterator over KV events as they happen; ends when the cache closes."""
+        return self._core.events.stream()
+
+    def __repr__(self) -> str:
+        return describe(self._core, self._transfers, self._state.name)

@@ -195,7 +195,14 @@ def insert_tokens(
         if isinstance(kv_indices, torch.Tensor) and kv_indices.dim() == 1:
             skip = len(toks) - kv_indices.numel()
             if prefix is not None:
-                check_prefix(core, prefix, ns, skip)
+                if not (  # (check_prefix's passing case for a match, inline)
+                    type(prefix) is MatchResult
+                    and prefix.node.ns is ns
+                    and not core.trailing
+                    and 0 <= skip <= path_lens(prefix.node)[0]
+                    and not skip % p
+                ):
+                    check_prefix(core, prefix, ns, skip)
             elif skip:
                 raise InvalidInputError(
                     f"kv_indices has {kv_indices.numel()} slots for {len(toks)} tokens"

@@ -18,6 +18,7 @@ import torch
 import aiocache_kv as akv
 from aiocache_kv.testing import ManualCopyEngine
 from tests.conftest import small_config
+from tests.test_components import cfg as component_cfg
 from tests.test_split_ack import write_kv
 
 
@@ -328,4 +329,33 @@ async def test_prefix_result_that_stopped_at_a_loading_node_survives_its_split()
             cache.release(h)
         engine.complete_all()
         await cache.flush()
+        cache.check_invariants()
+
+
+async def test_prefix_insert_keeps_to_the_device_run_a_window_cuts() -> None:
+    """With a trailing-window component, a match's device run ends where every window is
+    whole: a node whose device copy lacks the window's pages (it came from storage without
+    them) is on the path but not in ``m.device_len``.  Slots starting past that run, at the
+    path's end, are refused with nothing changed, as for any prefix."""
+    async with akv.HiCache(component_cfg(host_pages=0)) as cache:
+        toks = list(range(100, 116))
+        cache.release(cache.insert(toks[:8], cache.alloc(8)))
+        m0 = cache.match_prefix(toks)
+        cache.release(cache.insert(toks, torch.cat([m0.device_indices, cache.alloc(8)])))
+        cache.release(m0)
+        m = cache.match_prefix(toks)
+        assert m.device_len == 16
+        window = next(c.name for c in cache.config.components if c.window_pages(2))
+        m.node.invalid = frozenset({window})  # as if loaded from storage without it
+        m.node.device_complete = False
+        assert m.device_len == 8  # the window at token 16 lacks pages: the run ends at 8
+        own = cache.alloc(4)
+        before = tree_state(cache)
+        with pytest.raises(akv.InvalidInputError, match="page boundary"):
+            cache.insert([*toks, 1, 2, 3, 4], own, prefix=m)
+        assert tree_state(cache) == before
+        r = cache.insert([*toks, 1, 2, 3, 4], torch.cat([cache.alloc(8), own]), prefix=m)
+        assert r.inserted_len == 20
+        cache.release(r)
+        cache.release(m)
         cache.check_invariants()
