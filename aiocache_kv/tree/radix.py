@@ -198,10 +198,18 @@ class RadixTree(Evictor):
             node = self._split(split, common)
             pos += common
         self._clock += 1
-        if pin:
-            self.pin(node, self._clock)  # stamps in the same walk
+        clock = self._clock
+        if pin and node.parent is not None:  # (pin, inline: every request pins its match)
+            dev, host = pathwalk.pin_path(node, p, clock)  # stamps in the same walk
+            self.dev_evictable -= dev
+            self.dev_protected += dev
+            if host:
+                self.host_evictable -= host
+                self.host_protected += host
+        elif pin:
+            self.pin(node, clock)  # a namespace root
         else:
-            self._stamp(node, self._clock)
+            self._stamp(node, clock)
         return node, pos
 
     def plan_insert(
