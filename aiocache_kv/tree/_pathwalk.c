@@ -326,65 +326,124 @@ static int leads_to(PyObject *node, PyObject *anchor)
     return 0;
 }
 
+/* a common path's root, page size, tokens and n (its first four arguments, of nargs, and
+ * the int clock at index clock_at), or NULL with an exception set */
+static PyObject *root_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+                           Py_ssize_t clock_at, const char *usage, Py_ssize_t *p, Py_ssize_t *n)
+{
+    PyObject *root = walk_args(args, nargs, want, usage, p);
+    if (root == NULL) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(args[2]) || !PyLong_CheckExact(args[clock_at])) {
+        PyErr_Format(PyExc_TypeError, "%s: a token list and an int clock", usage);
+        return NULL;
+    }
+    if ((*n = PyLong_AsSsize_t(args[3])) == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *up = parent_of(root);
+    if (up == NULL) {
+        return NULL;
+    }
+    if (up != Py_None || *n < 0 || *n % *p || *n > PyList_GET_SIZE(args[2])) {
+        PyErr_Format(PyExc_ValueError, "%s starts at a root, with n page-aligned tokens", usage);
+        return NULL;
+    }
+    return root;
+}
+
+/* the walk over whole nodes both common paths take: from *node (a strong reference, moved
+ * down the path) along tokens[:n] while the child of each page matches whole (and, with
+ * resident, is on device); *pos: the tokens walked.  FOUND at its end (n reached, or no child
+ * for the next page: that page's key in *ckey, a new reference, where ckey is not NULL);
+ * NOT_EXACT where the general walk must run instead (a split, an item that is not an exact
+ * int, a node off device); FAILED with an exception set */
+static enum found whole_walk(PyObject **node, PyObject *tokens, Py_ssize_t n, Py_ssize_t p,
+                             int resident, Py_ssize_t *pos, PyObject **ckey)
+{
+    while (*pos < n) {
+        PyObject *child;
+        enum found f = lookup(*node, tokens, *pos, p, &child, ckey);
+        if (f == NO_CHILD) {
+            return FOUND;
+        }
+        if (f != FOUND) {
+            return f;
+        }
+        PyObject *cd = get(child, off_device, "device"), *key_of = get(child, off_key, "key");
+        if (cd == NULL || key_of == NULL) {
+            return FAILED;
+        }
+        if ((resident && cd != RESIDENT) || !PyList_CheckExact(key_of)) {
+            return NOT_EXACT; /* a host-only node to adopt pages, or one still loading */
+        }
+        Py_ssize_t same = exact_common_len(key_of, tokens, *pos, n - *pos);
+        if (same < 0) {
+            return same == DESCEND_FALLBACK ? NOT_EXACT : FAILED;
+        }
+        if (same < PyList_GET_SIZE(key_of)) {
+            return NOT_EXACT; /* the walk ends inside a node: a split */
+        }
+        Py_INCREF(child);
+        Py_SETREF(*node, child);
+        *pos += same;
+    }
+    return FOUND;
+}
+
+/* pin and stamp the path up from node: (node, pos, dev, host), or NULL with an exception */
+static PyObject *pinned(PyObject *node, Py_ssize_t pos, Py_ssize_t p, PyObject *clock)
+{
+    Py_ssize_t dev = 0, host = 0;
+    if (pin_from(node, p, clock, &dev, &host) < 0) {
+        return NULL;
+    }
+    PyObject *at = PyLong_FromSsize_t(pos), *d = PyLong_FromSsize_t(dev),
+             *h = PyLong_FromSsize_t(host);
+    PyObject *out = at && d && h ? PyTuple_Pack(4, node, at, d, h) : NULL;
+    Py_XDECREF(at);
+    Py_XDECREF(d);
+    Py_XDECREF(h);
+    return out;
+}
+
+/* what a common path returns where the general one must run: None, or NULL where an
+ * exception is set (a failure, not a refusal) */
+static PyObject *general(void)
+{
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* grow(root, page_size, tokens, n, skip, anchor, pages, clock, ns) -> (leaf, pos, dev, host)
  * or None: see pathwalk.py.  Everything that can refuse is done before the first change. */
 static PyObject *grow(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     Py_ssize_t p, n, skip;
-    PyObject *node = walk_args(args, nargs, 9,
+    PyObject *node = root_args(args, nargs, 9, 7,
                                "grow(root, page_size, tokens, n, skip, anchor, pages, clock, ns)",
-                               &p);
+                               &p, &n);
     if (node == NULL) {
         return NULL;
     }
     PyObject *tokens = args[2], *anchor = args[5], *pages = args[6], *clock = args[7];
-    if (!PyList_CheckExact(tokens) || !PyLong_CheckExact(clock) ||
-        (anchor != Py_None && !PyObject_TypeCheck(anchor, node_type))) {
-        PyErr_SetString(PyExc_TypeError, "grow needs a token list, an int clock, a node or None");
+    if (anchor != Py_None && !PyObject_TypeCheck(anchor, node_type)) {
+        PyErr_SetString(PyExc_TypeError, "grow: the anchor is a node or None");
         return NULL;
     }
-    if (((n = PyLong_AsSsize_t(args[3])) == -1 || (skip = PyLong_AsSsize_t(args[4])) == -1) &&
-        PyErr_Occurred()) {
-        return NULL;
-    }
-    PyObject *up = parent_of(node);
-    if (up == NULL) {
-        return NULL;
-    }
-    if (up != Py_None || n < 0 || n % p || n > PyList_GET_SIZE(tokens)) {
-        PyErr_SetString(PyExc_ValueError, "grow starts at a root, with n page-aligned tokens");
+    if ((skip = PyLong_AsSsize_t(args[4])) == -1 && PyErr_Occurred()) {
         return NULL;
     }
     PyObject *ckey = NULL, *ndc = NULL, *key = NULL, *leaf = NULL, *out = NULL;
     Py_INCREF(node); /* strong: an allocation here may collect garbage, which runs code */
     Py_ssize_t pos = 0;
-    while (pos < n) {
-        PyObject *child;
-        enum found f = lookup(node, tokens, pos, p, &child, &ckey);
-        if (f == NO_CHILD) {
-            break; /* ckey: the new leaf's key in its parent */
-        }
-        if (f != FOUND) {
-            goto fallback_or_fail;
-        }
-        PyObject *cd = get(child, off_device, "device"), *key_of = get(child, off_key, "key");
-        if (cd == NULL || key_of == NULL) {
-            goto fail;
-        }
-        if (cd != RESIDENT || !PyList_CheckExact(key_of)) {
-            goto fallback; /* a host-only node to adopt pages, or one still loading */
-        }
-        Py_ssize_t same = exact_common_len(key_of, tokens, pos, n - pos);
-        if (same < 0) {
-            goto fallback_or_fail;
-        }
-        if (same < PyList_GET_SIZE(key_of)) {
-            goto fallback; /* the walk ends inside a node: a split */
-        }
-        Py_INCREF(child);
-        Py_SETREF(node, child);
-        pos += same;
+    enum found walked = whole_walk(&node, tokens, n, p, 1, &pos, &ckey);
+    if (walked != FOUND) {
+        goto fallback;
     }
     /* one new leaf after exactly the skipped pages, every token after them plain */
     if (pos >= n || pos != skip * p || !plain_tokens(tokens, pos)) {
@@ -393,23 +452,23 @@ static PyObject *grow(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (skip > 0) {
         int on = leads_to(node, anchor);
         if (on <= 0) {
-            goto fallback_or_fail;
+            goto fallback;
         }
     }
     long ndev = get_long(node, off_n_dev_children, "n_dev_children");
     if ((ndev == -1 && PyErr_Occurred()) || (ndc = PyLong_FromLong(ndev + 1)) == NULL ||
         (key = PyList_GetSlice(tokens, pos, n)) == NULL) {
-        goto fail;
+        goto done;
     }
     PyObject_GC_UnTrack(key); /* exact ints only (plain_tokens): Node()'s keep() skips it */
     PyObject *init[3] = {key, node, args[8]};
     leaf = PyObject_Vectorcall((PyObject *)node_type, init, 3, NULL);
     if (leaf == NULL) {
-        goto fail;
+        goto done;
     }
     if (!Py_IS_TYPE(leaf, node_type)) {
         PyErr_SetString(PyExc_TypeError, "the node class made something else");
-        goto fail;
+        goto done;
     }
     /* the leaf's slots hold what Node() gave them (ints, None, members): no code runs */
     Py_INCREF(clock);
@@ -420,37 +479,52 @@ static PyObject *grow(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_XSETREF(SLOT(leaf, off_device), RESIDENT);
     PyObject *children = get(node, off_children, "children");
     if (children == NULL || PyDict_SetItem(children, ckey, leaf) < 0) {
-        goto fail; /* not linked: the tree is as it was */
+        goto done; /* not linked: the tree is as it was */
     }
     /* the tree has changed from here */
     Py_XSETREF(SLOT(node, off_n_dev_children), ndc);
     ndc = NULL;
-    Py_ssize_t dev = 0, host = 0;
-    if (pin_from(leaf, p, clock, &dev, &host) < 0) {
-        goto fail;
-    }
-    PyObject *at = PyLong_FromSsize_t(pos), *d = PyLong_FromSsize_t(dev),
-             *h = PyLong_FromSsize_t(host);
-    out = at && d && h ? PyTuple_Pack(4, leaf, at, d, h) : NULL;
-    Py_XDECREF(at);
-    Py_XDECREF(d);
-    Py_XDECREF(h);
+    out = pinned(leaf, pos, p, clock);
     goto done;
-fallback_or_fail:
-    if (PyErr_Occurred()) {
-        goto fail;
-    }
 fallback:
-    out = Py_None;
-    Py_INCREF(out);
-    goto done;
-fail:
-    out = NULL;
+    out = general();
 done:
     Py_XDECREF(ckey);
     Py_XDECREF(ndc);
     Py_XDECREF(key);
     Py_XDECREF(leaf);
+    Py_DECREF(node);
+    return out;
+}
+
+/* pin_match(root, page_size, tokens, n, clock) -> (node, pos, dev, host) or None: see
+ * pathwalk.py.  Nothing changes before the pin, and nothing can refuse after it. */
+static PyObject *pin_match(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    Py_ssize_t p, n;
+    PyObject *node =
+        root_args(args, nargs, 5, 4, "pin_match(root, page_size, tokens, n, clock)", &p, &n);
+    if (node == NULL) {
+        return NULL;
+    }
+    PyObject *tokens = args[2], *clock = args[4];
+    PyObject *out = NULL;
+    Py_INCREF(node); /* strong: an allocation here may collect garbage, which runs code */
+    Py_ssize_t pos = 0;
+    enum found walked = whole_walk(&node, tokens, n, p, 0, &pos, NULL);
+    if (walked != FOUND) {
+        goto fallback;
+    }
+    /* a miss (the root: its own pin rule) or a token after the walk that is not plain */
+    if (pos == 0 || !plain_tokens(tokens, pos)) {
+        goto fallback;
+    }
+    out = pinned(node, pos, p, clock);
+    goto done;
+fallback:
+    out = general();
+done:
     Py_DECREF(node);
     return out;
 }
@@ -467,6 +541,9 @@ static PyMethodDef methods[] = {
     {"descend", (PyCFunction)(void (*)(void))descend, METH_FASTCALL,
      "descend(node, page_size, tokens, n, plan)\n--\n\nThe walk down a match or insert "
      "takes, or None where the Python walk must take it."},
+    {"pin_match", (PyCFunction)(void (*)(void))pin_match, METH_FASTCALL,
+     "pin_match(root, page_size, tokens, n, clock)\n--\n\nThe common match, a walk over "
+     "whole nodes, pinned and stamped, or None where the tree's match must run."},
     {"grow", (PyCFunction)(void (*)(void))grow, METH_FASTCALL,
      "grow(root, page_size, tokens, n, skip, anchor, pages, clock, ns)\n--\n\nThe common "
      "insert, one new pinned leaf below the device path, or None where the tree's insert must "

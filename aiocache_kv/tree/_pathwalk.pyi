@@ -21,3 +21,6 @@ def grow(
     ns: Any,
     /,
 ) -> tuple[Node, int, int, int] | None: ...
+def pin_match(
+    root: Node, page_size: int, tokens: list[Any], n: int, clock: int, /
+) -> tuple[Node, int, int, int] | None: ...

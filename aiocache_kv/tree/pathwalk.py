@@ -13,7 +13,9 @@ it did not compare and changes the tree.  The C walk compares only exact ints (n
 does can run Python code) and returns ``None`` at anything else; the caller then takes
 :func:`py_descend`, which checks the tokens as it goes.
 
-:func:`grow` is the common insert whole: the walk down over nodes held on device, one new
+:func:`pin_match` is the common match whole: the walk down, ending on a node boundary, the
+check of the tokens after it, the pin and stamp of the path.  :func:`grow` is the common
+insert whole: the walk down over nodes held on device, one new
 leaf, its path pinned.  It changes nothing, and returns ``None``, wherever the insert is not
 that simple (a split, a host-only node, one still loading, pages the caller passed for tokens
 the tree has, an item that is not a plain int); the tree's general insert then runs.
@@ -41,11 +43,13 @@ __all__ = [
     "grow",
     "may_be_victim",
     "path_lens",
+    "pin_match",
     "pin_path",
     "protect_delta",
     "py_descend",
     "py_grow",
     "py_path_lens",
+    "py_pin_match",
     "py_pin_path",
     "py_unpin_path",
     "unpin_path",
@@ -281,6 +285,39 @@ def py_grow(
     return leaf, pos, dev, host
 
 
+def py_pin_match(
+    root: Node, page_size: int, tokens: list[Any], n: int, clock: int
+) -> tuple[Node, int, int, int] | None:
+    """The common match of ``tokens[:n]`` (page-aligned) below ``root``, whole: the walk
+    down matches whole nodes only and ends below the root on a node boundary (the next page
+    has no child, or ``n`` is reached), and every token after it (the unaligned tail too)
+    is an exact int in ``[0, 2**30)``.  Then the path is pinned and stamped ``clock``
+    (:func:`py_pin_path`).  Returns ``(node, pos, dev, host)`` (``pos``: the tokens matched;
+    ``dev``/``host`` as :func:`py_pin_path` returns them), or ``None`` with nothing changed
+    where the match is not that simple (a miss, a split, another token)."""
+    p = page_size
+    assert root.parent is None and 0 <= n <= len(tokens) and n % p == 0, (
+        "pin_match starts at a root, with n page-aligned tokens"
+    )
+    node, pos = root, 0
+    while pos < n:
+        page = tokens[pos : pos + p]
+        if any(type(t) is not int for t in page):
+            return None
+        child = node.children.get(page[0] if p == 1 else tuple(page))
+        if child is None:
+            break
+        k = len(child.key)
+        run = tokens[pos : min(pos + k, n)]
+        if any(type(t) is not int for t in run) or run != child.key:
+            return None  # the match ends inside the child: a split
+        node, pos = child, pos + k
+    if not pos or not all(type(t) is int and 0 <= t < _PLAIN for t in tokens[pos:]):
+        return None
+    dev, host = py_pin_path(node, p, clock)
+    return node, pos, dev, host
+
+
 _EXT: Any = optional_extension("aiocache_kv.tree._pathwalk")
 if _EXT is not None:
     _EXT.bind(Node, ABSENT, FILLING, RESIDENT)
@@ -305,3 +342,7 @@ descend: Callable[[Node, int, list[Any], int, bool], Descent | None] = (
 path_lens: Callable[[Node], tuple[int, int]] = py_path_lens if _EXT is None else _EXT.path_lens
 #: :func:`py_grow`, in C where the extension is built.
 grow: Callable[..., tuple[Node, int, int, int] | None] = py_grow if _EXT is None else _EXT.grow
+#: :func:`py_pin_match`, in C where the extension is built.
+pin_match: Callable[[Node, int, list[Any], int, int], tuple[Node, int, int, int] | None] = (
+    py_pin_match if _EXT is None else _EXT.pin_match
+)

@@ -92,6 +92,8 @@ class RadixTree(Evictor):
         #: namespace's ``__hash__`` is a Python call, and every request looks its root up);
         #: good while its ``ns`` is the very object asked for and it is ``alive``
         self._last_root: Node | None = None
+        #: the common match in one call (``pathwalk.pin_match``; a test may switch it off)
+        self._pin_match = pathwalk.pin_match
 
     # ---------------------------------------------------------------- roots
 
@@ -185,6 +187,17 @@ class RadixTree(Evictor):
                 node = self.root(ns, tag)
             self._last_root = node
         p = self.page_size
+        clock = self._clock + 1
+        got = self._pin_match(node, p, tokens, n, clock) if pin else None
+        if got is not None:  # the common match, one C call: walk, token check, pin, stamp
+            node, pos, dev, host = got
+            self._clock = clock
+            self.dev_evictable -= dev
+            self.dev_protected += dev
+            if host:
+                self.host_evictable -= host
+                self.host_protected += host
+            return node, pos
         walk = pathwalk.descend(node, p, tokens, n, False)
         if walk is None:  # an item the C walk does not compare: the checking walk
             walk = pathwalk.py_descend(node, p, tokens, n, False)
@@ -197,17 +210,9 @@ class RadixTree(Evictor):
         if split is not None and common:
             node = self._split(split, common)
             pos += common
-        self._clock += 1
-        clock = self._clock
-        if pin and node.parent is not None:  # (pin, inline: every request pins its match)
-            dev, host = pathwalk.pin_path(node, p, clock)  # stamps in the same walk
-            self.dev_evictable -= dev
-            self.dev_protected += dev
-            if host:
-                self.host_evictable -= host
-                self.host_protected += host
-        elif pin:
-            self.pin(node, clock)  # a namespace root
+        self._clock = clock
+        if pin:
+            self.pin(node, clock)  # stamps in the same walk
         else:
             self._stamp(node, clock)
         return node, pos
