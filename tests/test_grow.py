@@ -226,6 +226,37 @@ def test_pin_match_refuses_what_is_not_a_match() -> None:
     assert got is not None and got[0] is child and got[1:] == (4, 2, 0) and child.pins == 1
 
 
+def test_grow_makes_leaves_as_the_node_class_does() -> None:
+    """A leaf grow makes in C (from the prototype's slots, no ``__init__``) holds in every
+    slot what ``Node(key, parent, ns)`` and the insert's own settings give it, with a fresh
+    children dict and its key out of the GC's view; ``prototype`` refuses a node whose slot
+    holds something nodes must not share."""
+    ext = _ext()
+    tree = RadixTree(2)
+    tree.insert("ns", [1, 2, 3, 4], 4, np.arange(2, dtype=np.int64), pin=False)
+    root = tree.root("ns")
+    pages = np.arange(7, 9, dtype=np.int64)
+    top = next(iter(root.children.values()))
+    got = ext.grow(root, 2, [1, 2, 3, 4, 5, 6, 7, 8], 8, 2, top, pages, 11, "ns")
+    assert got is not None
+    leaf, parent = got[0], got[0].parent
+    want = Node([5, 6, 7, 8], parent, "ns")
+    want.last_access, want.device_pages, want.device, want.pins = 11, pages, RESIDENT, 1
+    for name in Node.__slots__:
+        if name not in ("__weakref__", "children", "device_pages"):
+            assert getattr(leaf, name) == getattr(want, name), name
+            assert type(getattr(leaf, name)) is type(getattr(want, name)), name
+    assert leaf.device_pages is pages
+    assert leaf.children == {} and leaf.children is not parent.children
+    assert not gc.is_tracked(leaf.key) and gc.is_tracked(leaf)
+    odd = Node([], None, None)
+    odd.hashes = []  # a list: every node would share it
+    with pytest.raises(TypeError, match="hashes"):
+        ext.prototype(odd)
+    other = ext.grow(root, 2, [1, 2, 3, 4, 9, 9], 6, 2, top, pages[:1], 12, "ns")
+    assert other is not None and other[0].hashes is None  # the prototype still stands
+
+
 def test_grow_refuses_what_is_not_an_insert() -> None:
     """Malformed arguments raise before anything changes: not a root, unaligned or too many
     tokens, a token tuple, a float clock, an anchor that is not a node."""

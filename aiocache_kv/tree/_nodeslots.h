@@ -1,6 +1,7 @@
 /* A tree node's slots read and written at the offsets its class's member descriptors give
  * (bind() reads them once, from the class itself, and checks they are plain object slots), and
- * the path walks built on them; included once, by _pathwalk.c, whose header says why.
+ * the path walks built on them, and new nodes made from a prototype; included once, by
+ * _pathwalk.c, whose header says why.
  */
 #ifndef AIOCACHE_KV_NODESLOTS_H
 #define AIOCACHE_KV_NODESLOTS_H
@@ -265,6 +266,91 @@ static int pin_from(PyObject *node, Py_ssize_t p, PyObject *clock, Py_ssize_t *d
         node = parent;
     }
     return more;
+}
+
+/* A new node's slots as Node.__init__ leaves them, copied from a prototype node (prototype()):
+ * every slot but key, parent, ns and children, each holding an immutable value, so nodes may
+ * share it.  make_node() copies them (no Python code runs), then sets those four. */
+#define MAX_SLOTS 64
+static Py_ssize_t n_proto = 0, proto_off[MAX_SLOTS], off_ns = -1;
+static PyObject *proto_val[MAX_SLOTS];
+
+static int immutable(PyObject *v)
+{
+    return v == Py_None || PyLong_Check(v) || PyFloat_CheckExact(v) ||
+           PyFrozenSet_CheckExact(v) || PyUnicode_CheckExact(v);
+}
+
+/* prototype(node): take node's slots (but key, parent, ns, children) as every new node's */
+static PyObject *prototype(PyObject *self, PyObject *node)
+{
+    (void)self;
+    if (node_type == NULL || !Py_IS_TYPE(node, node_type)) {
+        PyErr_SetString(PyExc_TypeError, "prototype() needs a node, after bind()");
+        return NULL;
+    }
+    Py_ssize_t count = 0, offs[MAX_SLOTS], ns = -1;
+    PyObject *vals[MAX_SLOTS];
+    for (PyMemberDef *m = node_type->tp_members; m != NULL && m->name != NULL; m++) {
+        if (m->type != T_OBJECT_EX || (m->flags & READONLY)) {
+            continue;
+        }
+        if (strcmp(m->name, "ns") == 0) {
+            ns = m->offset;
+        }
+        if (m->offset == off_key || m->offset == off_parent || m->offset == off_children ||
+            strcmp(m->name, "ns") == 0) {
+            continue;
+        }
+        PyObject *v = SLOT(node, m->offset);
+        if (v == NULL || !immutable(v) || count == MAX_SLOTS) {
+            PyErr_Format(PyExc_TypeError, "a new node's %s must be set and immutable", m->name);
+            return NULL;
+        }
+        offs[count] = m->offset;
+        vals[count++] = v;
+    }
+    if (ns < 0) {
+        PyErr_SetString(PyExc_TypeError, "the node class has no ns slot");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n_proto; i++) {
+        Py_CLEAR(proto_val[i]);
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        proto_off[i] = offs[i];
+        proto_val[i] = Py_NewRef(vals[i]);
+    }
+    n_proto = count;
+    off_ns = ns;
+    Py_RETURN_NONE;
+}
+
+/* a new node (key, parent, ns) as Node(key, parent, ns) makes it, with key kept as given
+ * (already out of the GC's view); NULL with an exception set */
+static PyObject *make_node(PyObject *key, PyObject *parent, PyObject *ns)
+{
+    if (n_proto == 0) { /* no prototype: the class makes it */
+        PyObject *init[3] = {key, parent, ns};
+        return PyObject_Vectorcall((PyObject *)node_type, init, 3, NULL);
+    }
+    PyObject *children = PyDict_New();
+    if (children == NULL) {
+        return NULL;
+    }
+    PyObject *node = node_type->tp_alloc(node_type, 0);
+    if (node == NULL) {
+        Py_DECREF(children);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n_proto; i++) {
+        SLOT(node, proto_off[i]) = Py_NewRef(proto_val[i]);
+    }
+    SLOT(node, off_key) = Py_NewRef(key);
+    SLOT(node, off_parent) = Py_NewRef(parent);
+    SLOT(node, off_ns) = Py_NewRef(ns);
+    SLOT(node, off_children) = children;
+    return node;
 }
 
 #endif

@@ -461,8 +461,7 @@ static PyObject *grow(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     PyObject_GC_UnTrack(key); /* exact ints only (plain_tokens): Node()'s keep() skips it */
-    PyObject *init[3] = {key, node, args[8]};
-    leaf = PyObject_Vectorcall((PyObject *)node_type, init, 3, NULL);
+    leaf = make_node(key, node, args[8]);
     if (leaf == NULL) {
         goto done;
     }
@@ -541,6 +540,9 @@ static PyMethodDef methods[] = {
     {"descend", (PyCFunction)(void (*)(void))descend, METH_FASTCALL,
      "descend(node, page_size, tokens, n, plan)\n--\n\nThe walk down a match or insert "
      "takes, or None where the Python walk must take it."},
+    {"prototype", prototype, METH_O,
+     "prototype(node)\n--\n\nThe slots every new node starts with (but key, parent, ns, "
+     "children)."},
     {"pin_match", (PyCFunction)(void (*)(void))pin_match, METH_FASTCALL,
      "pin_match(root, page_size, tokens, n, clock)\n--\n\nThe common match, a walk over "
      "whole nodes, pinned and stamped, or None where the tree's match must run."},

@@ -321,6 +321,7 @@ def py_pin_match(
 _EXT: Any = optional_extension("aiocache_kv.tree._pathwalk")
 if _EXT is not None:
     _EXT.bind(Node, ABSENT, FILLING, RESIDENT)
+    _EXT.prototype(Node([], None, None))  # what grow's new leaves start from, as Node() makes
 
 #: ``"c"`` where the C extension walks, else ``"python"``.
 PATHWALK_IMPL = "python" if _EXT is None else "c"
