@@ -47,6 +47,7 @@ class HandleTable:
         self._tokens = itertools.count(1)
         self._closed = False
         self.leaked = 0  #: handles garbage-collected while pinned
+        self._on_drop = self.dropped_soon  # bound once: every handle gets it
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -56,7 +57,7 @@ class HandleTable:
         references it holds on the device pages ``retained`` (taken by the caller)."""
         token = next(self._tokens)
         handle.token = token
-        handle.on_drop = self.dropped_soon
+        handle.on_drop = self._on_drop
         self._pins[token] = handle.node
         if retained is not None and retained.size:
             self._retained[token] = retained

@@ -359,3 +359,33 @@ async def test_prefix_insert_keeps_to_the_device_run_a_window_cuts() -> None:
         cache.release(r)
         cache.release(m)
         cache.check_invariants()
+
+
+async def test_slots_restrided_in_place_insert_the_rows_they_name() -> None:
+    """A slot tensor from ``alloc`` restrided in place (``as_strided_``: the same data
+    pointer, other elements) inserts the rows it now names, as a fresh tensor with those
+    values would; one reshaped to 2-D in place (``unsqueeze_``) is refused as any 2-D
+    tensor is, nothing changed.  (The allocator's table of handed-out tensors must not
+    hand back the array behind the original shape.)"""
+    async with (
+        akv.HiCache(small_config(device_pages=16, host_pages=0, page_size=1)) as a,
+        akv.HiCache(small_config(device_pages=16, host_pages=0, page_size=1)) as b,
+    ):
+        toks = [5, 6, 7, 8]
+        sa, sb = a.alloc(8), b.alloc(8)
+        sa.as_strided_((4,), (2,))  # rows 0, 2, 4, 6 of the allocation
+        fresh = sb[::2].clone()
+        ra, rb = a.insert(toks, sa), b.insert(toks, fresh)
+        ma, mb = a.match_prefix(toks), b.match_prefix(toks)
+        assert ma.device_indices.tolist() == mb.device_indices.tolist() == sa.tolist()
+        for c, h in ((a, ra), (a, ma), (b, rb), (b, mb)):
+            c.release(h)
+        flat = a.alloc(2)
+        flat.unsqueeze_(0)
+        before = tree_state(a)
+        with pytest.raises(akv.InvalidInputError):
+            a.insert([1, 2], flat)
+        assert tree_state(a) == before
+        a.free(flat.squeeze_(0))
+        a.free(torch.tensor([r for r in range(16) if r % 2 and r < 8]))  # 1, 3, 5, 7
+        a.check_invariants()

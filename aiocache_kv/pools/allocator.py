@@ -78,6 +78,7 @@ def has_duplicates(pages: PageIds) -> bool:
 _FREE, _HELD, _OWNED = int(PageState.FREE), int(PageState.HELD), int(PageState.OWNED)
 #: allocations :meth:`PageAllocator.handed_slots` remembers (then it starts over)
 _HANDED_MAX = 256
+_UNIT_STRIDE = (1,)  # a 1-D tensor whose elements are adjacent
 _QUARANTINED, _RETAINED = int(PageState.QUARANTINED), int(PageState.RETAINED)
 
 
@@ -163,13 +164,16 @@ class PageAllocator:
 
     def handed_slots(self, slots: object) -> np.ndarray | None:
         """The int64 array behind ``slots`` if it is a tensor :meth:`alloc` handed out
-        (``HELD``) and still on the memory it was given (no conversion, no checks of dtype
-        or shape needed), else ``None``: the caller converts it the general way.  Its
-        values are still to be checked (the caller may have written to it)."""
+        (``HELD``) and still on the memory and in the shape it was given (no conversion, no
+        checks of dtype or shape needed), else ``None``: the caller converts it the general
+        way.  Its values are still to be checked (the caller may have written to it).  A
+        tensor restrided or reshaped in place (``as_strided_``, ``unsqueeze_``) keeps its
+        data pointer, so its strides are compared too: ``(1,)``, one dimension, every element
+        next to the last (shrunk in place by ``resize_``, its elements lead the array)."""
         entry = self._handed.get(id(slots))
         if entry is None or entry[0] is not slots or entry[2] != entry[0].data_ptr():
             return None
-        return entry[1]
+        return entry[1] if entry[0].stride() == _UNIT_STRIDE else None
 
     def free(self, pages: Sequence[PageIds]) -> None:
         """Return pages (OWNED or HELD) to the free list; leased ones to quarantine, retained
