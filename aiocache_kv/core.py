@@ -194,11 +194,16 @@ class CacheCore:
         only while it has something to do: a capacity waiter in line (``on_capacity``), an
         idle hook, or tenants whose quotas it enforces.  Otherwise an unpin (two on every
         request) calls nothing.  Called whenever one of those three changes."""
-        waits = self.on_capacity is not None or self.tree.tenants is not None
-        hook = self.capacity_changed if waits or self.idle_hooks else None
+        hook = self.capacity_hook()
         self.tree.on_unpinned = hook
         if self.dev_alloc is not None:
             self.dev_alloc.on_free = hook
+
+    def capacity_hook(self) -> Callable[[], None] | None:
+        """What unpins and frees call now: :meth:`capacity_changed` while it has something to
+        do (see :meth:`relisten`), else nothing."""
+        waits = self.on_capacity is not None or self.tree.tenants is not None
+        return self.capacity_changed if waits or self.idle_hooks else None
 
     def listen_capacity(self, notify: Callable[[], None] | None) -> None:
         """Set the capacity waiters' hook (``None``: nobody waits) and :meth:`relisten`."""

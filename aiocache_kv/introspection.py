@@ -97,8 +97,7 @@ def check_all(
     for node in hard.nodes(Tier.HOST):
         host_pins[id(node)] = host_pins.get(id(node), 0) + 1
     core.tree.check_invariants(handle_pins, host_pins)
-    waits = core.on_capacity is not None or core.tree.tenants is not None or core.idle_hooks
-    hook = core.capacity_changed if waits else None
+    hook = core.capacity_hook()
     assert core.tree.on_unpinned == hook, f"unpin hook {core.tree.on_unpinned} != {hook}"
     assert core.dev_alloc is None or core.dev_alloc.on_free == hook, "free hook != unpin hook"
     if core.dev_alloc is not None:

@@ -12,6 +12,12 @@
  * runs.  Nothing here calls back into Python code: the values written are ints (the pin counts
  * and the clock the caller passes), whose release runs no code, and the tier states are
  * compared by identity with the members bind() was given.
+ *
+ * The common match and the common insert are one call each (pin_match, grow): the walk over
+ * whole nodes, the check of the tokens after it, a new leaf for an insert (made from the slots
+ * prototype() took from a Node(), so no __init__ runs; only without a prototype is the class
+ * called) and the pin and stamp of the path.  Where the request is not that simple they change
+ * nothing and return None, and the tree's general path runs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
