@@ -20,7 +20,7 @@ def write_kv(cache: akv.HiCache, slots: torch.Tensor, seed: int) -> list[torch.T
         k, v = cache.device_kv(layer)
         for buf in (k, v):
             vals = torch.randn((slots.numel(), *buf.shape[1:]), generator=g)
-            buf[slots] = vals
+            buf[slots.to(buf.device)] = vals.to(buf.device)  # a CUDA pool too
             out.append(vals)
     return out
 

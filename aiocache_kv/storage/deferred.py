@@ -44,7 +44,7 @@ from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD, Verdict
 from aiocache_kv.storage.presum import layout_fits, sum_slots
 
-__all__ = ["copy_to_device", "first_bad", "verify_trailers"]
+__all__ = ["copy_to_device", "first_bad", "first_mismatch", "verify_trailers"]
 
 _EXT = optional_extension("aiocache_kv.storage._blocksum")
 _VERDICTS = tuple(Verdict)  # the C's codes, in the enum's order (see integrity.verify_many)
@@ -150,14 +150,23 @@ def first_bad(
     check = np.flatnonzero(expect[:, 2] != 0)
     if check.size == 0:
         return -1
-    got = np.zeros((len(pages), 3), dtype=np.uint64)
+    got = np.zeros((len(pages), 2), dtype=np.uint64)
     sub = np.ascontiguousarray(pages[check], dtype=np.int64)
     table = np.empty((int(sub.max()) + 1, 3), dtype=np.uint64)  # only its rows `sub` are read
     sum_slots(raw, page_bytes, sub, table)
-    got[check] = table[sub]
+    got[check] = table[sub, :2]
+    return first_mismatch(got, page_bytes, expect)
+
+
+def first_mismatch(got: np.ndarray[Any, Any], page_bytes: int, expect: np.ndarray[Any, Any]) -> int:
+    """The first position whose ``(S1, S2)`` in ``got`` (``[pages, 2]``, 64-bit) differs from
+    its checked row in ``expect`` (``bytes`` 0: not checked; any other ``bytes`` than
+    ``page_bytes`` fails), or -1."""
+    check = np.flatnonzero(expect[:, 2] != 0)
+    sums = got.view(np.uint64)[check]
     bad = np.flatnonzero(
         (expect[check, 2] != page_bytes)
-        | (got[check, 0] != expect[check, 0])
-        | (got[check, 1] != expect[check, 1])
+        | (sums[:, 0] != expect[check, 0])
+        | (sums[:, 1] != expect[check, 1])
     )
     return -1 if bad.size == 0 else int(check[bad[0]])

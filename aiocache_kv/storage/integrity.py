@@ -120,7 +120,7 @@ _CRC = struct.Struct("<I")
 FRAME_OVERHEAD = _TRAILER.size
 assert FRAME_OVERHEAD == 72, "trailer layout changed: FRAME_OVERHEAD is part of the contract"
 
-_BLOCK_WORDS = 2048  # 16 KiB blocks (512..8192 words measured: 2048+ is fastest)
+BLOCK_WORDS = 2048  # 16 KiB blocks (512..8192 words measured: 2048+ is fastest)
 _WEIGHTS = torch.arange(1, (1 << 16) + 1, dtype=torch.int64)  # block weights, up to 1 GiB
 _NP_WEIGHTS = _WEIGHTS.numpy()
 _MASK64 = (1 << 64) - 1
@@ -239,9 +239,9 @@ def py_checksum(data: torch.Tensor) -> tuple[int, int]:
         if raw.data_ptr() % 8:
             raw = raw.clone()  # unaligned slot: rare, pay one copy
         words = raw.view(torch.int64)
-        nblocks = nwords // _BLOCK_WORDS
+        nblocks = nwords // BLOCK_WORDS
         if nblocks:
-            rows = words[: nblocks * _BLOCK_WORDS].view(nblocks, _BLOCK_WORDS).sum(dim=1)
+            rows = words[: nblocks * BLOCK_WORDS].view(nblocks, BLOCK_WORDS).sum(dim=1)
             weights = (
                 _WEIGHTS[:nblocks]
                 if nblocks <= _WEIGHTS.numel()
@@ -249,14 +249,14 @@ def py_checksum(data: torch.Tensor) -> tuple[int, int]:
             )
             s1 = int(rows.sum())
             s2 = int(torch.dot(rows, weights))
-        if nwords % _BLOCK_WORDS:
-            tail = int(words[nblocks * _BLOCK_WORDS :].sum())
+        if nwords % BLOCK_WORDS:
+            tail = int(words[nblocks * BLOCK_WORDS :].sum())
             s1 += tail
             s2 += (nblocks + 1) * tail
     if n % 8:
         extra = int.from_bytes(data[nwords * 8 :].numpy().tobytes(), "little") + 1
         s1 += extra
-        s2 += (nwords // _BLOCK_WORDS + 2) * extra
+        s2 += (nwords // BLOCK_WORDS + 2) * extra
     return s1 & _MASK64, s2 & _MASK64
 
 
@@ -288,14 +288,14 @@ def _sum_rows(words: np.ndarray[Any, Any]) -> list[list[int]]:
     Integer overflow wraps (mod 2**64), as the format wants.
     """
     rows, nwords = words.shape
-    nblocks = nwords // _BLOCK_WORDS
-    body = nblocks * _BLOCK_WORDS
+    nblocks = nwords // BLOCK_WORDS
+    body = nblocks * BLOCK_WORDS
     if nblocks:
         if rows * body * 8 >= _TORCH_MIN_BYTES:  # torch's reduction is faster on big batches
-            view = torch.from_numpy(words[:, :body]).view(rows, nblocks, _BLOCK_WORDS)
+            view = torch.from_numpy(words[:, :body]).view(rows, nblocks, BLOCK_WORDS)
             blocks = view.sum(dim=2).numpy()
         else:
-            blocks = words[:, :body].reshape(rows, nblocks, _BLOCK_WORDS).sum(axis=2)
+            blocks = words[:, :body].reshape(rows, nblocks, BLOCK_WORDS).sum(axis=2)
         s1 = blocks.sum(axis=1)
         s2 = (blocks * _np_weights(nblocks)).sum(axis=1)
     else:
@@ -383,7 +383,7 @@ def checksums(buffers: Sequence[PageBuffer], nbytes: int) -> list[tuple[int, int
                     for i in members.get(first + r * stride, ()):
                         out[i] = (s1 & _MASK64, s2 & _MASK64)
         if nbytes % 8:
-            pos = nwords // _BLOCK_WORDS + 2
+            pos = nwords // BLOCK_WORDS + 2
             for i, b in enumerate(buffers):
                 got = out[i]
                 if got is not None:

@@ -35,11 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.extensions import optional_extension
 from aiocache_kv.storage.base import PageBuffer
-from aiocache_kv.storage.integrity import FRAME_OVERHEAD, py_checksum
+from aiocache_kv.storage.integrity import BLOCK_WORDS, FRAME_OVERHEAD, py_checksum
 
-__all__ = ["FUSED", "copy_to_host", "covers", "py_copy_to_host", "sum_slots"]
+__all__ = ["FUSED", "copy_to_host", "covers", "py_copy_to_host", "row_sums", "sum_slots"]
 
 _EXT = optional_extension("aiocache_kv.storage._blocksum")
 #: whether the C extension can take the checksum inside the copy
@@ -129,6 +130,59 @@ def sum_slots(raw: torch.Tensor, page_bytes: int, pages: Ids, table: Table) -> N
     for d in ids.tolist():
         s1, s2 = py_checksum(raw[d, :page_bytes])
         table[d] = (s1, s2, page_bytes)
+
+
+def row_sums(payload: torch.Tensor) -> torch.Tensor:
+    """Each row's block-Fletcher ``(S1, S2)`` as an int64 ``[rows, 2]`` tensor on
+    ``payload``'s device, in torch ops (a CUDA copy's staging block: the sums cost one read of
+    device memory and no CPU pass).  ``payload`` is uint8 ``[rows, bytes]`` with ``bytes`` a
+    multiple of 8 and rows 8-byte aligned; int64 arithmetic wraps, so the bits are those of
+    :func:`~.integrity.checksum` (mod 2**64).  Only enqueues work on a CUDA device.
+
+    Raises:
+        InvalidInputError: ``payload`` is not such a tensor.
+    """
+    nbytes = payload.shape[1] if payload.dim() == 2 else -1
+    if (
+        payload.dtype != torch.uint8
+        or nbytes <= 0
+        or nbytes % 8
+        or payload.stride(-1) != 1
+        or payload.stride(0) % 8
+        or (payload.storage_offset() + payload.untyped_storage().data_ptr()) % 8
+    ):
+        raise InvalidInputError(
+            f"row_sums needs uint8 [rows, 8k bytes] 8-byte-aligned rows, got "
+            f"{payload.dtype} {tuple(payload.shape)} strides {payload.stride()}"
+        )
+    words = payload.view(torch.int64)
+    full, tail = divmod(nbytes // 8, BLOCK_WORDS)
+    if tail:  # a short last block: sum it apart
+        parts = [words[:, full * BLOCK_WORDS :].sum(-1, keepdim=True)]
+        if full:
+            head = words[:, : full * BLOCK_WORDS].reshape(-1, full, BLOCK_WORDS).sum(-1)
+            parts.insert(0, head)
+        blocks = torch.cat(parts, 1) if full else parts[0]
+    else:
+        blocks = words.reshape(-1, full, BLOCK_WORDS).sum(-1)
+    weights = _weights(blocks.shape[1], payload.device)  # [blocks, 2]: columns 1 and b + 1
+    return (blocks.unsqueeze(-1) * weights).sum(1)
+
+
+_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _weights(blocks: int, device: torch.device) -> torch.Tensor:
+    """``[blocks, 2]`` int64: a column of ones (S1) and one of ``1..blocks`` (S2), kept per
+    device and size."""
+    key = (blocks, device)
+    w = _WEIGHTS.get(key)
+    if w is None:  # made on the device by kernels: a host->device copy could wait on a stream
+        col = torch.arange(1, blocks + 1, dtype=torch.int64, device=device)
+        w = torch.stack((torch.ones_like(col), col), 1)
+        if len(_WEIGHTS) < 64:
+            _WEIGHTS[key] = w
+    return w
 
 
 def py_copy_to_host(

@@ -9,16 +9,21 @@ loop thread with ``loop.call_soon_threadsafe``.  It never touches a future or th
   waits for the compute stream), one CUDA event is recorded per job, and a waiter thread
   synchronizes on that event before reporting, so a consumer never sees unsynced KV.
 
+On CUDA a job moves whole host slots through device staging blocks (:mod:`.staged`): a
+strided host view would make torch copy through pageable memory on the loop's thread.
+
 A device->host job given the host pool's checksum table (``CopyJob.sums``) records each
 page's block-Fletcher checksum while it copies (:mod:`aiocache_kv.storage.presum`): on CPU in
-the same C pass as the copy, on CUDA on the waiter thread right after the event.  Either way
-the sums are written before the completion is handed to the loop.
+the same C pass as the copy; on CUDA on the device, from the staging block, into a pinned
+tensor the waiter thread records after the event.  Either way the sums are written before
+the completion is handed to the loop.
 
 A host->device job given ``expect`` (pages a Mooncake prefetch read without verifying their
 payload, :mod:`aiocache_kv.storage.deferred`) sums those source pages and compares: on CPU in
 the same C pass as the copy (block by block; without the extension, before a torch copy of
-the pages before the first failure); on CUDA on the waiter thread after the event.  The first
-failure's position goes in ``CopyJob.bad``.
+the pages before the first failure); on CUDA on the device from the staging block (what
+reached the device), compared on the waiter thread after the event.  The first failure's
+position goes in ``CopyJob.bad``.
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ import torch
 
 from aiocache_kv.logs import get_logger
 from aiocache_kv.priority import idle_current_thread, lower_current_thread
-from aiocache_kv.storage.deferred import copy_to_device, first_bad
+from aiocache_kv.storage.deferred import copy_to_device, first_bad, first_mismatch
 from aiocache_kv.storage.presum import copy_to_host, sum_slots
 from aiocache_kv.transfer.copy import copy_page_first, device_to_host, host_to_device
+from aiocache_kv.transfer.staged import PinnedIds, slot_rows, stage_to_device, stage_to_host
 
 log = get_logger(__name__)
 
@@ -75,6 +81,13 @@ class CopyJob:
     #: of the first page that failed that check (nothing from there on was copied on CPU;
     #: on CUDA it was, and those device pages must be freed unread)
     bad: list[int] = field(default_factory=list)
+    #: a CUDA copy's ``(S1, S2)`` per ``src`` position, taken on the device from the staging
+    #: blocks (:mod:`.staged`): int64 ``[pages, 2]`` device tensors, one per chunk, read on
+    #: the waiter thread after the event (empty: no device sums, the waiter sums on the CPU)
+    device_sums: list[torch.Tensor] = field(default_factory=list)
+    #: on CUDA, copy through device staging blocks (False: torch's copies of the host views
+    #: and CPU sums on the waiter thread, the path before staging; ``bench cuda`` compares)
+    staged: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -83,9 +96,12 @@ class CopyJob:
         per_page += sum(h[0].numel() * h.element_size() for _, h in self.sidecars)
         return self.src.numel() * per_page
 
-    def run(self, *, non_blocking: bool = False) -> None:
-        """Do the copy on the calling thread (or enqueue it on the current CUDA stream)."""
+    def run(self, *, non_blocking: bool = False, ids: PinnedIds | None = None) -> None:
+        """Do the copy on the calling thread (or enqueue it on the current CUDA stream;
+        ``ids``: the engine's pinned ring for page ids going to the device)."""
         nb = non_blocking
+        if nb and self.staged and self._enqueue_staged(ids):
+            return
         if self.direction is Direction.D2H:
             if not (
                 not nb
@@ -116,6 +132,33 @@ class CopyJob:
             for dev, host in self.sidecars:
                 copy_page_first(host, dev, src, dst, non_blocking=nb)
 
+    def _enqueue_staged(self, ring: PinnedIds | None) -> bool:
+        """Enqueue a CUDA copy through device staging blocks of whole host slots (and take
+        the checksums there); False: a host layout it does not take, nothing was done."""
+        pools = [(self.device.permute(2, 0, 1, 3), self.host)]
+        pools += [(dev, host) for dev, host in self.sidecars]
+        rows = [slot_rows(host) for _, host in pools]
+        if any(r is None for r in rows):
+            return False
+        want = (
+            self.sums is not None and self.host_raw is not None
+            if self.direction is Direction.D2H
+            else self.expect is not None and self.host_raw is not None
+        )
+        sums = want and self._page_bytes % 8 == 0
+        for i, ((dev, host), row) in enumerate(zip(pools, rows, strict=True)):
+            assert row is not None
+            if self.direction is Direction.D2H:
+                got = stage_to_host(
+                    dev, host, row, self.src, self.dst, sums=sums and i == 0, ring=ring
+                )
+            else:
+                got = stage_to_device(
+                    host, row, dev, self.src, self.dst, sums=sums and i == 0, ring=ring
+                )
+            self.device_sums.extend(got)
+        return True
+
     def _check(self) -> bool:
         """Verify the unverified source pages of a H2D copy; whether one failed (recorded)."""
         if self.expect is None or self.host_raw is None:
@@ -130,13 +173,29 @@ class CopyJob:
     def _page_bytes(self) -> int:
         return self.host[0].numel() * self.host.element_size()
 
+    def _read_device_sums(self) -> np.ndarray[Any, Any]:
+        """The device sums as one int64 ``[pages, 2]`` array (after the event: a small
+        synchronous read on the waiter thread, the copy is done)."""
+        return np.concatenate([t.cpu().numpy() for t in self.device_sums])
+
     def after_event(self) -> None:
         """On a CUDA copy's waiter thread, once its event completed: record the checksums of
         the host pages a device->host copy wrote (pinned memory, just written)."""
         if self.direction is Direction.D2H and self.host_raw is not None and self.sums is not None:
-            sum_slots(self.host_raw, self._page_bytes, self.dst, self.sums)
+            if self.device_sums:  # taken on the device: record them
+                dst = self.dst.numpy()
+                self.sums[dst, :2] = self._read_device_sums().view(np.uint64)
+                self.sums[dst, 2] = self._page_bytes
+            else:
+                sum_slots(self.host_raw, self._page_bytes, self.dst, self.sums)
         elif self.direction is Direction.H2D:
-            self._check()  # the pinned source pages, as copied
+            if self.device_sums and self.expect is not None:
+                got = self._read_device_sums()
+                bad = first_mismatch(got, self._page_bytes, self.expect)
+                if bad >= 0:
+                    self.bad.append(bad)
+            else:
+                self._check()  # the pinned source pages, as copied
 
 
 class CopyEngine(Protocol):
@@ -235,6 +294,7 @@ class CudaCopyEngine:
         self._index = 0  # the device's index, resolved at start
         self._stream: torch.cuda.Stream | None = None
         self._waiter = ThreadCopyEngine("aiocache-kv-cuda-wait")
+        self._ids = PinnedIds()  # page ids going to the device (scattered pages)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Create the copy stream and start the waiter thread."""
@@ -253,7 +313,7 @@ class CudaCopyEngine:
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         try:
             with torch.cuda.stream(stream):
-                job.run(non_blocking=True)
+                job.run(non_blocking=True, ids=self._ids)
                 event.record(stream)
         except BaseException as exc:
             done(exc)

@@ -193,7 +193,7 @@ def test_a_deferred_mooncake_get_is_one_call() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-async def test_cuda_waiter_verifies_the_pinned_pages_after_the_event() -> None:
+async def test_cuda_h2d_job_verifies_what_reached_the_device() -> None:
     from aiocache_kv.transfer.engine import CudaCopyEngine
 
     host = HostKVPool(8, 2, 64, torch.float32, extra_bytes=FRAME_OVERHEAD, pin_memory=True)
