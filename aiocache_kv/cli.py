@@ -451,6 +451,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     seed=args.seed,
                 )
             )
+        elif suite == "cuda":
+            from aiocache_kv.bench import cuda_copies as cu
+
+            kib = _flat(args.page_kib, cu.PAGE_KIB)
+            cuda_opts = cu.CudaBenchOptions(kib, args.mib, args.transfer_repeats, args.seed)
+            if (res := cu.run_if_cuda(cuda_opts, run_loop)) is not None:
+                results["cuda"] = res
         elif suite == "lag":
             from aiocache_kv.bench import lag
 

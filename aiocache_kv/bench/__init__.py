@@ -13,6 +13,8 @@ from __future__ import annotations
 SUITE_HELP = {
     "tree": "radix tree insert/match/evict against targets",
     "transfer": "device<->host page copies and event-loop lag",
+    "cuda": "copy jobs on a GPU (staged host slots, device checksums) vs the raw pinned copy; "
+    "skipped without CUDA",
     "lag": "event-loop lag while 1 GiB is written through and the engine serves a full batch",
     "storage": "storage tier (L3) through the cache vs the raw backend (file, mooncake)",
     "embedding": "embedding cache vs the raw Mooncake client, two nodes",
