@@ -173,8 +173,9 @@ def reference_generate(
     out: list[int] = []
     kept: list[torch.Tensor] = []
     ttft = 0.0
+    device = getattr(model, "device", None)  # the model's own (a GPU's, say)
     with torch.no_grad():
-        ids = torch.tensor([toks], dtype=torch.long)
+        ids = torch.tensor([toks], dtype=torch.long, device=device)
         for step in range(max_new_tokens):
             res = model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, kv))
             logits = res.logits[0, -1]
@@ -184,7 +185,7 @@ def reference_generate(
             out.append(tok)
             if keep_logits:
                 kept.append(logits.clone())
-            ids = torch.tensor([[tok]], dtype=torch.long)
+            ids = torch.tensor([[tok]], dtype=torch.long, device=device)
     return Generation(
         prompt_len=len(toks),
         tokens=out,
