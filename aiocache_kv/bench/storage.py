@@ -15,7 +15,7 @@ round and reports GB/s (payload bytes, 10^9) and the ratio cache / raw of the sa
     buffer; fresh file names every round.  Files have no batch call: batch only changes how
     the cache groups its calls.
 
-  Raw objects are the size the cache stores (page + the 40-byte integrity trailer).
+  Raw objects are the size the cache stores (page + the 72-byte integrity trailer).
 
 * **cache backup** - a ``write_through`` ``HiCache`` with ``storage=`` the backend.  One
   sequence of ``pages`` pages is inserted in steps of ``batch`` pages (each insert = one
@@ -333,7 +333,7 @@ def run(opts: StorageBenchOptions) -> JSON:
         f"measurement; one warm-up round, then median of {opts.repeats}.\n"
         "raw: the backend primitive in one thread (Mooncake batch_put_from / batch_get_into "
         "on a registered buffer, same client; file: os.write / os.readv, one file per page, "
-        "no fsync), fresh keys per round, objects of page + 40-byte trailer.\n"
+        "no fsync), fresh keys per round, objects of page + 72-byte trailer.\n"
         "cache backup: timed from the write acks (device->host copies already done, acks held "
         "by the bench's copy engine) to `await cache.flush()`: key derivation, dispatch, seal "
         "(the trailer: the copy took the checksum), put (no existence check first); 2 storage "

@@ -2,7 +2,7 @@
 
 An entry is one contiguous slot::
 
-    [ header (64 B) | data (num_tokens * dim * itemsize) | trailer (FRAME_OVERHEAD = 40 B) ]
+    [ header (64 B) | data (num_tokens * dim * itemsize) | trailer (FRAME_OVERHEAD = 72 B) ]
 
 The *payload* the storage backend checksums is ``header + data``; the trailer is the
 :mod:`aiocache_kv.storage.integrity` frame written by the backend's ``put``.  The header makes an

@@ -47,7 +47,7 @@ Batches.  :func:`seal_many` / :func:`verify_many` compute the same checksums as 
 page (:func:`checksums`): the slots of a batch are usually rows of one host pool, equally spaced
 in one storage, so they are summed through one strided int64 view (``rows x blocks x 2048``).
 Slots that are not (other storages, a sparse set of rows) are covered by runs of equally spaced
-rows; unaligned slots fall back to the per-page :func:`checksum`.  Per page only the 40-byte
+rows; unaligned slots fall back to the per-page :func:`checksum`.  Per page only the 72-byte
 trailer is packed/parsed in Python (~1-2 us).  Measured (one thread, 64 KiB pages): the per-page
 path ~3 GB/s (~20 us of op overhead per page), a batch of 16 pages ~11 GB/s, of 128 pages
 ~17-25 GB/s.  numpy rather than torch: a batch is one heavy reduction, which releases the GIL,
