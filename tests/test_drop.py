@@ -466,12 +466,12 @@ async def test_drop_between_backup_pump_and_put_removes_the_late_put() -> None:
     run yet was neither queued nor putting, so a drop in that window did not mark it, and
     its put stored the dropped pages for good.  It is marked and its put removed again.
     (A put handed to a worker by the pump itself has no such window: the put here takes the
-    task path, which a TP rank, a put in slices or a full executor still take.)"""
+    task path, which a TP rank or a full executor still take.)"""
     store = MemoryStorage()
     async with akv.HiCache(small_config(storage=store)) as cache:
         l3 = cache._l3
         assert l3 is not None
-        l3._send = lambda group, unlease: False  # type: ignore[method-assign]
+        l3._send = lambda group, pages, parts: False  # type: ignore[method-assign]
         pump = l3._pump
         drops: list[asyncio.Task[object]] = []
 

@@ -442,6 +442,14 @@ class StorageIO:
         finally:
             timer.cancel()
 
+    def has_slots(self, n: int) -> bool:
+        """Whether :meth:`start` would hand over ``n`` calls now (on the loop)."""
+        return (
+            not self._closed
+            and self._pending + n <= self.max_pending
+            and all(w.done() for w in self._waiters)
+        )
+
     def start(
         self,
         what: str,

@@ -45,6 +45,7 @@ import asyncio
 import collections
 import contextvars
 import functools
+import itertools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -265,7 +266,7 @@ class StorageTier(PrefetchingTier):
             hosts = held[0] if len(held) == 1 else torch.cat(held)
             for op in group:
                 op.pages = None
-            if parts > 1 or self.core.coordinator.deferred or not self._send(group, hosts):
+            if self.core.coordinator.deferred or not self._send(group, hosts, parts):
                 # one lease for the group's pages, until its workers are done with the
                 # bytes, whatever the verdict
                 alloc = self.core.host_alloc
@@ -287,10 +288,11 @@ class StorageTier(PrefetchingTier):
 
         return release
 
-    def _send(self, group: list[BackupOp], pages: torch.Tensor) -> bool:
-        """Hand ``group``'s put to a worker now, without a task (one rank, one slice, in
-        time, a slot free); its verdicts land from the worker's answer, after the next put
-        is handed over.  ``False``: not sent (the task path of :meth:`_run_backup` does).
+    def _send(self, group: list[BackupOp], pages: torch.Tensor, parts: int) -> bool:
+        """Hand ``group``'s put to workers now, in ``parts`` consecutive slices, without a
+        task (one rank, in time, a slot free for every slice); its verdicts land once every
+        slice answered (a slice that fails fails the group, as one put would), after the
+        next put is handed over.  ``False``: not sent (the task path of :meth:`_run_backup`).
 
         The host ``pages`` it reads are leased only if the verdicts come first (the put's
         deadline): until they land, its nodes are storage-FILLING and nothing evicts or
@@ -300,48 +302,57 @@ class StorageTier(PrefetchingTier):
         alloc = self.core.host_alloc
         assert alloc is not None
         timeout = min(op.deadline for op in group) - loop.time()
-        if timeout <= 0:  # queued past its deadline: the task path fails it
+        if timeout <= 0 or not self.io.has_slots(parts):  # the task path fails or waits
             return False
         keys, parents, idents, bufs = put_lists(group)
         backend = self.io.backend
-        fn: Callable[[], list[bool]]
-        if self._chain_aware:
-            put = cast(ChainAwareStorage, backend).put_chain
-            fn = functools.partial(put, keys, bufs, parents, identities=idents)
-        else:
-            fn = functools.partial(backend.put, keys, bufs, identities=idents)
         # the span runs from here to the verdicts, current in a context of its own
         ctx = contextvars.copy_context()
         cm = span("aiocache_kv.backup", pages=len(keys), nodes=len(group))
         sp = ctx.run(cm.__enter__)
-
         hold = WorkerPages(alloc, pages)
+        results, errors, left = [False] * len(keys), list[str](), [parts, parts]
 
-        def release() -> None:  # on the loop, once the put's worker is done, late or not
-            hold.release()
-            self.reconcile_evictions()  # a put that ended after its deadline evicted too
-            self._remove_late(group)
+        def release() -> None:  # on the loop, once every slice's worker is done
+            left[1] -= 1
+            if not left[1]:
+                hold.release()
+                self.reconcile_evictions()  # a put that ended after its deadline evicted too
+                self._remove_late(group)
 
-        def done(fut: asyncio.Future[list[bool]]) -> None:  # on the loop
-            hold.keep()  # verdicts before the worker returned: its pages stay its own
-            results, error = [False] * len(keys), None
+        def done(a: int, b: int, fut: asyncio.Future[list[bool]]) -> None:  # on the loop
             if fut.cancelled():
-                error = "cancelled"
+                errors.append("cancelled")
             elif (exc := fut.exception()) is not None:
-                error = repr(exc)
+                errors.append(repr(exc))
             else:
-                results = fut.result()
+                results[a:b] = fut.result()
+            left[0] -= 1
+            if left[0]:
+                return
+            hold.keep()  # verdicts before the workers returned: their pages stay theirs
             try:
-                self._verdicts(group, 1, results, error, sp)
+                got = [False] * len(keys) if errors else results
+                self._verdicts(group, parts, got, errors[0] if errors else None, sp)
             finally:
                 ctx.run(cm.__exit__, None, None, None)
 
-        sent = self.io.start(
-            "put", fn, timeout=timeout, on_done=done, buffers=bufs, on_release=release
-        )
-        if not sent:
-            ctx.run(cm.__exit__, None, None, None)  # (the task path makes its own)
-        return sent
+        n = len(keys)
+        for a, b in itertools.pairwise([n * i // parts for i in range(parts + 1)]):
+            fn: Callable[[], list[bool]] = functools.partial(
+                backend.put, keys[a:b], bufs[a:b], identities=idents[a:b]
+            )
+            if self._chain_aware:
+                chain = cast(ChainAwareStorage, backend).put_chain
+                fn = functools.partial(
+                    chain, keys[a:b], bufs[a:b], parents[a:b], identities=idents[a:b]
+                )
+            on_done = functools.partial(done, a, b)
+            sent = self.io.start(
+                "put", fn, timeout=timeout, on_done=on_done, buffers=bufs[a:b], on_release=release
+            )
+            assert sent, "a slot was free for every slice"
+        return True
 
     def _verdicts(
         self,
@@ -373,9 +384,9 @@ class StorageTier(PrefetchingTier):
         self, group: list[BackupOp], parts: int, unlease: Callable[[], None]
     ) -> None:
         """One put for ``group``'s pages (``parts`` concurrent puts of consecutive slices)
-        in a task (with TP, several slices, or when :meth:`_send` could not); each op gets
-        its own slice of the verdicts and lands on its own, in order.  The group's lease
-        ends (``unlease``) when the workers are done."""
+        in a task (with TP, or when :meth:`_send` could not: past its deadline, no slot for
+        every slice); each op gets its own slice of the verdicts and lands on its own, in
+        order.  The group's lease ends (``unlease``) when the workers are done."""
         keys, parents, idents, bufs = put_lists(group)
         release = self._releaser(group, unlease)
         loop = self.core.loop

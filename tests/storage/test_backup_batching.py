@@ -75,7 +75,7 @@ async def test_queued_backups_are_batched_by_their_pages_bytes_trailers_aside(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two queued backups whose pages make exactly ``BACKUP_BATCH_BYTES`` share one put: the
-    40-byte trailer of each page does not push the pair over (two 16 MiB backups of 1 MiB
+    72-byte trailer of each page does not push the pair over (two 16 MiB backups of 1 MiB
     pages went out as two puts, each paying the per-call cost)."""
     client = FakeMooncakeClient()
     client.gates["batch_put_from"].clear()
@@ -170,3 +170,54 @@ async def test_one_backup_is_spread_over_idle_workers(
         cache.release(h)
         assert cache.statistics().host.quarantined_pages == 0
         cache.check_invariants()
+
+
+class _OneSliceHangs(FakeMooncakeClient):
+    """A fake client whose put of one page waits at a gate; the other slice answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold = threading.Event()
+        self.held = threading.Event()
+
+    def batch_put_from(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        if len(keys) == 1:
+            self.held.set()
+            assert self.hold.wait(30), "never let go"
+        codes: list[int] = super().batch_put_from(keys, ptrs, sizes)
+        return codes
+
+
+async def test_a_slice_past_its_deadline_fails_the_spread_backup_and_keeps_its_pages() -> None:
+    """The slices of a spread backup go to the workers directly (no task).  One slice
+    answers, the other hangs past the deadline: the backup fails as one put would, its
+    host pages (the whole group's) stay leased while the hung worker may still read them, and
+    come back once it returns; nothing is stored or claimed."""
+    client = _OneSliceHangs()
+    store = FakeMooncakeStorage(client)
+    cfg = small_config(
+        storage=store, storage_workers=2, storage_retry_seconds=0.0, storage_timeout=0.3
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tier, "BACKUP_PART_BYTES", 1)
+        async with akv.HiCache(cfg) as cache:
+            h = insert(cache, PROMPTS[0], seed=1)
+            assert await asyncio.to_thread(client.held.wait, 10)
+            await cache.flush()  # returns at the deadline, not when the worker does
+            stats = cache.statistics()
+            assert (stats.backup_pages_ok, stats.backup_pages_failed) == (0, 3)
+            assert storage_state(cache, PROMPTS[0]) is TierState.ABSENT
+            cache.release(h)
+            cache.evict(1 << 20, "device")
+            cache.evict(1 << 20, "host")  # what the hung worker reads is not handed out
+            assert cache.statistics().host.quarantined_pages == 3  # the group's pages
+            cache.check_invariants()
+            client.hold.set()
+            await cache.flush()
+            for _ in range(100):  # the worker's return reaches the loop
+                if cache.statistics().host.quarantined_pages == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert cache.statistics().host.quarantined_pages == 0
+            assert sorted(len(keys) for keys in client.put_calls) == [1, 2]
+            cache.check_invariants()
