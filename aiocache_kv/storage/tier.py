@@ -266,9 +266,12 @@ class StorageTier(PrefetchingTier):
             hosts = held[0] if len(held) == 1 else torch.cat(held)
             for op in group:
                 op.pages = None
-            if self.core.coordinator.deferred or not self._send(group, hosts, parts):
-                # one lease for the group's pages, until its workers are done with the
-                # bytes, whatever the verdict
+            try:  # (_send raises only before it hands anything over: the task path runs)
+                sent = not self.core.coordinator.deferred and self._send(group, hosts, parts)
+            except Exception:  # a broken hand-over must not orphan the group: flush waits on it
+                log.exception("backup_send_failed", nodes=len(group))
+                sent = False
+            if not sent:  # one lease for the group's pages until its workers are done
                 alloc = self.core.host_alloc
                 assert alloc is not None
                 alloc.lease(hosts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import anyio
 import pytest
 
 import aiocache_kv as akv
@@ -220,4 +221,32 @@ async def test_a_slice_past_its_deadline_fails_the_spread_backup_and_keeps_its_p
                 await asyncio.sleep(0.01)
             assert cache.statistics().host.quarantined_pages == 0
             assert sorted(len(keys) for keys in client.put_calls) == [1, 2]
+            cache.check_invariants()
+
+
+async def test_a_hand_over_that_raises_falls_back_to_the_task_path() -> None:
+    """A bug in the direct hand-over (``_send`` raising) must not orphan the group: taken
+    off the queue and never sent, its backup would never land and ``flush`` (and closing
+    the cache) would wait for it forever.  The task path puts it instead."""
+    client = FakeMooncakeClient()
+    store = FakeMooncakeStorage(client)
+    calls: list[int] = []
+
+    def broken(group: object, pages: object, parts: int) -> bool:
+        calls.append(parts)
+        raise RuntimeError("a bug in the hand-over")
+
+    with anyio.fail_after(20):  # without the fallback: a hang, failed here
+        async with akv.HiCache(config(store)) as cache:
+            l3 = cache._l3
+            assert l3 is not None
+            l3._send = broken  # type: ignore[method-assign]
+            h = insert(cache, PROMPTS[0], seed=1)
+            await cache.flush()
+            assert calls == [1]
+            stats = cache.statistics()
+            assert (stats.backup_pages_ok, stats.backup_pages_failed) == (3, 0)
+            assert storage_state(cache, PROMPTS[0]) is TierState.RESIDENT
+            cache.release(h)
+            assert cache.statistics().host.quarantined_pages == 0
             cache.check_invariants()
