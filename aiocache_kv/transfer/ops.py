@@ -123,7 +123,13 @@ class Transfers:
             log.debug("backup_skipped", pages=need, reason="host pool full")
             return None
         core.counters.write_through_started += 1
-        return self._start(kind, nodes, dst)
+        op = self._start(kind, nodes, dst)
+        if core.config.storage is not None:
+            # the pages' hashes (their storage keys' part that costs) while the copy runs:
+            # the backup its ack starts then derives keys without hashing first
+            for n in nodes:
+                core.tree.block_hashes(n)
+        return op
 
     def stage(self, node: Node) -> bool:
         """Write-back: start copying an eviction victim (and its host-less ancestors) to host;

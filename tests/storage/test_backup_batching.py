@@ -250,3 +250,36 @@ async def test_a_hand_over_that_raises_falls_back_to_the_task_path() -> None:
             cache.release(h)
             assert cache.statistics().host.quarantined_pages == 0
             cache.check_invariants()
+
+
+@pytest.mark.parametrize("storage", [True, False])
+async def test_page_hashes_are_taken_while_the_write_through_copies(storage: bool) -> None:
+    """With a storage tier, the write-through's pages are hashed when the copy is queued
+    (the copy runs meanwhile), so the backup its ack starts derives keys without hashing;
+    the keys stored are the ones a reader computes.  Without one (and without KV events),
+    an insert hashes nothing."""
+    from aiocache_kv.bench.storage_paths import storage_keys
+    from aiocache_kv.testing import ManualCopyEngine
+    from aiocache_kv.tree import radix
+
+    engine = ManualCopyEngine()
+    client = FakeMooncakeClient()
+    store = FakeMooncakeStorage(client) if storage else None
+    cfg = small_config(storage=store, enable_kv_events=False)  # events would hash too
+    async with akv.HiCache(cfg, copy_engine=engine) as cache:
+        h = insert(cache, PROMPTS[0], seed=1)
+        (node,) = [n for n in cache._tree.walk() if n.key and n.key[0] == PROMPTS[0][0]]
+        assert (node.hashes is not None) is storage  # before the copy has run
+        calls: list[object] = []
+        real = radix.chain_hashes
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(radix, "chain_hashes", lambda *a: calls.append(a) or real(*a))
+            while engine.pending:
+                engine.complete()
+            await cache.flush()
+        assert calls == []  # the backup hashed nothing
+        if storage:
+            want = storage_keys(cfg.namespace, "", PROMPTS[0], cfg.page_size)
+            assert sorted(client.objects) == sorted(want)
+        cache.release(h)
+        cache.check_invariants()
