@@ -180,3 +180,61 @@ async def test_the_bench_engine_never_parks_a_copy_that_lands_after_release() ->
     assert await asyncio.wait_for(late, 10) is None
     assert torch.equal(host.permute(1, 2, 0, 3), dev)
     await engine.aclose()
+
+
+class _FakeCudaEvent:
+    """A CUDA event whose copies finish when the test says so (``gate``)."""
+
+    gate = threading.Event()
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        assert self.gate.wait(10), "the copies never finished"
+
+
+class _FakeStream:
+    def __init__(self, device: object = None) -> None:
+        pass
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+class _FailsMidway:
+    """A job that enqueued some copies, then failed (a staging allocation, say)."""
+
+    def run(self, *, non_blocking: bool = False, ids: object = None) -> None:
+        raise RuntimeError("CUDA out of memory (after two chunks were enqueued)")
+
+    def after_event(self) -> None:
+        raise AssertionError("a failed job records nothing")
+
+
+async def test_a_cuda_job_failing_midway_reports_only_after_what_it_enqueued(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rule 2: what a job enqueued before it failed still reads or writes its pages, so its
+    error reaches the loop (which frees the pages) only after the event recorded behind
+    that work, never at once.  (Control flow with stand-ins for torch.cuda: no GPU here.)"""
+    import contextlib
+
+    from aiocache_kv.transfer.engine import CudaCopyEngine
+
+    _FakeCudaEvent.gate.clear()
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: _FakeStream())
+    engine = CudaCopyEngine(torch.device("cuda", 0))
+    loop = asyncio.get_running_loop()
+    engine.start(loop)
+    fut: asyncio.Future[BaseException | None] = loop.create_future()
+    engine.submit(_FailsMidway(), fut.set_result)  # type: ignore[arg-type]
+    await asyncio.sleep(0.1)
+    assert not fut.done(), "the error was reported while the enqueued copies ran"
+    _FakeCudaEvent.gate.set()
+    err = await asyncio.wait_for(fut, 5)
+    assert isinstance(err, RuntimeError) and "out of memory" in str(err)
+    await engine.aclose()

@@ -14,9 +14,9 @@ strided host view would make torch copy through pageable memory on the loop's th
 
 A device->host job given the host pool's checksum table (``CopyJob.sums``) records each
 page's block-Fletcher checksum while it copies (:mod:`aiocache_kv.storage.presum`): on CPU in
-the same C pass as the copy; on CUDA on the device, from the staging block, into a pinned
-tensor the waiter thread records after the event.  Either way the sums are written before
-the completion is handed to the loop.
+the same C pass as the copy; on CUDA on the device, from the staging block, into a small
+device tensor the waiter thread reads and records after the event.  Either way the sums are
+written before the completion is handed to the loop.
 
 A host->device job given ``expect`` (pages a Mooncake prefetch read without verifying their
 payload, :mod:`aiocache_kv.storage.deferred`) sums those source pages and compares: on CPU in
@@ -311,14 +311,20 @@ class CudaCopyEngine:
         assert stream is not None, "engine not started"
         stream.wait_stream(torch.cuda.current_stream(self._index))
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        error: BaseException | None = None
         try:
             with torch.cuda.stream(stream):
                 job.run(non_blocking=True, ids=self._ids)
-                event.record(stream)
+        except BaseException as exc:  # (an allocation failing midway, say)
+            error = exc
+        try:
+            # after whatever the job enqueued before it failed: its error is reported only
+            # once those copies are done with the pages (rule 2), never while they run
+            event.record(stream)
         except BaseException as exc:
-            done(exc)
+            done(error or exc)
             return
-        self._waiter.submit(_EventWait(event, job), done)
+        self._waiter.submit(_EventWait(event, job, error), done)
 
     async def aclose(self) -> None:
         """Wait for every recorded event, then stop the waiter."""
@@ -331,9 +337,12 @@ class _EventWait:
 
     event: torch.cuda.Event
     job: CopyJob
+    error: BaseException | None = None  #: the job failed while enqueuing: reported after
 
     def run(self, *, non_blocking: bool = False) -> None:
         self.event.synchronize()
+        if self.error is not None:
+            raise self.error
         self.job.after_event()  # before the completion reaches the loop
 
 
