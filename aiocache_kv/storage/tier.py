@@ -15,17 +15,15 @@ write acks pays the per-call cost once per batch of bytes rather than once per a
 group queued goes out over every idle worker instead: consecutive slices of at least
 :data:`BACKUP_PART_BYTES`, put at once (a slice that fails fails the group, as one put
 would).  Every op keeps its own slice of the verdicts and lands on its own; an op still queued
-at its deadline (``storage_timeout`` after its ack) fails unsent.  The op's target list is
-re-targeted by node splits exactly like device<->host copies, and its per-page
-results are consumed in target order, so every fragment gets its own verdict, its own STORAGE
-``BlockStored`` event, and a failed page is never reported as stored.  After a backup the
-store took nothing of (the call failed or timed out, or it refused every page) the tier backs
-off for ``storage_retry_seconds``; one it took some pages of (a full store refusing a page
-while it evicts, as a Mooncake master does) is no reason to stop backing up other prompts.
+at its deadline (``storage_timeout`` after its ack) fails unsent.  Node splits re-target an op
+as they do copies, and its per-page results are consumed in target order: every fragment gets
+its own verdict and STORAGE ``BlockStored`` event, and a failed page is never called stored.
+After a backup the store took nothing of (the call failed or timed out, or it refused every
+page) the tier backs off for ``storage_retry_seconds``; one it took some pages of (a full store
+refusing a page while it evicts, as a Mooncake master does) is no reason to stop backing up.
 Nodes whose backup failed stay storage-ABSENT and are retried on a later hit.
 
-Prefetch is the base class's job (:mod:`.prefetch`), and the plumbing (executor, buffer views,
-keys) is :mod:`.tier_base`'s: this module adds the backup path and the tier's lifecycle.
+Prefetch is :mod:`.prefetch`'s job, the plumbing (executor, buffer views, keys) :mod:`.tier_base`'s.
 
 Buffer leases.  Every storage call leases the host pages whose bytes it reads or writes
 (:meth:`PageAllocator.lease`) and the lease ends only when the worker reports it is done
@@ -82,9 +80,8 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
-#: backups queued while every storage worker is busy are sent together, in puts of about
-#: this many bytes of pages (trailers aside: two 16 MiB backups make one put) (one call per
-#: op at least): the per-call cost is paid per batch of bytes, not per write ack
+#: backups queued while every storage worker is busy are sent together, in puts of about this
+#: many bytes of pages (trailers aside; an op at least): the per-call cost is paid per batch
 BACKUP_BATCH_BYTES = 32 << 20
 #: a backup with storage workers to spare is split into puts of at least this many bytes,
 #: one per idle worker, so one large backup does not run on one worker while the others idle
@@ -292,10 +289,9 @@ class StorageTier(PrefetchingTier):
         return release
 
     def _send(self, group: list[BackupOp], pages: torch.Tensor, parts: int) -> bool:
-        """Hand ``group``'s put to workers now, in ``parts`` consecutive slices, without a
-        task (one rank, in time, a slot free for every slice); its verdicts land once every
-        slice answered (a slice that fails fails the group, as one put would), after the
-        next put is handed over.  ``False``: not sent (the task path of :meth:`_run_backup`).
+        """Hand ``group``'s put to workers now in ``parts`` slices, without a task (one rank,
+        in time, a slot for every slice); its verdicts land once every slice answered (one
+        failing fails the group), after the next put is handed over.  ``False``: not sent.
 
         The host ``pages`` it reads are leased only if the verdicts come first (the put's
         deadline): until they land, its nodes are storage-FILLING and nothing evicts or
@@ -366,7 +362,11 @@ class StorageTier(PrefetchingTier):
         sp: SpanLike,
     ) -> None:
         """The put of ``group`` answered: hand out each op's slice of ``results``, send what
-        is queued (the workers are free again), then land every op, in order (on the loop)."""
+        is queued (the workers are free again), then land every op, in order (on the loop).
+        A backend's answer of another length than its keys is a failed put."""
+        if len(results) != (n := sum(len(op.keys) for op in group)):
+            error = error or f"the put answered {len(results)} verdicts for {n} keys"
+            results = [False] * n
         at = 0
         for op in group:
             n = len(op.keys)

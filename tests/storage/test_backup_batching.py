@@ -16,6 +16,7 @@ import pytest
 
 import aiocache_kv as akv
 from aiocache_kv.storage import tier
+from aiocache_kv.testing import MemoryStorage
 from aiocache_kv.testing.fake_mooncake import FakeMooncakeClient, FakeMooncakeStorage
 from aiocache_kv.tree import TierState
 from tests.conftest import small_config
@@ -283,3 +284,30 @@ async def test_page_hashes_are_taken_while_the_write_through_copies(storage: boo
             assert sorted(client.objects) == sorted(want)
         cache.release(h)
         cache.check_invariants()
+
+
+class _ShortAnswer(MemoryStorage):
+    """A backend whose put answers one verdict fewer than it was given keys."""
+
+    def put(self, keys, buffers, identities=None):  # type: ignore[no-untyped-def]
+        return super().put(keys, buffers, identities)[:-1]
+
+
+@pytest.mark.parametrize("workers", [1, 2])  # one put, or slices handed over directly
+async def test_a_put_answering_too_few_verdicts_fails_the_backup(
+    workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend's answer of another length than its keys (a buggy custom backend) is a
+    failed put: the backup fails whole (never a verdict given to the wrong page), nothing
+    hangs and the cache stays consistent."""
+    monkeypatch.setattr(tier, "BACKUP_PART_BYTES", 1)
+    cfg = small_config(storage=_ShortAnswer(), storage_workers=workers, storage_retry_seconds=0.0)
+    with anyio.fail_after(20):
+        async with akv.HiCache(cfg) as cache:
+            h = insert(cache, PROMPTS[0], seed=1)
+            await cache.flush()
+            stats = cache.statistics()
+            assert (stats.backup_pages_ok, stats.backup_pages_failed) == (0, 3)
+            assert storage_state(cache, PROMPTS[0]) is TierState.ABSENT
+            cache.release(h)
+            cache.check_invariants()
