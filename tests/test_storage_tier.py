@@ -543,3 +543,43 @@ async def test_a_silently_evicted_page_is_retracted_when_a_prefetch_finds_it_gon
         feed(cache)
         await cache.prefetch(PROMPT)
         assert feed(cache) == []  # retracted once
+
+
+class _ShortGet(MemoryStorage):
+    """A backend whose reads answer one verdict fewer than they were given keys."""
+
+    short = False
+
+    def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[PageBuffer],
+        identities: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        out = super().get_into(keys, buffers, identities)
+        return out[:-1] if self.short else out
+
+
+async def test_a_read_answering_too_few_verdicts_loads_nothing_unverified() -> None:
+    """A buggy backend's short answer to a read: the prefetch ends (no hang), commits only
+    pages it has a verdict for, serves exactly what was computed, and leaks nothing."""
+    store = _ShortGet()
+    toks = list(range(100, 112))  # 6 pages of 2
+    cfg = small_config(storage=store, prefetch_threshold_tokens=0, prefetch_policy="wait_complete")
+    async with akv.HiCache(cfg) as cache:
+        slots = cache.alloc(len(toks))
+        written = write_kv(cache, slots, seed=4)
+        cache.release(cache.insert(toks, slots))
+        await cache.flush()
+    store.short = True
+    async with akv.HiCache(cfg) as cache:
+        res = await asyncio.wait_for(cache.prefetch(toks), 10)
+        assert res.status is PrefetchStatus.PARTIAL and res.hit_tokens < len(toks)
+        m = cache.match_prefix(toks)
+        assert m.matched_len == res.hit_tokens
+        await cache.load_back(m)
+        for a, b in zip(read_kv(cache, m.device_indices), written, strict=True):
+            assert torch.equal(a, b[: m.matched_len])
+        cache.release(m)
+        assert cache.statistics().host.quarantined_pages == 0
+        cache.check_invariants()
