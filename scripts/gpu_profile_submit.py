@@ -12,21 +12,21 @@ import pstats
 
 import torch
 
-from aiocache_kv.bench.cuda_copies import _Setup, _transfer
+from aiocache_kv.bench.cuda_copies import CopySetup, transfer
 from aiocache_kv.transfer.engine import CudaCopyEngine, Direction
 
 
 async def main() -> None:
-    setup = _Setup(1 << 20, 1024, torch.Generator().manual_seed(0))
+    setup = CopySetup(1 << 20, 1024, torch.Generator().manual_seed(0))
     engine = CudaCopyEngine(torch.device("cuda"))
     engine.start(asyncio.get_running_loop())
     for direction in (Direction.D2H, Direction.H2D):
         jobs = [setup.job("slots+sums", direction, d, h) for d, h in setup.jobs]
-        await _transfer(engine, jobs)  # warm-up
+        await transfer(engine, jobs)  # warm-up
         jobs = [setup.job("slots+sums", direction, d, h) for d, h in setup.jobs]
         prof = cProfile.Profile()
         prof.enable()
-        wall, loop_s, _ = await _transfer(engine, jobs)
+        wall, loop_s, _ = await transfer(engine, jobs)
         prof.disable()
         print(f"{direction.value}: wall {wall * 1e3:.1f} ms, loop in submit {loop_s * 1e3:.1f} ms")
         pstats.Stats(prof).sort_stats("tottime").print_stats(12)

@@ -58,8 +58,8 @@ class CudaBenchOptions:
     seed: int = 0
 
 
-class _Setup:
-    """One page size's pools and job lists."""
+class CopySetup:
+    """One page size's pools and job lists (``scripts/gpu_profile_submit.py`` uses it too)."""
 
     def __init__(self, page_bytes: int, mib: int, gen: torch.Generator) -> None:
         self.page_bytes = page_bytes
@@ -109,7 +109,7 @@ class _Setup:
         )
 
 
-async def _transfer(
+async def transfer(
     engine: CudaCopyEngine, jobs: list[CopyJob] | list[_RawJob]
 ) -> tuple[float, float, int]:
     """Submit ``jobs``; (wall seconds to the last completion, loop seconds in submit, bad)."""
@@ -146,7 +146,7 @@ class _RawJob:
         pass
 
 
-def _raw_jobs(setup: _Setup, direction: Direction) -> list[_RawJob]:
+def _raw_jobs(setup: CopySetup, direction: Direction) -> list[_RawJob]:
     out, off = [], 0
     for dev, _ in setup.jobs:
         n = dev.numel() * setup.page_bytes
@@ -156,7 +156,7 @@ def _raw_jobs(setup: _Setup, direction: Direction) -> list[_RawJob]:
     return out
 
 
-def _raw(setup: _Setup, direction: Direction) -> float:
+def _raw(setup: CopySetup, direction: Direction) -> float:
     """The baseline: contiguous pinned <-> device copies of the jobs' sizes, on one stream."""
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     torch.cuda.synchronize()
@@ -175,7 +175,7 @@ def _raw(setup: _Setup, direction: Direction) -> float:
     return time.perf_counter() - t0
 
 
-async def _measure(setup: _Setup, repeats: int) -> dict[str, dict[str, list[float]]]:
+async def _measure(setup: CopySetup, repeats: int) -> dict[str, dict[str, list[float]]]:
     engine = CudaCopyEngine(torch.device("cuda"))
     engine.start(asyncio.get_running_loop())
     out: dict[str, dict[str, list[float]]] = {}
@@ -183,10 +183,10 @@ async def _measure(setup: _Setup, repeats: int) -> dict[str, dict[str, list[floa
         for direction in (Direction.D2H, Direction.H2D):
             for _ in range(repeats + 1):  # the first round warms up
                 rnd: dict[str, tuple[float, float]] = {"raw": (_raw(setup, direction), 0.0)}
-                rnd["raw via engine"] = (await _transfer(engine, _raw_jobs(setup, direction)))[:2]
+                rnd["raw via engine"] = (await transfer(engine, _raw_jobs(setup, direction)))[:2]
                 for arm in ARMS:
                     jobs = [setup.job(arm, direction, d, h) for d, h in setup.jobs]
-                    wall, loop_s, bad = await _transfer(engine, jobs)
+                    wall, loop_s, bad = await transfer(engine, jobs)
                     assert bad == 0, f"{arm}: {bad} pages failed their check"
                     rnd[arm] = (wall, loop_s)
                 for arm, (wall, loop_s) in rnd.items():
@@ -200,7 +200,7 @@ async def _measure(setup: _Setup, repeats: int) -> dict[str, dict[str, list[floa
     return out
 
 
-def _check_sums(setup: _Setup) -> None:
+def _check_sums(setup: CopySetup) -> None:
     """The device sums the slots+sums arm recorded are the reference's (a wrong sum would
     make every stored page fail its read)."""
     from aiocache_kv.storage.presum import sum_slots
@@ -238,7 +238,7 @@ def run(opts: CudaBenchOptions, run_loop: Callable[..., object] = asyncio.run) -
     results: JSON = {"target_ratio": TARGET_RATIO, "page_sizes": {}}
     rows = []
     for kib in opts.page_kib:
-        setup = _Setup(kib * KiB, opts.mib, gen)
+        setup = CopySetup(kib * KiB, opts.mib, gen)
         cells = run_loop(_measure(setup, opts.repeats))
         assert isinstance(cells, dict)
         _check_sums(setup)
