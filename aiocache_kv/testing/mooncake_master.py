@@ -7,10 +7,16 @@ connection *and* ``/health`` answering 200.  Clients must publish 127.0.0.1 too:
 :func:`loopback_client_env` sets the ``MC_*`` variables before any client ``setup()``.
 
 Blocking (process start, readiness polling, ``terminate``): call it off the event loop.
+
+A master never outlives its :class:`LoopbackMaster`: one that was not terminated is killed
+(and the log directory the object made is removed) when the object is garbage-collected or
+the interpreter exits, so a script that starts one and returns, or dies of an exception,
+leaves no process behind.  (A parent killed by SIGKILL still orphans it.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -20,6 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -101,6 +108,19 @@ def _free_port() -> int:
         return port
 
 
+def _reap(proc: subprocess.Popen[bytes], logdir: Path | None) -> None:
+    """A master whose :class:`LoopbackMaster` went away unterminated (collected, or the
+    interpreter exiting): SIGKILL it (its state is a test's or a bench's, never worth a
+    graceful exit), and remove the log directory the object made (``None``: not its own)."""
+    if proc.poll() is None:
+        with contextlib.suppress(OSError):
+            os.kill(proc.pid, signal.SIGCONT)  # (a stopped process dies of SIGKILL too)
+        proc.kill()
+        proc.wait()
+    if logdir is not None:
+        shutil.rmtree(logdir, ignore_errors=True)
+
+
 class LoopbackMaster:
     """One ``mooncake_master`` child process on 127.0.0.1; ``with LoopbackMaster() as m:``."""
 
@@ -114,6 +134,10 @@ class LoopbackMaster:
         self.logdir = Path(logdir) if logdir is not None else None
         self.rpc = self.http = self.metrics = 0
         self.proc: subprocess.Popen[bytes] | None = None
+        #: kills ``proc`` if this object goes unterminated (see the module docstring)
+        self._reaper: (
+            weakref.finalize[[subprocess.Popen[bytes], Path | None], LoopbackMaster] | None
+        ) = None
 
     @property
     def rpc_addr(self) -> str:
@@ -165,12 +189,21 @@ class LoopbackMaster:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
+            self._watch(self.proc)
             if self._ready(timeout):
                 return
             self.kill()
             if same_ports:
                 time.sleep(0.5)  # the old sockets may linger briefly
         raise StorageUnavailableError(f"mooncake_master did not start; see logs in {self.logdir}")
+
+    def _watch(self, proc: subprocess.Popen[bytes]) -> None:
+        """``proc`` is the master now: it dies with this object (see the module docstring);
+        the previous process, if any, was waited for (killed or terminated) already."""
+        if self._reaper is not None:
+            self._reaper.detach()
+        own = self.logdir if self._own_logdir else None
+        self._reaper = weakref.finalize(self, _reap, proc, own)
 
     def _ready(self, timeout: float) -> bool:
         assert self.proc is not None
@@ -219,6 +252,9 @@ class LoopbackMaster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self._reaper is not None:
+            self._reaper.detach()  # nothing left for it: the process was waited for
+            self._reaper = None
         if self._own_logdir and self.logdir is not None:
             shutil.rmtree(self.logdir, ignore_errors=True)
             self.logdir = None
