@@ -199,8 +199,17 @@ def _check_storage_report(path: Path, backend: str, configs: set[str]) -> dict[s
             "seal",
             "ceiling_put",
             "ceiling_get",
+            "raw_put_awaited",
+            "raw_get_awaited",
         }
         assert set(entry["ratio"]) == set(entry["ceiling"]) == {"backup", "prefetch"}
+        # the raw call timed on the loop contains the same call timed in its thread: each
+        # round's awaited time is the longer, so the ratio against it can only be higher
+        for name, raw in (("backup", "put"), ("prefetch", "get")):
+            inner, outer = entry["seconds"][f"raw_{raw}"], entry["seconds"][f"raw_{raw}_awaited"]
+            assert all(o >= i for i, o in zip(inner, outer, strict=True)), (inner, outer)
+            assert entry["ratio_vs_awaited"][name] >= entry["ratio"][name]
+            assert entry["handoff_us"][raw] >= 0
         assert all(0 < v < 2 for v in entry["ceiling"].values())  # (at most ~1: noise aside)
         assert entry["pages"] > 0 and entry["bytes"] == entry["pages"] * entry["page_bytes"]
         assert all(v > 0 for v in positive_numbers(entry["gbs"]))
