@@ -342,3 +342,58 @@ def test_pinned_ids_ring_never_overwrites_ids_still_being_copied() -> None:
     stream.synchronize()
     assert torch.equal(out.cpu(), ids)
     ring.check_invariants()
+
+
+async def test_a_job_failing_midway_reports_after_what_it_enqueued_on_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rule 2 on a real GPU (``test_copy.py`` checks the control flow with stand-ins): a
+    device->host job of four staging chunks whose second staging block cannot be allocated
+    (injected) enqueued the first chunk's copies already.  Its error reaches the loop (which
+    then frees the pages) only after those copies ran: not while the copy stream is held up
+    behind the compute stream, and by then the first chunk's slots hold the device pages."""
+    from aiocache_kv.transfer import staged
+
+    engine = CudaCopyEngine(torch.device("cuda"))
+    loop = asyncio.get_running_loop()
+    engine.start(loop)
+    pages = 16
+    host = HostKVPool(pages, 2, 4096, torch.float16, extra_bytes=FRAME_OVERHEAD, pin_memory=True)
+    host.raw.zero_()
+    device = torch.randn(2, 2, pages, 4096, device="cuda", dtype=torch.float16)
+    cycles = await asyncio.to_thread(_sleep_cycles, 0.5)
+    torch.cuda.synchronize()
+    real_empty = torch.empty
+    staging = [0]
+
+    def empty(*args: object, **kwargs: object) -> torch.Tensor:
+        dev = kwargs.get("device")
+        if (
+            kwargs.get("dtype") is torch.uint8
+            and isinstance(dev, torch.device)
+            and dev.type == "cuda"
+        ):
+            staging[0] += 1
+            if staging[0] == 2:
+                raise RuntimeError("injected: CUDA out of memory (second staging block)")
+        return real_empty(*args, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(staged, "STAGE_BYTES", 4 * host.slot_bytes)  # four pages a chunk
+    ids = torch.arange(pages)
+    job = CopyJob(Direction.D2H, device, host.pages, ids, ids)
+    fut: asyncio.Future[BaseException | None] = loop.create_future()
+    torch.cuda._sleep(cycles)  # the compute stream is busy: the copy stream waits for it
+    monkeypatch.setattr(torch, "empty", empty)
+    try:
+        engine.submit(job, fut.set_result)
+    finally:
+        monkeypatch.setattr(torch, "empty", real_empty)
+    assert staging[0] == 2, f"the job made {staging[0]} staging allocations, not 2"
+    await asyncio.sleep(0.1)
+    assert not fut.done(), "the error was reported while the copies it enqueued were queued"
+    err = await asyncio.wait_for(fut, 10)
+    assert isinstance(err, RuntimeError) and "injected" in str(err), err
+    want = await asyncio.to_thread(lambda: device[:, :, :4].permute(2, 0, 1, 3).cpu())
+    assert torch.equal(host.pages[:4], want), "the first chunk had not landed when reported"
+    assert not host.pages[4:].any(), "a chunk after the failure was copied"
+    await engine.aclose()
