@@ -54,12 +54,36 @@ def test_alloc_hands_out_views_no_later_alloc_touches() -> None:
     x[:] = torch.tensor([7, 7, 7])  # the caller's own business
     y = a.alloc(2, PageState.HELD)
     assert y.tolist() == [3, 4] and a.num_free == 3
-    assert a.handed_slots(x) is not None and a.handed_slots(x).tolist() == [7, 7, 7]
     assert a.handed_slots(x[:2]) is None  # a slice is another tensor: converted as usual
     assert a.handed_slots(torch.tensor([3, 4])) is None
-    x.set_(torch.tensor([0, 1, 2]))  # new memory: the remembered array no longer backs it
-    assert a.handed_slots(x) is None
+    got = a.handed_slots(x)
+    assert got is not None and got.tolist() == [7, 7, 7]
+    assert a.handed_slots(x) is None  # read once: the table forgot it
+    z = a.alloc(1, PageState.HELD)
+    z.set_(torch.tensor([5]))  # new memory: the remembered array no longer backs it
+    assert a.handed_slots(z) is None
     assert a.handed_slots(a.alloc(1)) is None  # only the caller's (HELD) allocations
+
+
+def test_the_table_keeps_no_tensor_alive_past_its_insert() -> None:
+    """An allocation's tensor is referenced by the allocator only until an insert reads it:
+    a caller that dropped it after the insert frees its memory (up to 256 tensors, large
+    ones included, were kept until the table filled up)."""
+    import gc
+    import weakref
+
+    a = PageAllocator(64, "dev")
+    x = a.alloc(8, PageState.HELD)
+    ref = weakref.ref(x)
+    assert a.handed_slots(x) is not None
+    del x
+    gc.collect()
+    assert ref() is None, "the allocator still holds a tensor its insert has read"
+    y = a.alloc(8, PageState.HELD)  # not read yet: remembered (the fast path needs it)
+    ref = weakref.ref(y)
+    del y
+    gc.collect()
+    assert ref() is not None
 
 
 async def test_insert_rechecks_slots_written_after_alloc() -> None:

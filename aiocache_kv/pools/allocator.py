@@ -76,7 +76,8 @@ def has_duplicates(pages: PageIds) -> bool:
 
 
 _FREE, _HELD, _OWNED = int(PageState.FREE), int(PageState.HELD), int(PageState.OWNED)
-#: allocations :meth:`PageAllocator.handed_slots` remembers (then it starts over)
+#: allocations :meth:`PageAllocator.handed_slots` remembers until their insert reads them
+#: (past that many, it starts over: callers that free or drop what they allocated)
 _HANDED_MAX = 256
 _UNIT_STRIDE = (1,)  # a 1-D tensor whose elements are adjacent
 _QUARANTINED, _RETAINED = int(PageState.QUARANTINED), int(PageState.RETAINED)
@@ -169,8 +170,13 @@ class PageAllocator:
         way.  Its values are still to be checked (the caller may have written to it).  A
         tensor restrided or reshaped in place (``as_strided_``, ``unsqueeze_``) keeps its
         data pointer, so its strides are compared too: ``(1,)``, one dimension, every element
-        next to the last (shrunk in place by ``resize_``, its elements lead the array)."""
-        entry = self._handed.get(id(slots))
+        next to the last (shrunk in place by ``resize_``, its elements lead the array).
+
+        The table forgets ``slots`` here (an insert reads it once; another insert of the same
+        tensor converts it the general way): it keeps no caller's tensor alive past its
+        insert, and a full table (:data:`_HANDED_MAX`, callers that free or drop what they
+        allocated) is the rare case."""
+        entry = self._handed.pop(id(slots), None)
         if entry is None or entry[0] is not slots or entry[2] != entry[0].data_ptr():
             return None
         return entry[1] if entry[0].stride() == _UNIT_STRIDE else None
