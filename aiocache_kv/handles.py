@@ -148,19 +148,21 @@ class MatchResult(Handle):
         """Tokens after the device part that are host-resident (``load_back`` moves them)."""
         return self.lens()[1]
 
-    def _ids(self) -> np.ndarray:
+    def _ids(self, own: bool = True) -> np.ndarray:
         path, d, _, _ = self._runs()
-        return _joined([path[k].device_pages for k in range(d)])
+        return _joined([path[k].device_pages for k in range(d)], own=own)
 
     @property
     def device_pages(self) -> torch.Tensor:
-        """Device page ids of the device-resident part."""
+        """Device page ids of the device-resident part (the caller's copy)."""
         return torch.from_numpy(self._ids())
 
     @property
     def device_indices(self) -> torch.Tensor:
-        """Device token slots of the device-resident part (rows of ``device_kv`` views)."""
-        return page_slots(self._ids(), self.core.page_size)
+        """Device token slots of the device-resident part (rows of ``device_kv`` views; the
+        caller's copy)."""
+        p = self.core.page_size
+        return page_slots(self._ids(own=p == 1), p)  # (page_slots makes a new array at p > 1)
 
     def __repr__(self) -> str:
         return (
@@ -244,15 +246,18 @@ class InsertResult(Handle):
 
     @property
     def device_pages(self) -> torch.Tensor:
-        """The tree's device page ids of the device-resident part (the canonical rows)."""
+        """The tree's device page ids of the device-resident part (the canonical rows; the
+        caller's copy)."""
         return torch.from_numpy(_joined([n.device_pages for n in self._device_part()]))
 
     @property
     def device_indices(self) -> torch.Tensor:
         """The tree's token slots for the device-resident part: rows of ``device_kv`` views
-        holding the same KV as the caller's own (retained) rows for those tokens."""
-        ids = _joined([n.device_pages for n in self._device_part()])
-        return page_slots(ids, self.core.page_size)
+        holding the same KV as the caller's own (retained) rows for those tokens (the
+        caller's copy)."""
+        p = self.core.page_size
+        ids = _joined([n.device_pages for n in self._device_part()], own=p == 1)
+        return page_slots(ids, p)
 
     def __repr__(self) -> str:
         return (
@@ -262,11 +267,13 @@ class InsertResult(Handle):
         )
 
 
-def _joined(pages: list[np.ndarray | None]) -> np.ndarray:
-    """The nodes' device page ids in path order (device-resident nodes: none is ``None``)."""
+def _joined(pages: list[np.ndarray | None], *, own: bool = True) -> np.ndarray:
+    """The nodes' device page ids in path order (device-resident nodes: none is ``None``):
+    a new array, never a node's own (a caller writing to what it was handed must not change
+    the tree's pages), unless ``own=False`` (the caller makes its own array from it)."""
     if len(pages) == 1:
-        return pages[0]  # type: ignore[return-value]
-    return np.concatenate(pages) if pages else _NO_IDS  # type: ignore[arg-type]
+        return pages[0].copy() if own else pages[0]  # type: ignore[union-attr,return-value]
+    return np.concatenate(pages) if pages else _NO_IDS.copy()  # type: ignore[arg-type]
 
 
 def check_handle(handle: object, kind: type[Handle], core: CacheCore) -> None:
