@@ -293,7 +293,7 @@ class HiCache(CacheControls, CacheReports):
             CacheClosedError: the cache is not running.
         """
         self._check()
-        toks = check_tokens(tokens)
+        toks = list(check_tokens(tokens))  # a copy: the caller's list may change meanwhile
         try:
             pol = PrefetchPolicy(policy if policy is not None else self.config.prefetch_policy)
         except ValueError:

@@ -234,7 +234,8 @@ class CacheControls:
             CacheClosedError / OwnershipError: not running, or not on the loop thread.
         """
         self._check()
-        toks = None if tokens is None else check_tokens(tokens)
+        # a copy: the caller's list may change while the drop waits for storage
+        toks = None if tokens is None else list(check_tokens(tokens))
         p = self.config.page_size
         if toks is not None and len(toks) < p:
             raise InvalidInputError(f"drop: tokens must hold a whole page ({p}), got {len(toks)}")
