@@ -412,6 +412,7 @@ class HiCache(CacheControls, CacheReports):
         if not alloc.distinct(pages) or not alloc.check(pages, PageState.HELD):
             raise InvalidInputError("free: slots not held by the caller (double free?)")
         alloc.free([pages])
+        alloc.forget(kv_indices)
 
     @property
     def device_pool(self) -> DeviceKVPool | None:

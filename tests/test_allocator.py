@@ -86,6 +86,22 @@ def test_the_table_keeps_no_tensor_alive_past_its_insert() -> None:
     assert ref() is not None
 
 
+async def test_a_freed_allocation_is_not_kept_alive() -> None:
+    """``HiCache.free`` gives the pages back and the allocator lets the tensor go (an
+    aborted request's rows were referenced until 256 more allocations came)."""
+    import gc
+    import weakref
+
+    async with akv.HiCache(small_config(page_size=2, host_pages=0)) as cache:
+        own = cache.alloc(6)
+        ref = weakref.ref(own)
+        cache.free(own)
+        del own
+        gc.collect()
+        assert ref() is None, "the allocator still holds a tensor the caller freed"
+        cache.check_invariants()
+
+
 async def test_insert_rechecks_slots_written_after_alloc() -> None:
     """The insert reads an allocation's array directly, but still checks its values: a
     repeated or foreign page written into the tensor is refused with nothing changed, and a

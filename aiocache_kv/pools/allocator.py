@@ -181,6 +181,11 @@ class PageAllocator:
             return None
         return entry[1] if entry[0].stride() == _UNIT_STRIDE else None
 
+    def forget(self, slots: object) -> None:
+        """``slots`` (a tensor :meth:`alloc` handed out, or anything) was given back without
+        an insert: the table of handed-out allocations lets it go (no insert will read it)."""
+        self._handed.pop(id(slots), None)
+
     def free(self, pages: Sequence[PageIds]) -> None:
         """Return pages (OWNED or HELD) to the free list; leased ones to quarantine, retained
         ones (an insert result still refers to them) to RETAINED."""
