@@ -515,6 +515,16 @@ class HiCacheMachine(RuleBasedStateMachine):
             self.cache.release(handle)
         assert self._snapshot() == before
 
+    @precondition(lambda self: self.live)
+    @rule(i=index_st, what=st.sampled_from(["device_pages", "device_indices"]))
+    def scribble_handed(self, i: int, what: str) -> None:
+        """What a live handle hands out is the caller's: changing it in place changes nothing
+        the cache holds or serves (the invariants and the KV check after every step)."""
+        h = self._pick(self.live, i)
+        before = self._snapshot()
+        getattr(h.handle, what).add_(1 << 20)
+        assert self._snapshot() == before
+
     # ------------------------------------------------------------------ alloc / free
 
     @precondition(lambda self: len(self.held) < 2)
