@@ -10,6 +10,7 @@ the second prompt hit pages computed for the first.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,9 @@ def _truncate(toks: list[int]) -> None:
 
 
 @pytest.mark.parametrize("change", [_reuse, _extend, _truncate])
-async def test_a_prefetch_commits_for_the_tokens_it_was_given(tmp_path: Path, change) -> None:  # type: ignore[no-untyped-def]
+async def test_a_prefetch_commits_for_the_tokens_it_was_given(
+    tmp_path: Path, change: Callable[[list[int]], None]
+) -> None:
     written = await stored_prompt(tmp_path)
     async with akv.HiCache(cfg(tmp_path)) as cache:
         toks = list(PROMPT)
