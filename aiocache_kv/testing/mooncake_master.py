@@ -195,6 +195,9 @@ class LoopbackMaster:
             self.kill()
             if same_ports:
                 time.sleep(0.5)  # the old sockets may linger briefly
+        if self._reaper is not None:  # every attempt was killed: keep the logs the error names
+            self._reaper.detach()
+            self._reaper = None
         raise StorageUnavailableError(f"mooncake_master did not start; see logs in {self.logdir}")
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from aiocache_kv.errors import StorageUnavailableError
 from aiocache_kv.testing.mooncake_master import LoopbackMaster
 
 from .conftest import master_executable
@@ -114,3 +116,23 @@ def test_a_kill_and_same_ports_restart_is_still_watched() -> None:
     pid = m.pid
     del m
     _reaped(pid, "the master restarted after a kill outlived its object")
+
+
+def test_a_master_that_never_starts_keeps_the_logs_its_error_names() -> None:
+    """A failed start kills every attempt and points at its log dir: that dir outlives the
+    object (the reaper must not remove what the error tells the user to read)."""
+    master_executable()
+    m = LoopbackMaster(extra_args=("--no_such_flag_for_mooncake=1",))
+    message = ""
+    try:
+        m.start(timeout=5.0)
+    except StorageUnavailableError as exc:
+        message = str(exc)  # (the traceback would keep the object alive: not kept)
+    assert "see logs in " in message, message
+    logdir = Path(message.rsplit("see logs in ", 1)[1])
+    del m
+    gc.collect()
+    try:
+        assert logdir.is_dir() and any(logdir.iterdir()), "the logs the error names are gone"
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
