@@ -42,7 +42,12 @@ from collections.abc import Sequence
 
 import torch
 
-from aiocache_kv.embedding.checks import check_duplicates, check_existing, check_tensors
+from aiocache_kv.embedding.checks import (
+    check_duplicates,
+    check_existing,
+    check_tensors,
+    own_copies,
+)
 from aiocache_kv.embedding.entries import Entry, EntryState
 from aiocache_kv.embedding.keys import canonical_hashes, embedding_key
 from aiocache_kv.embedding.layout import DTYPE_CODES, EntryShape
@@ -256,8 +261,10 @@ class EmbeddingCache:
         """Cache ``tensors[i]`` under ``hashes[i]`` and push every entry of the batch - local
         hits too - to the global store in one put.
 
-        Each tensor is ``num_tokens x dim`` of the cache's dtype, on any device.  The local part
-        is done before the first await that can block on I/O; the push is best effort (failures
+        Each tensor is ``num_tokens x dim`` of the cache's dtype, on any device; it is read at
+        the call only (a call that must wait first takes its own copies), so the caller may
+        reuse it as soon as the call is made.  The local part is done before the first await
+        that can block on I/O; the push is best effort (failures
         are counted in ``push_failed``, never raised).  An entry that does not fit in the pool,
         even after evicting every unpinned entry, is skipped.  One ``embedding.insert_batch``
         log event per call.  An empty batch returns zeros and does no I/O.
@@ -279,11 +286,17 @@ class EmbeddingCache:
         hs = canonical_hashes(hashes)
         ts = check_tensors(tensors, len(hs), self.dtype)
         check_duplicates(hs)
+        shapes = [EntryShape(int(t.shape[0]), int(t.shape[1]), self.dtype) for t in ts]
+        # The caller's tensors are read only until the first suspension: one that would
+        # suspend first takes the batch's own copies (a buffer the caller reuses meanwhile
+        # must not be cached, or pushed, under these hashes).
+        owned = False
+        if self._life is not Lifecycle.RUNNING:
+            ts, owned = own_copies(ts), True
         await self._ready()
         if not hs:
             self._counters["insert_calls"] += 1
             return self._log_insert(InsertBatchStats(0, 0, 0), pushed=0)
-        shapes = [EntryShape(int(t.shape[0]), int(t.shape[1]), self.dtype) for t in ts]
         loop = asyncio.get_running_loop()
         while True:
             check_existing(self._entries, hs, shapes)
@@ -301,6 +314,8 @@ class EmbeddingCache:
                     waits.append(e.idle)
             if not waits:
                 break
+            if not owned:
+                ts, owned = own_copies(ts), True
             await asyncio.wait(waits)  # never cancels the shared futures
             self._check()
         self._counters["insert_calls"] += 1
@@ -442,6 +457,24 @@ class EmbeddingCache:
         """Synchronous: local hits, new entries copied in, skips.  Returns the entries to push,
         each pinned (so the batch never evicts its own entries)."""
         batch: list[Entry] = []
+        try:
+            new, hit, skipped = self._plan_entries(hs, ts, shapes, batch)
+        except BaseException:
+            for e in batch:  # a copy that raised: the batch's pins go, its copies stay cached
+                self._pool.unpin(e)
+            raise
+        self._counters["insert_new"] += new
+        self._counters["insert_local_hits"] += hit
+        self._counters["insert_skipped"] += skipped
+        return batch, InsertBatchStats(new=new, local_hit=hit, skipped=skipped)
+
+    def _plan_entries(
+        self,
+        hs: list[bytes],
+        ts: list[torch.Tensor],
+        shapes: list[EntryShape],
+        batch: list[Entry],
+    ) -> tuple[int, int, int]:
         new = hit = skipped = 0
         for h, t, shape in zip(hs, ts, shapes, strict=True):
             e = self._entries.get(h)
@@ -459,10 +492,7 @@ class EmbeddingCache:
                 continue
             new += 1
             batch.append(e)
-        self._counters["insert_new"] += new
-        self._counters["insert_local_hits"] += hit
-        self._counters["insert_skipped"] += skipped
-        return batch, InsertBatchStats(new=new, local_hit=hit, skipped=skipped)
+        return new, hit, skipped
 
     def _log_insert(self, stats: InsertBatchStats, *, pushed: int) -> InsertBatchStats:
         log.info(

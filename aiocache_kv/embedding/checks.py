@@ -17,7 +17,7 @@ from aiocache_kv.embedding.errors import DuplicateHashError, EmbeddingMismatchEr
 from aiocache_kv.embedding.layout import EntryShape
 from aiocache_kv.errors import InvalidInputError, InvalidTypeError
 
-__all__ = ["check_duplicates", "check_existing", "check_tensors"]
+__all__ = ["check_duplicates", "check_existing", "check_tensors", "own_copies"]
 
 
 def check_tensors(
@@ -81,3 +81,9 @@ def check_existing(
         raise EmbeddingMismatchError(
             f"{len(bad)} hash(es) already cached with another shape: {'; '.join(bad[:3])}"
         )
+
+
+def own_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The batch's own copies of ``tensors``, each on its device (a CUDA copy is queued on
+    the current stream: it reads what the caller's earlier work wrote, nothing later)."""
+    return [t.detach().clone() for t in tensors]

@@ -97,7 +97,11 @@ class EntryPool:
         e.offset = offset
         e.buffer = self.slot(offset, shape.slot_nbytes)
         e.buffer.view[:HEADER_BYTES] = pack_header(shape)
-        self.data(e).copy_(t.detach())
+        try:
+            self.data(e).copy_(t.detach())
+        except BaseException:
+            self.alloc.free(offset)  # nothing of the entry is left behind
+            raise
         self.entries[h] = e
         e.pushes = 1  # born pinned by this batch (READY, never in the LRU yet)
         return e
