@@ -62,30 +62,21 @@ async def test_buffer_reused_while_waiting_for_a_push(ns: str) -> None:
         assert remote is not None and torch.equal(remote, IMG_A), remote
 
 
-async def test_buffer_reused_during_the_implicit_start(ns: str) -> None:
+@pytest.mark.parametrize("change", ["reuse", "empty"])
+async def test_buffer_changed_during_the_implicit_start(ns: str, change: str) -> None:
+    """Bytes and shape are the call's: a buffer reused, or emptied (not tabled as 0 tokens)."""
     emb = EmbeddingCache(pool_bytes=1 << 16, store=None, namespace=ns)
     buf = IMG_A.clone()
     t = asyncio.create_task(emb.insert_batch(["A"], [buf]))
     await asyncio.sleep(0)  # suspended in the implicit start()
     assert not t.done()
-    buf.copy_(IMG_B)
+    if change == "reuse":
+        buf.copy_(IMG_B)
+    else:
+        buf.resize_(0, DIM)
     await t
     (got,) = await emb.get_batch(["A"])
     assert got is not None and torch.equal(got, IMG_A), got
-    emb.check_invariants()
-    await emb.aclose()
-
-
-async def test_buffer_emptied_during_the_implicit_start(ns: str) -> None:
-    """The shape is the call's too: a tensor emptied meanwhile is not tabled as 0 tokens."""
-    emb = EmbeddingCache(pool_bytes=1 << 16, store=None, namespace=ns)
-    buf = IMG_B.clone()
-    t = asyncio.create_task(emb.insert_batch(["B"], [buf]))
-    await asyncio.sleep(0)
-    buf.resize_(0, DIM)
-    await t
-    (got,) = await emb.get_batch(["B"])
-    assert got is not None and torch.equal(got, IMG_B), got
     emb.check_invariants()
     await emb.aclose()
 
