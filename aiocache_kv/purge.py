@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,7 @@ from aiocache_kv.errors import (
 from aiocache_kv.events import BlockRemoved
 from aiocache_kv.logs import get_logger
 from aiocache_kv.namespace import Namespace
+from aiocache_kv.storage.fences import FenceHold
 from aiocache_kv.tree import Node, Tier
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
 from aiocache_kv.tree.node import ABSENT, RESIDENT
@@ -246,18 +248,39 @@ class Purger:
         Raises:
             DropIncompleteError: storage removal failed or timed out (device and host done).
         """
-        core = self.core
-        tree = core.tree
         l3 = self._storage() if storage else None
-        p = core.page_size
+        p = self.core.page_size
         fences: list[tuple[Namespace, bytes | None]] = []
         lead: dict[Namespace, bytes] = {}  # prefix drops: the hash of the prompt's last page
-        if l3 is not None:
-            for ns in namespaces:
-                if tokens is not None:
-                    n = len(tokens) // p * p
-                    lead[ns] = chain_hashes(namespace_seed(ns.tag), tokens[:n], p)[-1]
-                fences.append(l3.fence(ns, lead.get(ns)))
+        if l3 is None:
+            return await self._drop(namespaces, tokens, memory, None, lead, zeroize, timeout, None)
+        for ns in namespaces:
+            if tokens is not None:
+                n = len(tokens) // p * p
+                lead[ns] = chain_hashes(namespace_seed(ns.tag), tokens[:n], p)[-1]
+            fences.append(l3.fence(ns, lead.get(ns)))
+        # the fences stand until this drop and every removal it handed a worker are done
+        # (cancelled or timed out included: storage/fences.py)
+        hold = FenceHold(functools.partial(l3.unfence, *fences))
+        try:
+            return await self._drop(namespaces, tokens, memory, l3, lead, zeroize, timeout, hold)
+        finally:
+            hold.done()
+
+    async def _drop(
+        self,
+        namespaces: list[Namespace],
+        tokens: list[int] | None,
+        memory: bool,
+        l3: StorageTier | None,
+        lead: dict[Namespace, bytes],
+        zeroize: bool,
+        timeout: float,
+        hold: FenceHold | None,
+    ) -> DropResult:
+        core = self.core
+        tree = core.tree
+        p = core.page_size
         aligned = None if tokens is None else tokens[: len(tokens) // p * p]
         dropped: list[Node] = []
         if memory:
@@ -296,15 +319,15 @@ class Purger:
         claims: list[bytes] = []  # the namespaces' claims, filled before the removal starts
         try:
             if l3 is not None:
+                assert hold is not None, "a storage drop without fences"
                 removed = await self._drop_storage(
-                    l3, namespaces, tokens, stored, lead, timeout, claims
+                    l3, namespaces, tokens, stored, lead, timeout, claims, hold
                 )
         except (KVCacheError, asyncio.TimeoutError) as exc:
             error = exc
         finally:
-            for fence in fences:
-                assert l3 is not None
-                l3.unfence(fence)
+            if hold is not None:
+                hold.done()  # the storage part is over (its workers may still hold them)
             # retracted even if the removal failed, timed out or was cancelled: its worker
             # may still remove the keys, and a claim the store does not back is the worse
             # error (a key left unclaimed is only a miss; ``drop`` again removes it)
@@ -377,6 +400,7 @@ class Purger:
         lead: dict[Namespace, bytes],
         timeout: float,
         claims: list[bytes],
+        hold: FenceHold,
     ) -> int:
         """Remove the keys from storage; return how many.  The claims of the pages it
         removes that left the tree (whole namespaces', or below a prefix) are appended to
@@ -397,7 +421,7 @@ class Purger:
             for ns in namespaces:
                 own = l3.claimed_in(ns)
                 claims += own
-                n = await l3.remove_tag(ns.tag, timeout=left())
+                n = await l3.remove_tag(ns.tag, timeout=left(), on_release=hold.worker())
                 if n is None:  # the backend cannot: the keys the cache knows
                     keys += [k for node in stored if node.ns == ns for k in l3.node_keys(node)]
                     keys += l3.page_keys(ns, own)
@@ -410,7 +434,7 @@ class Purger:
                 claims += own
                 keys += l3.page_keys(ns, [h, *own])
         keys = list(dict.fromkeys(keys))
-        removed += await l3.remove_keys(keys, timeout=left())
+        removed += await l3.remove_keys(keys, timeout=left(), on_release=hold.worker())
         l3.counters.dropped_pages_storage += removed
         return removed
 

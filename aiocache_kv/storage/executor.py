@@ -18,15 +18,14 @@ callers beyond the limit wait for a slot within their own deadline and then get
 their own because every blocking call is bounded below us: Mooncake calls to a hung master
 return -901 after ``MC_RPC_TIMEOUT_MS`` (set it; the default is 30 s; measured: 1x almost
 always, once 5x when the client retried on a new connection), calls to a dead master return
--900 after ~4.5 s, file I/O is bounded by the kernel.  The deadline of a call covers the
-wait for a slot and the call itself.
+-900 after ~4.5 s, file I/O is bounded by the kernel.  A call's deadline covers its slot wait.
 
 Buffers and cancellation.  When a caller times out or is cancelled, the worker may still be
 writing into (``get_into``) or reading/sealing (``put``) the caller's page slots.  Those slots
 must not be reused or freed until the worker is done: ``await io.wait_released(buffers)``
 returns once no unfinished call holds any of them, ``io.holds(buffers)`` tells it without
-waiting, and ``await io.drain()`` waits for every call.  The cache should free the host pages of
-an abandoned prefetch from a task that awaits ``wait_released`` first.
+waiting, ``await io.drain()`` waits for every call, and a call's ``on_release`` runs once its
+worker is done (a drop's fences stand until then: ``fences.py``).
 
 Threads.  Each worker caps torch's intra-op threads at ``intra_op_threads`` (default 1, per
 thread): with two workers on two cores an OpenMP team inside each oversubscribes the cores (a
@@ -282,9 +281,11 @@ class StorageIO:
         finally:
             reports.drain()  # what landed and waits for a wake-up (a timeout, a cancel)
 
-    async def remove(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bool]:
-        """``backend.remove`` off the loop."""
-        return await self.call("remove", self.backend.remove, list(keys), timeout=timeout)
+    async def remove(
+        self, keys: Sequence[str], *, timeout: float | None = None, **kw: Any
+    ) -> list[bool]:
+        """``backend.remove`` off the loop (``kw``: ``on_release``, as for :meth:`call`)."""
+        return await self.call("remove", self.backend.remove, list(keys), timeout=timeout, **kw)
 
     async def register_buffer(self, tensor: torch.Tensor, *, timeout: float | None = None) -> None:
         """``backend.register_buffer`` off the loop."""

@@ -518,9 +518,10 @@ class PrefetchingTier(StorageTierBase):
             job.dropped = job.dropped or self._fence_hits(job, fence)
         return fence
 
-    def unfence(self, fence: tuple[Namespace, bytes | None]) -> None:
-        """The drop that set ``fence`` is done."""
-        self._fences.remove(fence)
+    def unfence(self, *fences: tuple[Namespace, bytes | None]) -> None:
+        """The drop that set ``fences`` is done (and every removal it started)."""
+        for fence in fences:
+            self._fences.remove(fence)
 
     @staticmethod
     def _fence_hits(job: _Prefetch, fence: tuple[Namespace, bytes | None]) -> bool:

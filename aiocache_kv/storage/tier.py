@@ -59,8 +59,8 @@ from aiocache_kv.storage.base import (
     ChainAwareStorage,
     PageBuffer,
     StorageBackend,
-    TagRemovableStorage,
 )
+from aiocache_kv.storage.fences import FenceHold
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
 from aiocache_kv.storage.prefetch import (
     PrefetchingTier,
@@ -543,39 +543,15 @@ class StorageTier(PrefetchingTier):
     async def _remove_keys_late(
         self, keys: list[str], fences: list[tuple[Namespace, bytes | None]]
     ) -> None:
-        try:
-            removed = await self.remove_keys(keys)
+        hold = FenceHold(functools.partial(self.unfence, *fences))
+        try:  # the fences stand until the worker is done, however late (fences.py)
+            removed = await self.remove_keys(keys, on_release=hold.worker())
         except KVCacheError as exc:
             log.warning("drop_late_remove_failed", keys=len(keys), error=repr(exc))
             return
         finally:
-            for fence in fences:
-                self.unfence(fence)
+            hold.done()
         self.counters.late_puts_removed += removed
-
-    async def remove_keys(self, keys: list[str], timeout: float | None = None) -> int:
-        """Remove ``keys`` from the store (on a worker); how many were there.
-
-        Raises:
-            StorageError: the backend failed; StorageTimeoutError: not within ``timeout``.
-        """
-        if not keys:
-            return 0
-        res = await self.io.remove(keys, timeout=timeout)
-        return sum(res)
-
-    async def remove_tag(self, tag: str, timeout: float | None = None) -> int | None:
-        """Remove every key of namespace tag ``tag`` from the store, whoever wrote it; how
-        many (``None``: the backend cannot, see :class:`TagRemovableStorage`).
-
-        Raises:
-            StorageError: the backend failed; StorageTimeoutError: not within ``timeout``.
-        """
-        backend = self.io.backend
-        if not isinstance(backend, TagRemovableStorage):
-            return None
-        n: int = await self.io.call("remove_tag", backend.remove_tag, tag, timeout=timeout)
-        return n
 
     def _evicted_in_flight(self, keys: set[str]) -> None:
         """Fail the pages of ``keys`` in every backup not yet landed (on the loop)."""

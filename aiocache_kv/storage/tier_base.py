@@ -9,6 +9,7 @@ shard).  The prefetch path (:mod:`.prefetch`) and the backup path (:mod:`.tier`)
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -17,7 +18,12 @@ from aiocache_kv.errors import StorageKeyError
 from aiocache_kv.events import BlockRemoved
 from aiocache_kv.logs import get_logger
 from aiocache_kv.stats import StorageCounters
-from aiocache_kv.storage.base import ChainAwareStorage, PageBuffer, StorageBackend
+from aiocache_kv.storage.base import (
+    ChainAwareStorage,
+    PageBuffer,
+    StorageBackend,
+    TagRemovableStorage,
+)
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.file_quota import TenantQuotaStorage
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
@@ -238,6 +244,45 @@ class StorageTierBase:
             core.emit(BlockRemoved(list(gone), Tier.STORAGE.medium))
         log.info("storage_evicted", pages=len(keys), nodes=nodes)
         return len(keys)
+
+    async def remove_keys(
+        self,
+        keys: list[str],
+        timeout: float | None = None,
+        on_release: Callable[[], None] | None = None,
+    ) -> int:
+        """Remove ``keys`` from the store (on a worker); how many were there.  ``on_release``
+        runs on the loop once no worker can remove any of them any more (at once for no keys;
+        see :meth:`StorageIO.call`).
+
+        Raises:
+            StorageError: the backend failed; StorageTimeoutError: not within ``timeout``.
+        """
+        if not keys:
+            if on_release is not None:
+                on_release()
+            return 0
+        res = await self.io.remove(keys, timeout=timeout, on_release=on_release)
+        return sum(res)
+
+    async def remove_tag(
+        self, tag: str, timeout: float | None = None, on_release: Callable[[], None] | None = None
+    ) -> int | None:
+        """Remove every key of namespace tag ``tag`` from the store, whoever wrote it; how
+        many (``None``: the backend cannot, see :class:`TagRemovableStorage`, and
+        ``on_release`` runs at once); ``on_release`` as for :meth:`remove_keys`.
+
+        Raises:
+            StorageError: the backend failed; StorageTimeoutError: not within ``timeout``.
+        """
+        backend = self.io.backend
+        if not isinstance(backend, TagRemovableStorage):
+            if on_release is not None:
+                on_release()
+            return None
+        fn = backend.remove_tag
+        n: int = await self.io.call("remove_tag", fn, tag, timeout=timeout, on_release=on_release)
+        return n
 
     def _evicted_in_flight(self, keys: set[str]) -> None:
         """``keys`` were evicted: a backup in flight that puts one of them must not report

@@ -36,9 +36,10 @@ class MemoryStorage:
       (a store evicting behind the cache's back); ``capacity_pages``: LRU eviction;
     * ``corrupt``: per stored page, the stored copy gets one byte flipped;
       :meth:`corrupt_key` / :meth:`drop` do the same by hand;
-    * ``gates``: per method (``"put"``, ``"get_into"``, ``"exists"``) a ``threading.Event``
-      that a call waits on (at most ``gate_timeout`` s) before anything else: clear one to
-      hold calls deterministically, set it to let them go.
+    * ``gates``: per method (``"put"``, ``"get_into"``, ``"exists"``, ``"remove"``,
+      ``"remove_tag"``) a ``threading.Event`` that a call waits on (at most ``gate_timeout``
+      s) before anything else: clear one to hold calls deterministically, set it to let them
+      go; ``entered[method]`` is set when a call reaches its gate.
 
     Keys dropped or damaged behind the cache's back are listed in ``dropped`` / ``corrupted``.
     ``contents()`` / ``payload(key)`` expose the raw bytes.  The worker threads draw from one
@@ -77,7 +78,9 @@ class MemoryStorage:
         self._closed = False
         self.capacity_pages = capacity_pages
         self.gate_timeout = gate_timeout
-        self.gates = {name: threading.Event() for name in ("put", "get_into", "exists")}
+        gated = ("put", "get_into", "exists", "remove", "remove_tag")
+        self.gates = {name: threading.Event() for name in gated}
+        self.entered = {name: threading.Event() for name in gated}
         for gate in self.gates.values():
             gate.set()
         self.fail_put_keys: set[str] = set()
@@ -149,6 +152,7 @@ class MemoryStorage:
 
     def _pause(self, method: str) -> None:
         """Wait for the method's gate, then a random delay (worker thread: may block)."""
+        self.entered[method].set()
         self.gates[method].wait(self.gate_timeout)
         with self._lock:
             self.calls[method] += 1
@@ -332,6 +336,8 @@ class MemoryStorage:
     def remove_tag(self, tag: str) -> int:
         """Delete every key ``"{tag}/..."``; how many were present."""
         prefix = check_tag(tag) + "/"
+        self.entered["remove_tag"].set()
+        self.gates["remove_tag"].wait(self.gate_timeout)
         self._ensure_open()
         with self._lock:
             self.calls["remove_tag"] = self.calls.get("remove_tag", 0) + 1
@@ -344,6 +350,8 @@ class MemoryStorage:
     def remove(self, keys: Sequence[str]) -> list[bool]:
         """Delete keys; per key ``True`` if it was present."""
         check_keys(keys)
+        self.entered["remove"].set()
+        self.gates["remove"].wait(self.gate_timeout)
         self._ensure_open()
         with self._lock:
             self.calls["remove"] += 1
