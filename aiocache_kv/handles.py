@@ -79,7 +79,17 @@ class Handle:
             self._releaser(self)
 
     def _path(self) -> list[Node]:
+        if self.state is not _PINNED:
+            raise self._released()
         return self.core.tree.path(self.node)
+
+    def _released(self) -> HandleError:
+        """What reading a released handle's numbers or rows raises: once the pin is gone its
+        pages may be evicted and hold another prompt's KV."""
+        return HandleError(
+            f"{type(self).__name__} was released: its lengths and rows are gone (its pages "
+            "may hold other tokens now); match again"
+        )
 
 
 class MatchResult(Handle):
@@ -128,6 +138,8 @@ class MatchResult(Handle):
             path, d, _, u = self._runs()
             dev = sum(len(path[k].key) for k in range(d))
             return dev, sum(len(path[k].key) for k in range(d, u))
+        if self.state is not _PINNED:
+            raise self._released()
         return path_lens(self.node)  # one walk up, no lists (every request reads these)
 
     @property
@@ -139,8 +151,14 @@ class MatchResult(Handle):
 
     @property
     def device_len(self) -> int:
-        """Tokens of the leading device-resident part."""
+        """Tokens of the leading device-resident part.
+
+        Raises (as every length and row of a handle, :class:`InsertResult`'s too):
+            HandleError: the handle was released.
+        """
         # (lens, inline: a serving loop reads this on every request)
+        if self.state is not _PINNED:
+            raise self._released()
         return self.lens()[0] if self.core.trailing else path_lens(self.node)[0]
 
     @property
@@ -165,6 +183,8 @@ class MatchResult(Handle):
         return page_slots(self._ids(own=p == 1), p)  # (page_slots makes a new array at p > 1)
 
     def __repr__(self) -> str:
+        if self.state is not _PINNED:
+            return f"<MatchResult {self.state.name}>"
         return (
             f"<MatchResult device_len={self.device_len} host_len={self.host_len} {self.state.name}>"
         )
@@ -228,7 +248,13 @@ class InsertResult(Handle):
     @property
     def retained_pages(self) -> torch.Tensor:
         """Device page ids of the caller's rows this result keeps allocated until released
-        (rows the tree did not take, and those of a ``prefix=`` insert result); a copy."""
+        (rows the tree did not take, and those of a ``prefix=`` insert result); a copy.
+
+        Raises:
+            HandleError: the result was released (the rows were freed).
+        """
+        if self.state is not _PINNED:
+            raise self._released()
         return torch.from_numpy(self._retained.copy())
 
     def _device_part(self) -> list[Node]:
