@@ -41,6 +41,7 @@ from aiocache_kv.namespace import Namespace, namespace_of
 from aiocache_kv.pins import HandleTable
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
 from aiocache_kv.pools.build import build_pools
+from aiocache_kv.shutdown import close_parts
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
 from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
 from aiocache_kv.transfer import CopyEngine, default_engine
@@ -100,6 +101,8 @@ class HiCache(CacheControls, CacheReports):
         self._state = Lifecycle.NEW
         self._handles = HandleTable(self._core)
         self._l3: StorageTier | None = None
+        self._closing: asyncio.Task[None] | None = None
+        self._tier_closes: set[asyncio.Task[None]] = set()
         self._transfers = Transfers(self._core, self._engine, self._backup_to_storage, self._rotten)
         self._waiters = CapacityWaiters(self._core)
         if config.write_policy is WritePolicy.WRITE_BACK:
@@ -132,6 +135,10 @@ class HiCache(CacheControls, CacheReports):
             self._engine.start(loop)
             core.coordinator.start(loop)
         except BaseException:
+            l3, self._l3 = self._l3, None
+            if l3 is not None:  # its workers and backend close in the background (bounded:
+                # an open still stuck in its worker is waited for up to storage_timeout)
+                self._tier_closes.add(asyncio.get_running_loop().create_task(l3.aclose()))
             self._state = Lifecycle.NEW
             raise
         self._state = Lifecycle.RUNNING
@@ -147,37 +154,31 @@ class HiCache(CacheControls, CacheReports):
 
     async def aclose(self) -> None:
         """Settle every transfer in flight and a drop's zeroing, stop the engine and end
-        event streams.
+        event streams (:func:`~aiocache_kv.shutdown.close_parts`).
 
         Bounded even when the store hangs: copies finish, storage calls get their deadlines,
         and the storage tier closes within about ``3 * storage_timeout`` (workers still stuck
         in the store are abandoned; nothing acknowledged is lost, since an acknowledged
-        page is already stored).
+        page is already stored).  The close runs once, in its own task: a caller cancelled
+        meanwhile stops waiting while the close goes on, and every call waits for it.
         """
-        if self._state in (Lifecycle.CLOSING, Lifecycle.CLOSED):
-            return
         if self._state is Lifecycle.NEW:
             self._state = Lifecycle.CLOSED
+            if self._tier_closes:  # what a start that gave up opened
+                await asyncio.wait(self._tier_closes)
             return
-        self._state = Lifecycle.CLOSING
-        core = self._core
-        self._waiters.close()
+        if self._closing is None:
+            self._state = Lifecycle.CLOSING
+            self._waiters.close()
+            self._closing = asyncio.get_running_loop().create_task(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         try:
-            if core.coordinator.deferred:  # every rank closes at the same point of its loop
-                await settle_work(core, self._transfers, self._l3, until_idle=True)
-            await self._engine.aclose()  # runs what is queued; completions reach the loop
-            await self._transfers.wait_all()
-            if core.zeroing:  # a drop's zeroing (a memset: returns) or bad-page drop (bounded)
-                await asyncio.wait(list(core.zeroing))
-            if self._l3 is not None:
-                await self._l3.aclose()
-            await core.coordinator.aclose()
+            await close_parts(self._core, self._engine, self._transfers, self._l3, self._handles)
         finally:
-            self._handles.close()  # a handle dropped after this does not warn
-            core.emit_closing()  # device and host pages removed; storage persists
-            core.events.close()
             self._state = Lifecycle.CLOSED
-            log.info("cache_closed", **dataclasses.asdict(core.counters))
+            log.info("cache_closed", **dataclasses.asdict(self._core.counters))
 
     async def __aenter__(self) -> HiCache:
         await self.start()

@@ -14,12 +14,15 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from aiocache_kv.logs import get_logger
 from aiocache_kv.transfer.ops import TransferOp, Transfers
 from aiocache_kv.tree import Node
 
 if TYPE_CHECKING:
     from aiocache_kv.core import CacheCore
     from aiocache_kv.storage.tier import StorageTier
+
+log = get_logger(__name__)
 
 
 def _targets(copies: list[TransferOp]) -> list[Node]:
@@ -63,5 +66,15 @@ async def _settle_once(core: CacheCore, transfers: Transfers, l3: StorageTier | 
         await asyncio.wait([op.future for op in copies])
     if l3 is not None:  # the backups those copies started when they landed, too
         await l3.settle(waits + l3.backups_of(_targets(copies)))
-    if core.zeroing:  # freed pages a drop is zeroing (a thread's memset: always returns)
-        await asyncio.wait(list(core.zeroing))
+    await settle_zeroing(core)
+
+
+async def settle_zeroing(core: CacheCore) -> None:
+    """Wait for a drop's zeroing of freed pages (and a bad page's drop) for up to
+    ``storage_timeout``.  A zeroing first waits for storage workers still reading its pages,
+    so a stuck store would hold it: the wait is bounded, and the pages stay quarantined
+    until that worker returns, then are zeroed and freed."""
+    if core.zeroing:
+        _, pending = await asyncio.wait(list(core.zeroing), timeout=core.config.storage_timeout)
+        if pending:
+            log.warning("zeroing_pending", tasks=len(pending))

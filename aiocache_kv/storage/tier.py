@@ -144,7 +144,10 @@ class StorageTier(PrefetchingTier):
     async def aclose(self) -> None:
         """Settle, then close the executor and the backend: within about three
         ``storage_timeout`` however stuck the store is (deadlines, the workers' drain, the
-        backend's close), abandoning stuck workers (their pages stay quarantined)."""
+        backend's close), abandoning stuck workers (their pages stay quarantined).  A
+        prefetch still reading commits nothing into the closing cache."""
+        for job in self._jobs.values():
+            job.dropped = True
         try:
             await self.settle(drain=False)  # the executor's close drains, bounded
         finally:
