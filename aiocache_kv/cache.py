@@ -49,6 +49,7 @@ from aiocache_kv.transfer.ops import OpKind, Transfers
 from aiocache_kv.tree import Node, Tier
 from aiocache_kv.tree.pathwalk import path_lens
 from aiocache_kv.validate import (
+    check_methods,
     check_names,
     check_token_ints,
     check_tokens,
@@ -80,12 +81,14 @@ class HiCache(CacheControls, CacheReports):
         tp_group: TPGroup | None = None,
     ) -> None:
         """Raises:
-        InvalidTypeError: ``config`` is not a ``CacheConfig`` or ``tp_group`` not a ``TPGroup``.
+        InvalidTypeError: ``config``, ``tp_group`` or ``copy_engine`` of a wrong type.
         """
         if not isinstance(config, CacheConfig):
             raise InvalidTypeError(f"config must be a CacheConfig, got {type(config).__name__}")
         if tp_group is not None and not isinstance(tp_group, TPGroup):
             raise InvalidTypeError(f"tp_group must be a TPGroup, got {type(tp_group).__name__}")
+        if copy_engine is not None:
+            check_methods("copy_engine", copy_engine, ("start", "submit", "aclose"))
         self.config = config
         self.tp_group: TPGroup = tp_group if tp_group is not None else SingleRank()
         self._core = CacheCore(config, self.tp_group)
@@ -158,9 +161,8 @@ class HiCache(CacheControls, CacheReports):
 
         Bounded even when the store hangs: copies finish, storage calls get their deadlines,
         and the storage tier closes within about ``3 * storage_timeout`` (workers still stuck
-        in the store are abandoned; nothing acknowledged is lost, since an acknowledged
-        page is already stored).  The close runs once, in its own task: a caller cancelled
-        meanwhile stops waiting while the close goes on, and every call waits for it.
+        in the store are abandoned; an acknowledged page is stored: nothing is lost).  It
+        runs once, in its own task: a cancelled caller stops waiting, the close goes on.
         """
         if self._state is Lifecycle.NEW:
             self._state = Lifecycle.CLOSED

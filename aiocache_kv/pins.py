@@ -124,5 +124,7 @@ class HandleTable:
         cancelled (``hardpins.py``)."""
         self._closed = True
         self._core.hard_pins.close()
+        for token, node in self._pins.items():  # the tree's counts agree with no handles
+            self._drop(token, node)
         self._pins.clear()
         self._retained.clear()

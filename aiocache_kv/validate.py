@@ -201,3 +201,17 @@ __all__ = [
     "slots_to_pages",
     "token_list",
 ]
+
+
+def check_methods(name: str, value: object, methods: tuple[str, ...]) -> None:
+    """``value`` has each of ``methods`` (a protocol's, checked where it is passed).
+
+    Raises:
+        InvalidTypeError: one is missing or not callable (named, with ``value``'s type).
+    """
+    missing = [m for m in methods if not callable(getattr(value, m, None))]
+    if missing:
+        raise InvalidTypeError(
+            f"{name} must have {', '.join(methods)}; a {type(value).__name__} lacks "
+            + ", ".join(missing)
+        )

@@ -22,7 +22,7 @@ import time
 import pytest
 
 import aiocache_kv as akv
-from aiocache_kv.errors import StorageUnavailableError
+from aiocache_kv.errors import InvalidTypeError, StorageUnavailableError
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.testing import MemoryStorage, RandomDelayEngine
 from tests.conftest import small_config
@@ -180,3 +180,22 @@ async def test_a_read_landing_after_aclose_commits_nothing() -> None:
     assert [n for n in cache._tree.walk() if n.parent is not None] == []
     assert cache.take_events() == [], "events after the close's removals"
     assert all(not isinstance(e, akv.BlockStored) for e in closing)
+
+
+@pytest.mark.parametrize("engine", [5, "cpu", object()])
+def test_a_copy_engine_of_the_wrong_type_is_refused_at_construction(engine: object) -> None:
+    with pytest.raises(InvalidTypeError, match="copy_engine"):
+        akv.HiCache(small_config(), copy_engine=engine)  # type: ignore[arg-type]
+
+
+async def test_invariants_hold_after_closing_with_live_handles() -> None:
+    cache = akv.HiCache(small_config())
+    await cache.start()
+    r = insert(cache, A[:8])
+    m = cache.match_prefix(A[:8])
+    assert m.device_len == 8
+    await cache.aclose()
+    cache.check_invariants()  # the close took the live handles' pins with it
+    with pytest.raises(akv.CacheClosedError):
+        cache.release(m)
+    del r
