@@ -57,6 +57,7 @@ from aiocache_kv.embedding.transfers import StoreTransfers
 from aiocache_kv.errors import (
     CacheClosedError,
     ConfigError,
+    HostMemoryError,
     OwnershipError,
     StorageError,
     StorageKeyError,
@@ -64,6 +65,7 @@ from aiocache_kv.errors import (
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
 from aiocache_kv.numeric import check_int, check_real
+from aiocache_kv.pools.admission import available_host_bytes
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.mooncake import MooncakeStorage
 
@@ -73,6 +75,9 @@ log = get_logger(__name__)
 
 #: a get_batch re-examines hashes whose fetch (by another task) failed at most this often
 _MAX_GET_ROUNDS = 3
+
+#: the largest ``pool_bytes`` (a torch size is an int64); start() also admits it against RAM
+MAX_POOL_BYTES = (1 << 63) - 1
 
 
 class EmbeddingCache:
@@ -106,14 +111,28 @@ class EmbeddingCache:
                 charset of storage tags (``[A-Za-z0-9][A-Za-z0-9._-]*``, <= 64 chars).
             timeout: deadline in seconds of each store call.
             workers: store worker threads.
-            pin_memory: page-lock the pool (default: when CUDA is available).
+            pin_memory: page-lock the pool (a bool; default ``None``: when CUDA is available).
 
         Raises:
-            ConfigError: a bad size, dtype, namespace, timeout (a finite number of seconds
-                > 0), store type or worker count (an int >= 1).
+            ConfigError: a bad size (an int in ``[1, 2**63 - 1]``), dtype, namespace, timeout
+                (a finite number of seconds > 0), store type or worker count (an int >= 1);
+                a ``pin_memory`` that is not a bool or ``None``, or ``True`` without CUDA.
         """
-        if isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes <= 0:
-            raise ConfigError(f"pool_bytes must be a positive int, got {pool_bytes!r}")
+        if (
+            isinstance(pool_bytes, bool)
+            or not isinstance(pool_bytes, int)
+            or not 0 < pool_bytes <= MAX_POOL_BYTES
+        ):
+            raise ConfigError(
+                f"pool_bytes must be an int in [1, {MAX_POOL_BYTES}], got {pool_bytes!r}"
+            )
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise ConfigError(f"pin_memory must be a bool or None, got {pin_memory!r}")
+        if pin_memory and not torch.cuda.is_available():
+            raise ConfigError(
+                "pin_memory=True needs CUDA, which is not available here; pass "
+                "pin_memory=False or None (pinned when CUDA is available)"
+            )
         if not isinstance(dtype, torch.dtype) or dtype not in DTYPE_CODES:
             raise ConfigError(
                 f"dtype must be one of {sorted(str(d) for d in DTYPE_CODES)}, got {dtype!r}"
@@ -141,6 +160,8 @@ class EmbeddingCache:
         self._pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._life = Lifecycle.NEW
         self._starting: asyncio.Future[None] | None = None
+        #: the one close (see :meth:`aclose`): created by the first call, awaited by all
+        self._closing: asyncio.Task[None] | None = None
         self._owner: int | None = None
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._pool = EntryPool(self._counters)
@@ -158,6 +179,8 @@ class EmbeddingCache:
 
         Raises:
             CacheClosedError: the cache was closed.
+            HostMemoryError: ``pool_bytes`` exceeds the host's available memory, or the
+                pool cannot be allocated (or pinned).
             StorageUnavailableError / StorageTimeoutError: the store cannot be opened.
             OwnershipError: called from a thread other than the one that started it.
         """
@@ -176,7 +199,21 @@ class EmbeddingCache:
             pin = self._pin_memory
 
             def build() -> torch.Tensor:
-                pool = torch.empty(self.pool_bytes, dtype=torch.uint8, pin_memory=pin)
+                n = self.pool_bytes
+                avail = available_host_bytes()
+                if n > avail:
+                    raise HostMemoryError(
+                        f"EmbeddingCache pool_bytes={n} ({n / 2**30:.2f} GiB) exceeds the "
+                        f"{avail} bytes ({avail / 2**30:.2f} GiB) of available host memory; "
+                        "lower pool_bytes"
+                    )
+                try:
+                    pool = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+                except RuntimeError as exc:  # out of memory, or pinning refused
+                    raise HostMemoryError(
+                        f"EmbeddingCache pool of {n} bytes (pinned={pin}) could not be "
+                        f"allocated: {exc}"
+                    ) from exc
                 pool.zero_()  # touch every page now, not on the first inserts
                 return pool
 
@@ -211,26 +248,42 @@ class EmbeddingCache:
 
         Bounded by about ``3 * timeout`` however stuck the store is: workers that have not
         released their slots by then are abandoned (their entries stay pinned; the pool's
-        memory stays alive for them)."""
-        if self._life in (Lifecycle.CLOSING, Lifecycle.CLOSED):
-            return
-        if self._life is Lifecycle.STARTING and self._starting is not None:
-            await asyncio.wait([self._starting])
-        self._life = Lifecycle.CLOSING
+        memory stays alive for them).
+
+        The close runs in one task of its own, started by the first call: every call waits
+        for that same close, and a caller that is cancelled only stops waiting (the close
+        still completes: the store client and its worker threads are closed)."""
+        if self._closing is None:
+            if self._life is not Lifecycle.STARTING:
+                self._life = Lifecycle.CLOSING  # refused from now on (a start ends first)
+            self._closing = asyncio.get_running_loop().create_task(
+                self._close(), name="aiocache-kv-emb-close"
+            )
+            self._closing.add_done_callback(_retrieve)
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        """The steps of :meth:`aclose`; the store is closed even if this task is cancelled."""
         try:
+            if self._life is Lifecycle.STARTING and self._starting is not None:
+                await asyncio.wait([self._starting])
+            self._life = Lifecycle.CLOSING
             if self._cleanups:
                 _, stuck = await asyncio.wait(list(self._cleanups), timeout=self.timeout)
                 if stuck:
                     log.warning("embedding.close_abandoned_workers", tasks=len(stuck))
                     for task in stuck:
                         task.cancel()  # the entries stay pinned: the cache is closing
-            if self._io is not None:
-                await self._io.aclose(timeout=self.timeout)
-        except StorageError as exc:
-            log.warning("embedding.close_failed", error=str(exc))
         finally:
-            self._life = Lifecycle.CLOSED
-            log.info("embedding.closed", **self._counters)
+            self._life = Lifecycle.CLOSING
+            try:
+                if self._io is not None:
+                    await self._io.aclose(timeout=self.timeout)
+            except StorageError as exc:
+                log.warning("embedding.close_failed", error=str(exc))
+            finally:
+                self._life = Lifecycle.CLOSED
+                log.info("embedding.closed", **self._counters)
 
     async def __aenter__(self) -> EmbeddingCache:
         await self.start()
@@ -270,16 +323,19 @@ class EmbeddingCache:
         log event per call.  An empty batch returns zeros and does no I/O.
 
         Raises:
-            InvalidTypeError: ``hashes`` is not a sequence of ``str``/``bytes``, or an item of
+            InvalidTypeError: ``hashes`` is not a sequence of ``str``/``bytes``, ``tensors`` is
+                not a sequence of tensors (``None``, a single tensor, ...), or an item of
                 ``tensors`` is not a ``torch.Tensor``.
             InvalidInputError: lengths differ; an empty or over-long hash; a tensor that is not
-                2-D, has an empty dimension, or is not of the cache's dtype.
+                2-D, has an empty dimension, or is not of the cache's dtype; a tensor without
+                dense data to copy (``meta``, sparse or other non-strided layout, nested, a
+                dispatching subclass such as a fake tensor).
             DuplicateHashError: a hash appears twice in the batch.
             EmbeddingMismatchError: a hash is cached with another shape.
             CacheClosedError: the cache is closed.
             OwnershipError: called from another thread.
-            StorageUnavailableError / StorageTimeoutError: only from the implicit
-                :meth:`start` of a first call.
+            HostMemoryError / StorageUnavailableError / StorageTimeoutError: only from the
+                implicit :meth:`start` of a first call.
         Nothing is stored when one of these is raised.
         """
         self._check()
@@ -339,8 +395,8 @@ class EmbeddingCache:
         Raises:
             InvalidTypeError, InvalidInputError: as for :meth:`insert_batch` (hashes).
             CacheClosedError, OwnershipError: as for :meth:`insert_batch`.
-            StorageUnavailableError / StorageTimeoutError: only from the implicit
-                :meth:`start` of a first call.
+            HostMemoryError / StorageUnavailableError / StorageTimeoutError: only from the
+                implicit :meth:`start` of a first call.
         """
         self._check()
         hs = canonical_hashes(hashes)
@@ -505,3 +561,9 @@ class EmbeddingCache:
             push_failed=stats.push_failed,
         )
         return stats
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Mark the close task's outcome retrieved (its callers may all have stopped waiting)."""
+    if not task.cancelled():
+        task.exception()

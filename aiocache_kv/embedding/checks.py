@@ -14,6 +14,7 @@ import torch
 
 from aiocache_kv.embedding.entries import Entry
 from aiocache_kv.embedding.errors import DuplicateHashError, EmbeddingMismatchError
+from aiocache_kv.embedding.keys import batch_items
 from aiocache_kv.embedding.layout import EntryShape
 from aiocache_kv.errors import InvalidInputError, InvalidTypeError
 
@@ -23,23 +24,29 @@ __all__ = ["check_duplicates", "check_existing", "check_tensors", "own_copies"]
 def check_tensors(
     tensors: Sequence[torch.Tensor], n: int, dtype: torch.dtype
 ) -> list[torch.Tensor]:
-    """``tensors`` as a list of ``n`` 2-D tensors of ``dtype`` with no empty dimension.
+    """``tensors`` as a list of ``n`` dense 2-D tensors of ``dtype`` with no empty dimension,
+    each one that can be copied into the host pool.
 
     Raises:
-        InvalidTypeError: ``tensors`` is a single tensor, or an item is not a tensor.
-        InvalidInputError: a count, rank, empty dimension or dtype is wrong.
+        InvalidTypeError: ``tensors`` is a single tensor, not a sequence (``None``, an int,
+            ...) or a ``str``/``bytes``; or an item is not a tensor.
+        InvalidInputError: a count, rank, empty dimension or dtype is wrong; or a tensor has
+            no data to copy: a ``meta`` tensor, a sparse / mkldnn (non-strided) layout, a
+            nested tensor or a tensor subclass with its own dispatch (e.g. a fake tensor).
     """
     given: object = tensors
     if isinstance(given, torch.Tensor):
         raise InvalidTypeError(
             "tensors must be a sequence of tensors (one per hash), got a single Tensor"
         )
-    ts = list(tensors)
-    if len(ts) != n:
-        raise InvalidInputError(f"{n} hashes but {len(ts)} tensors")
-    for i, t in enumerate(ts):
+    items = batch_items("tensors", given, "torch.Tensor (one per hash)")
+    if len(items) != n:
+        raise InvalidInputError(f"{n} hashes but {len(items)} tensors")
+    ts: list[torch.Tensor] = []
+    for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):
             raise InvalidTypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        _check_copyable(i, t)
         if t.dim() != 2:
             raise InvalidInputError(
                 f"tensors[{i}] must be 2-D (num_tokens, dim), got shape {tuple(t.shape)}"
@@ -48,7 +55,32 @@ def check_tensors(
             raise InvalidInputError(f"tensors[{i}] has an empty dimension: {tuple(t.shape)}")
         if t.dtype != dtype:
             raise InvalidInputError(f"tensors[{i}] has dtype {t.dtype}, the cache holds {dtype}")
+        ts.append(t)
     return ts
+
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def _check_copyable(i: int, t: torch.Tensor) -> None:
+    """Raises:
+    InvalidInputError: ``t`` holds no dense data the pool copy can read (checked before its
+        shape: a nested tensor has none).
+    """
+    if type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
+        kind = "nested tensor" if t.is_nested else f"tensor subclass {type(t).__name__}"
+        raise InvalidInputError(f"tensors[{i}] is a {kind}; pass a plain dense tensor with data")
+    if t.is_nested:
+        raise InvalidInputError(f"tensors[{i}] is a nested tensor; pass a plain dense tensor")
+    if t.layout is not torch.strided:
+        raise InvalidInputError(
+            f"tensors[{i}] has layout {t.layout}; pass a dense (torch.strided) tensor, "
+            "e.g. t.to_dense()"
+        )
+    if t.is_meta:
+        raise InvalidInputError(
+            f"tensors[{i}] is on the meta device (no data); pass a tensor with data"
+        )
 
 
 def check_duplicates(hs: list[bytes]) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from aiocache_kv.errors import InvalidInputError, InvalidTypeError
 from aiocache_kv.storage.keys import storage_key
 
-__all__ = ["COMPONENT", "MAX_HASH_BYTES", "canonical_hashes", "embedding_key"]
+__all__ = ["COMPONENT", "MAX_HASH_BYTES", "batch_items", "canonical_hashes", "embedding_key"]
 
 COMPONENT = "emb"
 MAX_HASH_BYTES = 1024
@@ -33,16 +33,12 @@ def canonical_hashes(hashes: Sequence[str | bytes]) -> list[bytes]:
     """Validate caller hashes and return them as ``bytes``.
 
     Raises:
-        InvalidTypeError: ``hashes`` is a bare ``str``/``bytes`` (not a sequence of hashes) or
-            an item is not ``str``/``bytes``.
+        InvalidTypeError: ``hashes`` is not a sequence (``None``, an int, ...) or is a bare
+            ``str``/``bytes`` (not a sequence of hashes), or an item is not ``str``/``bytes``.
         InvalidInputError: an item is empty or longer than :data:`MAX_HASH_BYTES` bytes.
     """
-    if isinstance(hashes, (str, bytes, bytearray, memoryview)):
-        raise InvalidTypeError(
-            f"hashes must be a sequence of str/bytes, got a single {type(hashes).__name__}"
-        )
     out: list[bytes] = []
-    for i, h in enumerate(hashes):
+    for i, h in enumerate(batch_items("hashes", hashes, "str/bytes")):
         if isinstance(h, bytes):
             b = h
         elif isinstance(h, str):
@@ -57,6 +53,26 @@ def canonical_hashes(hashes: Sequence[str | bytes]) -> list[bytes]:
             )
         out.append(b)
     return out
+
+
+def batch_items(name: str, value: object, of: str) -> list[object]:
+    """The items of the batch argument ``name`` as a list (a one-shot iterable is consumed).
+
+    Raises:
+        InvalidTypeError: ``value`` is not iterable, or is a ``str``/``bytes``-like value
+            (one item, not a sequence of them); the message names ``name`` and the type.
+    """
+    if isinstance(value, (str, bytes, bytearray, memoryview)):
+        raise InvalidTypeError(
+            f"{name} must be a sequence of {of}, got a single {type(value).__name__}"
+        )
+    try:
+        items = iter(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidTypeError(
+            f"{name} must be a sequence of {of}, got {type(value).__name__}: {value!r:.80}"
+        ) from None
+    return list(items)
 
 
 def embedding_key(namespace: str, h: bytes) -> str:
