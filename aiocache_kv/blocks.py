@@ -21,8 +21,12 @@ import torch
 
 from aiocache_kv.errors import InvalidInputError, InvalidTypeError
 from aiocache_kv.namespace import Namespace, namespace_of
+from aiocache_kv.numeric import shown
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
 from aiocache_kv.validate import check_names, check_tokens
+
+#: the largest ``page_size`` :func:`page_hashes` takes (a page is far smaller in any cache)
+MAX_PAGE_SIZE = (1 << 31) - 1
 
 
 def page_hashes(
@@ -60,13 +64,16 @@ def page_hashes(
     birthday search in minutes.
 
     Raises:
-        InvalidTypeError: tokens are not a list/tuple/1-D integer CPU tensor of ints, or
-            tenant/lora are neither ``str`` nor ``None``.
-        InvalidInputError: a token outside ``[0, 2**63)``, a bad ``page_size``, an empty
-            model, or not exactly one of ``model`` / ``namespace``.
+        InvalidTypeError: tokens are not a list/tuple/1-D integer CPU tensor of ints (e.g.
+            a numpy array or ``None``), or tenant/lora are neither ``str`` nor ``None``.
+        InvalidInputError: a token outside ``[0, 2**63)``, a ``page_size`` not an int in
+            ``[1, MAX_PAGE_SIZE]`` (2**31-1), an empty model, or not exactly one of
+            ``model`` / ``namespace``.
     """
-    if type(page_size) is not int or page_size < 1:
-        raise InvalidInputError(f"page_size must be an int >= 1, got {page_size!r}")
+    if type(page_size) is not int or not 1 <= page_size <= MAX_PAGE_SIZE:
+        raise InvalidInputError(
+            f"page_size must be an int in [1, {MAX_PAGE_SIZE}], got {shown(page_size)}"
+        )
     if namespace is not None:
         if model is not None or tenant is not None or lora is not None:
             raise InvalidInputError("pass either namespace or model/tenant/lora, not both")
@@ -77,11 +84,24 @@ def page_hashes(
         raise InvalidInputError("page_hashes needs model= (CacheConfig.namespace) or namespace=")
     else:
         ns = namespace_of(model, *check_names(tenant, lora))
-    empty = tokens.numel() == 0 if isinstance(tokens, torch.Tensor) else not tokens
-    if empty and (not isinstance(tokens, torch.Tensor) or tokens.dim() == 1):
+    # the form first (a numpy array, None or 0 is not "no tokens"), then emptiness
+    if isinstance(tokens, torch.Tensor):
+        kind = tokens.dtype
+        empty = tokens.dim() == 1 and tokens.numel() == 0
+        empty = empty and not kind.is_floating_point and not kind.is_complex and kind != torch.bool
+    elif isinstance(tokens, (list, tuple)):
+        empty = len(tokens) == 0
+    else:
+        raise InvalidTypeError(
+            f"tokens must be a list/tuple of ints or a 1-D integer tensor, "
+            f"got {type(tokens).__name__}"
+        )
+    if empty:
         return []  # no whole page (check_tokens rejects empty input: the cache needs tokens)
     toks = check_tokens(tokens)
     n = len(toks) // page_size * page_size
+    if n == 0:  # no whole page (and no page-sized buffer for the hasher to allocate)
+        return []
     return chain_hashes(namespace_seed(ns.tag), toks[:n], page_size)
 
 
@@ -97,4 +117,4 @@ class BlockInfo:
     namespace_tag: str  #: the storage tag (a digest: the tenant salt is not revealed)
 
 
-__all__ = ["BlockInfo", "page_hashes"]
+__all__ = ["MAX_PAGE_SIZE", "BlockInfo", "page_hashes"]

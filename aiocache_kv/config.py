@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from aiocache_kv.errors import ConfigError
-from aiocache_kv.numeric import check_real
+from aiocache_kv.numeric import check_real, shown
 from aiocache_kv.quotas import TenantQuota
 
 
@@ -32,6 +32,11 @@ class PrefetchPolicy(str, enum.Enum):
 
 
 GiB = 1 << 30
+
+#: the most torch intra-op threads a worker may ask for (``copy_threads``; the serving
+#: engine's ``model_threads``): far above any core count, far below what
+#: ``torch.set_num_threads`` overflows on (a C ``int``)
+MAX_THREADS = 1024
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,8 @@ class CacheConfig:
     enable_kv_events: bool = True
     host_memory_reserve_bytes: int = 10 * GiB
     components: tuple[Any, ...] = field(default_factory=tuple)
-    #: CPU copy worker: torch intra-op threads (None: torch's default; 1 favours loop latency)
+    #: CPU copy worker: torch intra-op threads, at most ``MAX_THREADS`` (1024) (None: torch's
+    #: default; 1 favours loop latency)
     copy_threads: int | None = None
     #: background workers (the CPU copy worker): nice increment over the loop's thread, so
     #: the loop wins a contended core (Linux; 0 leaves their priority alone)
@@ -134,10 +140,11 @@ class CacheConfig:
                 f"got {self.prefetch_policy!r}"
             ) from None
         if self.copy_threads is not None and (
-            type(self.copy_threads) is not int or self.copy_threads < 1
+            type(self.copy_threads) is not int or not 1 <= self.copy_threads <= MAX_THREADS
         ):
             raise ConfigError(
-                f"copy_threads must be None or an int >= 1, got {self.copy_threads!r}"
+                f"copy_threads must be None or an int in [1, {MAX_THREADS}], "
+                f"got {shown(self.copy_threads)}"
             )
         if type(self.worker_nice) is not int or not 0 <= self.worker_nice <= 19:
             raise ConfigError(f"worker_nice must be an int in [0, 19], got {self.worker_nice!r}")
@@ -185,9 +192,19 @@ class CacheConfig:
                 raise ConfigError("a storage tier needs host_pages > 0")
         from aiocache_kv.components import Component
 
+        if isinstance(self.components, (str, bytes, Mapping)) or not isinstance(
+            self.components, Iterable
+        ):
+            raise ConfigError(
+                f"components must be a sequence of Component instances (SlidingWindow, ...), "
+                f"got {type(self.components).__name__} {self.components!r}"
+            )
         comps = tuple(self.components)
-        if not all(isinstance(c, Component) for c in comps):
-            raise ConfigError("components must be Component instances (SlidingWindow, ...)")
+        bad = [c for c in comps if not isinstance(c, Component)]
+        if bad:
+            raise ConfigError(
+                f"components must be Component instances (SlidingWindow, ...), got {bad[0]!r}"
+            )
         names = [c.name for c in comps]
         if len(set(names)) != len(names):
             raise ConfigError(f"component names must be unique, got {names}")

@@ -37,13 +37,27 @@ def check_real(
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise error(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
+    # an int is finite however large (``math.isfinite`` and ``float`` overflow past 1.8e308;
+    # the comparisons below are exact for ints of any size)
+    if isinstance(value, float) and not math.isfinite(value):
         raise error(f"{name} must be a finite number, got {value!r}")
     low = minimum is not None and (value <= minimum if exclusive else value < minimum)
     if low or value > maximum:
         lo = "(-inf" if minimum is None else f"{'(' if exclusive else '['}{minimum}"
-        raise error(f"{name} must be in {lo}, {maximum}], got {value!r}")
-    return float(value)
+        raise error(f"{name} must be in {lo}, {maximum}], got {shown(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an int past the float range under an infinite ``maximum``
+        raise error(f"{name} must be a finite number, got {shown(value)}") from None
+
+
+def shown(value: object) -> str:
+    """``value``'s repr for a message, or its size for an int too long to print (``repr``
+    refuses ints of more than 4300 digits)."""
+    try:
+        return repr(value)
+    except ValueError:
+        return f"an int of {value.bit_length()} bits" if isinstance(value, int) else "?"
 
 
 def check_int(
@@ -51,9 +65,11 @@ def check_int(
     value: object,
     *,
     minimum: int = 0,
+    maximum: int | None = None,
     error: type[InvalidInputError] = InvalidInputError,
 ) -> int:
-    """``value`` if it is an ``int`` (not a ``bool``) of at least ``minimum``.
+    """``value`` if it is an ``int`` (not a ``bool``) of at least ``minimum`` and (unless
+    ``maximum`` is ``None``) at most ``maximum``.
 
     Raises:
         InvalidInputError (or ``error``, e.g. ``ConfigError``): naming ``name`` and the value.
@@ -61,8 +77,10 @@ def check_int(
     if isinstance(value, bool) or not isinstance(value, int):
         raise error(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
-        raise error(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise error(f"{name} must be an int >= {minimum}, got {shown(value)}")
+    if maximum is not None and value > maximum:
+        raise error(f"{name} must be an int in [{minimum}, {maximum}], got {shown(value)}")
     return value
 
 
-__all__ = ["MAX_SECONDS", "check_int", "check_real"]
+__all__ = ["MAX_SECONDS", "check_int", "check_real", "shown"]

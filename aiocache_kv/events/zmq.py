@@ -64,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -71,7 +72,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from aiocache_kv.errors import (
     CacheClosedError,
-    InvalidInputError,
+    ConfigError,
     InvalidTypeError,
     MissingDependencyError,
 )
@@ -95,6 +96,10 @@ SNAPSHOT_REQUEST = b"aiocache_kv/snapshot"
 """The replay-socket request frame that asks for a snapshot instead of a replay."""
 SNAPSHOT_CHUNK = 1000
 """At most this many events per snapshot message."""
+MAX_OPTION_INT = (1 << 31) - 1
+"""The largest ``buffer_steps``, ``hwm`` and ``data_parallel_rank`` (ZeroMQ's high-water mark
+is a C ``int``; a larger rank or buffer is no deployment's)."""
+_ENDPOINT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
 
 
 class EventSource(Protocol):
@@ -244,27 +249,37 @@ class ZmqEventPublisher:
         snapshot_interval: float = 1.0,
     ) -> None:
         """Raises:
-        InvalidInputError: ``snapshot_interval`` not a finite number of seconds >= 0,
-            ``buffer_steps`` or ``hwm`` not an int >= 0, ``data_parallel_rank`` neither
-            ``None`` nor an int >= 0, or an unknown ``event_encoding``.
+        ConfigError: ``snapshot_interval`` not a finite number of seconds >= 0,
+            ``buffer_steps``, ``hwm`` or ``data_parallel_rank`` (unless ``None``) not an int
+            in ``[0, MAX_OPTION_INT]`` (2**31-1: ZeroMQ's and vLLM's C ints), an endpoint not
+            of the form ``transport://address``, a topic that is not UTF-8 encodable, or an
+            unknown ``event_encoding``.
+        InvalidTypeError: ``topic`` or an endpoint not a ``str``, or ``publish_cache_salt``
+            not a ``bool``.
         MissingDependencyError: pyzmq or msgpack is not installed.
         """
-        check_real("snapshot_interval", snapshot_interval)
-        check_int("buffer_steps", buffer_steps)
-        check_int("hwm", hwm)
+        check_real("snapshot_interval", snapshot_interval, error=ConfigError)
+        for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm)):
+            check_int(name, value, maximum=MAX_OPTION_INT, error=ConfigError)
         if data_parallel_rank is not None:
-            check_int("data_parallel_rank", data_parallel_rank)
-        if event_encoding not in ("array", "map"):
-            raise InvalidInputError(
-                f"event_encoding must be 'array' or 'map', got {event_encoding!r}"
+            check_int(
+                "data_parallel_rank", data_parallel_rank, maximum=MAX_OPTION_INT, error=ConfigError
             )
+        if event_encoding not in ("array", "map"):
+            raise ConfigError(f"event_encoding must be 'array' or 'map', got {event_encoding!r}")
+        _check_endpoint("endpoint", endpoint)
+        if replay_endpoint is not None:
+            _check_endpoint("replay_endpoint", replay_endpoint)
+        if type(publish_cache_salt) is not bool:
+            raise InvalidTypeError(f"publish_cache_salt must be a bool, got {publish_cache_salt!r}")
+        topic_bytes = _topic_bytes(topic)
         self._zmq = _require("zmq", "pyzmq")
         self._zmq_asyncio = _require("zmq.asyncio", "pyzmq")
         self._msgpack = _require("msgpack", "msgpack")
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
         self.topic = topic
-        self._topic_bytes = topic.encode("utf-8")
+        self._topic_bytes = topic_bytes
         self.data_parallel_rank = data_parallel_rank
         self.event_encoding: EventEncoding = event_encoding
         self.publish_cache_salt = publish_cache_salt
@@ -309,7 +324,13 @@ class ZmqEventPublisher:
         return self._next_seq
 
     async def start(self) -> None:
-        """Bind the PUB (and replay) sockets; start serving replay requests."""
+        """Bind the PUB (and replay) sockets; start serving replay requests.
+
+        Raises:
+            CacheClosedError: the publisher was closed.
+            ConfigError: an endpoint could not be bound (in use, no such interface, ...; the
+                message names it and the ``zmq.ZMQError`` is its cause); nothing stays bound.
+        """
         if self._closed.is_set():
             raise CacheClosedError("ZmqEventPublisher is closed")
         if self._ctx is not None:
@@ -320,11 +341,11 @@ class ZmqEventPublisher:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, self._hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
-            self._pub.bind(self._endpoint)
+            self._bind(self._pub, "endpoint", self._endpoint)
             if self._replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(self._replay_endpoint)
+                self._bind(self._replay, "replay_endpoint", self._replay_endpoint)
                 self._replay_task = asyncio.get_running_loop().create_task(
                     self._serve_replay(self._replay), name="zmq-kv-events-replay"
                 )
@@ -332,6 +353,12 @@ class ZmqEventPublisher:
             self._close_sockets()
             raise
         log.info("kv_events_publisher_started", endpoint=self.endpoint, topic=self.topic)
+
+    def _bind(self, sock: zmq.asyncio.Socket, name: str, endpoint: str) -> None:
+        try:
+            sock.bind(endpoint)
+        except self._zmq.ZMQError as exc:
+            raise ConfigError(f"{name} {endpoint!r} could not be bound: {exc}") from exc
 
     async def aclose(self) -> None:
         """Stop serving replay, end :meth:`run`, close the sockets.  Idempotent."""
@@ -408,7 +435,7 @@ class ZmqEventPublisher:
 
         Raises:
             CacheClosedError: this publisher was closed before it started.
-            zmq.ZMQError: a socket could not be bound (when this call starts the publisher).
+            ConfigError: a socket could not be bound (when this call starts the publisher).
         """
         if self._pub is None:
             await self.start()
@@ -521,6 +548,37 @@ class ZmqEventPublisher:
                 await sock.send_multipart((identity, b"", *end, END_SEQ, b""))
             except self._zmq.ZMQError as exc:
                 log.warning("kv_events_replay_failed", error=str(exc))
+
+
+def _check_endpoint(name: str, endpoint: object) -> None:
+    """Raise unless ``endpoint`` is a ZeroMQ address, ``transport://address``.
+
+    Raises:
+        InvalidTypeError: not a ``str``.
+        ConfigError: not of that form.
+    """
+    if type(endpoint) is not str:
+        raise InvalidTypeError(f"{name} must be a str, got {type(endpoint).__name__} {endpoint!r}")
+    if _ENDPOINT.fullmatch(endpoint) is None:
+        raise ConfigError(
+            f"{name} must be a ZeroMQ endpoint 'transport://address' "
+            f"(e.g. 'tcp://127.0.0.1:5557'), got {endpoint!r}"
+        )
+
+
+def _topic_bytes(topic: object) -> bytes:
+    """``topic`` as the UTF-8 of the topic frame.
+
+    Raises:
+        InvalidTypeError: not a ``str``.
+        ConfigError: not encodable (a lone surrogate).
+    """
+    if type(topic) is not str:
+        raise InvalidTypeError(f"topic must be a str, got {type(topic).__name__} {topic!r}")
+    try:
+        return topic.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"topic must be UTF-8 encodable, got {topic!r}: {exc}") from None
 
 
 async def _next_event(stream: AsyncIterator[KVEvent]) -> KVEvent:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from aiocache_kv.config import CacheConfig
-from aiocache_kv.errors import ConfigError, InvalidInputError
+from aiocache_kv.errors import ConfigError, InvalidInputError, InvalidTypeError
 from aiocache_kv.models.hybrid_config import hybrid_cache_config, hybrid_layout
 from aiocache_kv.validate import check_tokens
 
@@ -211,11 +211,17 @@ def check_token_ids(model: Any, tokens: Sequence[int] | torch.Tensor) -> list[in
     its work.
 
     Raises:
-        InvalidTypeError: not a list / tuple / 1-D integer tensor of ints.
+        InvalidTypeError: not a list / tuple / 1-D integer tensor of ints, or a token is a
+            ``bool`` (the forward pass refuses those; the first one is named, with its index).
         InvalidInputError: empty, or an id outside ``[0, vocab_size)`` (the message names the
             first one, its position and the vocabulary size).
     """
     toks = list(check_tokens(tokens))  # ints in [0, 2**63): only the top needs checking
+    if bool in set(map(type, toks)):  # an int to check_tokens, not a token to a model
+        at = next(i for i, t in enumerate(toks) if type(t) is bool)
+        raise InvalidTypeError(
+            f"tokens must be ints, not bools; found {toks[at]!r} at position {at}"
+        )
     vocab = vocab_size(model)
     if max(toks) >= vocab:
         at = next(i for i, t in enumerate(toks) if t >= vocab)
@@ -233,7 +239,7 @@ def check_request(
     vocabulary and ``len(prompt) + max_new_tokens`` fits ``max_positions(model)``.
 
     Raises:
-        InvalidTypeError: the prompt is not a sequence of ints.
+        InvalidTypeError: the prompt is not a sequence of ints (a ``bool`` is not one).
         InvalidInputError: empty prompt, an id outside the vocabulary, ``max_new_tokens`` not
             a positive int, or a request longer than the model's positions.
     """

@@ -51,11 +51,13 @@ import torch
 from anyio.abc import TaskGroup
 
 from aiocache_kv.cache import HiCache
+from aiocache_kv.config import MAX_THREADS
 from aiocache_kv.errors import (
     CapacityError,
     ConfigError,
     EngineClosedError,
     InvalidInputError,
+    InvalidTypeError,
     KVCacheError,
     PrefixDroppedError,
 )
@@ -63,7 +65,7 @@ from aiocache_kv.handles import InsertResult
 from aiocache_kv.logs import get_logger
 from aiocache_kv.models.arch import check_layout, check_request, is_hybrid
 from aiocache_kv.models.batched import PagedBatch, SeqChunk
-from aiocache_kv.numeric import check_real
+from aiocache_kv.numeric import check_int, check_real
 from aiocache_kv.serving.admission import ROOM_POLL, Admissions, ModelView
 from aiocache_kv.serving.queues import Queues
 from aiocache_kv.serving.request import ENDED, GenerationResult, Request, RequestState
@@ -102,16 +104,19 @@ class Engine:
     during a forward pass: a shorter one bounds the loop's lag.  It is process-wide; the
     previous value comes back when the engine closes.  ``pad_decodes``: how decodes attend
     (:class:`~aiocache_kv.models.batched.PagedBatch`; ``None``: its default for the device).
-    ``model_threads``: torch intra-op threads of the model thread (default: the cores this
-    process may use, less one, at least one), so the loop keeps a core.  ``max_restarts``: times
-    a request is restarted when a prefix it extends leaves the cache under it (then it fails
-    with :class:`~aiocache_kv.errors.PrefixDroppedError`).  Use as an async context
+    ``model_threads``: torch intra-op threads of the model thread, at most ``MAX_THREADS``
+    (1024) (default: the cores this process may use, less one, at least one), so the loop
+    keeps a core.  ``max_restarts``: times a request is restarted when a prefix it extends
+    leaves the cache under it (then it fails with
+    :class:`~aiocache_kv.errors.PrefixDroppedError`).  Use as an async context
     manager on the loop that runs ``cache``; :meth:`generate` and :meth:`stream` may be called
     from any task on that loop.
 
     Raises:
-        ConfigError: the cache's KV layout does not match the model, an unsupported model, or
-            a limit that is not a positive int.
+        ConfigError: the cache's KV layout does not match the model, an unsupported model, a
+            limit that is not a positive int, ``model_threads`` not an int in
+            ``[1, MAX_THREADS]`` (1024), or ``pad_decodes`` neither a bool nor ``None``.
+        InvalidTypeError: ``cache`` is not a :class:`~aiocache_kv.HiCache`.
     """
 
     def __init__(
@@ -137,12 +142,20 @@ class Engine:
                 "switch_interval", switch_interval, minimum=1e-6, maximum=1.0, error=ConfigError
             )
         self.switch_interval = switch_interval
+        if pad_decodes is not None and type(pad_decodes) is not bool:
+            raise ConfigError(f"pad_decodes must be a bool or None, got {pad_decodes!r}")
         self.pad_decodes = pad_decodes
         if model_threads is None:
             model_threads = max(1, _cores() - 1)
-        elif type(model_threads) is not int or model_threads < 1:
-            raise ConfigError(f"model_threads must be an int >= 1, got {model_threads!r}")
+        else:
+            model_threads = check_int(
+                "model_threads", model_threads, minimum=1, maximum=MAX_THREADS, error=ConfigError
+            )
         self.model_threads = model_threads
+        if not isinstance(cache, HiCache):
+            raise InvalidTypeError(
+                f"cache must be a HiCache, got {type(cache).__name__} {cache!r:.80}"
+            )
         self._saved_switch: float | None = None
         if not is_hybrid(model):  # PagedBatch checks a hybrid's pool and sidecar itself
             check_layout(model, cache.config)
@@ -222,6 +235,8 @@ class Engine:
         toks = check_request(self.model, prompt, max_new_tokens)
         check_names(tenant, lora)
         check_priority(priority, retention)
+        if type(keep_logits) is not bool:
+            raise InvalidTypeError(f"keep_logits must be a bool, got {keep_logits!r}")
         if len(toks) + max_new_tokens > self._max_tokens():
             raise InvalidInputError(
                 f"prompt ({len(toks)}) + max_new_tokens ({max_new_tokens}) need "
@@ -230,7 +245,7 @@ class Engine:
         self._ids += 1
         loop = asyncio.get_running_loop()
         req = Request(self._ids, toks, max_new_tokens, tenant, lora, loop.create_future(), sends)
-        req.keep_logits = bool(keep_logits)
+        req.keep_logits = keep_logits
         req.priority, req.retention = priority, retention
         self.queues.add(req)
         self.counters.submitted += 1
@@ -259,8 +274,9 @@ class Engine:
         (:meth:`HiCache.insert`: kept longer than lower priorities, for ``retention`` s).
 
         Raises:
-            InvalidTypeError: the prompt is not a sequence of ints, tenant/lora not str, or
-                priority not an int.
+            InvalidTypeError: the prompt is not a sequence of ints (a ``bool`` is not a
+                token), tenant/lora not str, priority not an int, or ``keep_logits`` not a
+                bool.
             InvalidInputError: an empty prompt, a token outside the vocabulary, bad
                 ``max_new_tokens``, a priority outside [0, 1000] or a bad retention, or a
                 request longer than the model's positions or the device pool.

@@ -21,7 +21,10 @@ import anyio
 import anyio.to_thread
 import torch
 
+from aiocache_kv.config import MAX_THREADS
+from aiocache_kv.errors import ConfigError
 from aiocache_kv.models.batched import PagedBatch, SeqChunk
+from aiocache_kv.numeric import check_int
 
 __all__ = ["ModelRunner", "Picked"]
 
@@ -31,11 +34,18 @@ Picked = list[tuple[int | None, torch.Tensor | None]]
 
 class ModelRunner:
     """Runs ``batch``'s steps on one model thread, with ``threads`` torch intra-op threads
-    there (OpenMP keeps the setting per thread: the loop's thread is untouched)."""
+    there (OpenMP keeps the setting per thread: the loop's thread is untouched).
+
+    Raises:
+        ConfigError: ``threads`` is not an int in ``[1, MAX_THREADS]`` (1024): checked here,
+            or every step would fail in ``torch.set_num_threads``.
+    """
 
     def __init__(self, batch: PagedBatch, threads: int) -> None:
         self.batch = batch
-        self.threads = threads
+        self.threads = check_int(
+            "model_threads", threads, minimum=1, maximum=MAX_THREADS, error=ConfigError
+        )
         self._limiter = anyio.CapacityLimiter(1)
 
     def _step(self, chunks: list[SeqChunk], produce: list[bool], keep: list[bool]) -> Picked:

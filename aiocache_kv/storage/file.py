@@ -108,9 +108,19 @@ class FileStorage(FileWrites):
         fsync: FsyncPolicy = "never",
     ) -> None:
         """Raises:
-        ConfigError: ``capacity_bytes`` not a positive int, ``"auto"`` or ``None``, or an
-            unknown ``fsync`` policy.
+        ConfigError: ``path`` not a non-empty ``str`` or ``os.PathLike`` of one (an empty
+            path would mean the working directory) or holding a NUL, ``capacity_bytes`` not
+            a positive int, ``"auto"`` or ``None``, or an unknown ``fsync`` policy.
         """
+        root = path if isinstance(path, str) else None
+        if isinstance(path, os.PathLike):
+            spelled = os.fspath(path)
+            root = spelled if isinstance(spelled, str) else None
+        if root is None or not root or "\0" in root:
+            raise ConfigError(
+                f"path must be a non-empty str or os.PathLike without NUL, "
+                f"got {type(path).__name__} {path!r}"
+            )
         if (
             capacity_bytes is not None
             and capacity_bytes != "auto"

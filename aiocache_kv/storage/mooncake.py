@@ -63,6 +63,7 @@ from aiocache_kv.errors import (
 from aiocache_kv.logs import get_logger
 from aiocache_kv.numeric import check_real
 from aiocache_kv.storage import integrity
+from aiocache_kv.storage import mooncake_options as opts
 from aiocache_kv.storage.base import (
     PageBuffer,
     StatsCounter,
@@ -78,7 +79,6 @@ from aiocache_kv.storage.mooncake_pipeline import (
     put_chunks,
 )
 from aiocache_kv.storage.mooncake_tags import MooncakeTags
-from aiocache_kv.storage.sizes import env_first as _env
 from aiocache_kv.storage.sizes import parse_size
 
 __all__ = [
@@ -97,13 +97,8 @@ CODE_BUFFER_SIZE = -600
 CODE_MISSING = -704
 UNAVAILABLE_CODES = frozenset({-900, -901, -800})
 
-_DEFAULT_MASTER = "127.0.0.1:50051"
-_DEFAULT_METADATA = "http://127.0.0.1:8080/metadata"
-_DEFAULT_HOSTNAME = "127.0.0.1"
-_DEFAULT_GLOBAL_SEGMENT = 1 << 30
 #: the smallest non-zero segment the Mooncake client mounts
-MIN_GLOBAL_SEGMENT = 16 << 20
-_DEFAULT_LOCAL_BUFFER = 16 << 20
+MIN_GLOBAL_SEGMENT = opts.MIN_GLOBAL_SEGMENT
 
 #: helper threads for RPCs overlapped with the checksum (one per concurrent put is enough)
 _HELPER_THREADS = 4
@@ -137,44 +132,25 @@ class MooncakeStorage(MooncakeTags):
         check_existing: bool = False,
     ) -> None:
         """Raises:
-        ConfigError: a size, delay (finite, >= 0) or timeout is malformed, or an address is empty.
+        ConfigError: an address, protocol or device not a ``str`` (or ``None``), ``master``
+            not host:port, a size malformed or above 2**63-1 bytes, ``rpc_timeout_ms`` not an
+            int in [1, 2**31-1], a delay not finite and >= 0, or ``check_existing`` not a bool
+            (:mod:`.mooncake_options`).
         """
-        self.master = master or _env("MOONCAKE_MASTER") or _DEFAULT_MASTER
-        self.metadata_server = (
-            metadata_server
-            or _env("MOONCAKE_TE_META_DATA_SERVER", "MOONCAKE_METADATA_SERVER")
-            or _DEFAULT_METADATA
+        (
+            self.master,
+            self.metadata_server,
+            self.local_hostname,
+            self.protocol,
+            self.device_name,
+        ) = opts.addresses(master, metadata_server, local_hostname, protocol, device_name)
+        self.global_segment_size, self.local_buffer_size = opts.segment_sizes(
+            global_segment_size, local_buffer_size
         )
-        self.local_hostname = local_hostname or _env("MOONCAKE_LOCAL_HOSTNAME") or _DEFAULT_HOSTNAME
-        self.protocol = protocol or _env("MOONCAKE_PROTOCOL") or "tcp"
-        self.device_name = (
-            device_name if device_name is not None else (_env("MOONCAKE_DEVICE") or "")
-        )
-        gss = global_segment_size
-        if gss is None:
-            gss = _env("MOONCAKE_GLOBAL_SEGMENT_SIZE") or _DEFAULT_GLOBAL_SEGMENT
-        lbs = local_buffer_size
-        if lbs is None:
-            lbs = _env("MOONCAKE_LOCAL_BUFFER_SIZE") or _DEFAULT_LOCAL_BUFFER
-        self.global_segment_size = parse_size(gss, "global_segment_size")
-        self.local_buffer_size = parse_size(lbs, "local_buffer_size")
-        if 0 < self.global_segment_size < MIN_GLOBAL_SEGMENT:
-            raise ConfigError(
-                f"global_segment_size must be 0 or at least {MIN_GLOBAL_SEGMENT} bytes (16 MiB, "
-                f"Mooncake's smallest segment), got {self.global_segment_size}"
-            )
-        if rpc_timeout_ms is not None and (
-            isinstance(rpc_timeout_ms, bool)
-            or not isinstance(rpc_timeout_ms, int)
-            or rpc_timeout_ms <= 0
-        ):
-            raise ConfigError(f"rpc_timeout_ms must be a positive int, got {rpc_timeout_ms!r}")
+        self.rpc_timeout_ms = opts.rpc_timeout_ms(rpc_timeout_ms)
         check_real("no_space_retry_delay", no_space_retry_delay, error=ConfigError)
-        if ":" not in self.master:
-            raise ConfigError(f"master must be host:port, got {self.master!r}")
-        self.rpc_timeout_ms = rpc_timeout_ms
         self.no_space_retry_delay = no_space_retry_delay
-        self.check_existing = check_existing
+        self.check_existing = opts.flag("check_existing", check_existing)
         self._store: Any = None
         self._open_lock = threading.Lock()
         self._closed = False

@@ -257,21 +257,29 @@ class ThreadCopyEngine:
     def _work(self) -> None:
         loop = self._loop
         assert loop is not None
-        # first: the OpenMP threads started below inherit the priority
-        if not (self._idle and idle_current_thread()):
-            lower_current_thread(self._nice)
-        if self._threads is not None:
-            torch.set_num_threads(self._threads)
+        # a setup that raises fails every job (none runs), rather than killing the worker
+        # and leaving each copy's completion, and whoever awaits it, waiting forever
+        broken: BaseException | None = None
+        try:
+            # first: the OpenMP threads started below inherit the priority
+            if not (self._idle and idle_current_thread()):
+                lower_current_thread(self._nice)
+            if self._threads is not None:
+                torch.set_num_threads(self._threads)
+        except Exception as exc:
+            log.error("copy_worker_setup_failed", worker=self._name, error=repr(exc))
+            broken = exc
         while True:
             item = self._queue.get()
             if item is None:
                 return
             job, done = item
-            err: BaseException | None = None
-            try:
-                job.run()
-            except BaseException as exc:  # delivered to the loop, never swallowed
-                err = exc
+            err: BaseException | None = broken
+            if broken is None:
+                try:
+                    job.run()
+                except BaseException as exc:  # delivered to the loop, never swallowed
+                    err = exc
             try:
                 loop.call_soon_threadsafe(done, err)
             except RuntimeError:  # loop closed: nobody is waiting any more
