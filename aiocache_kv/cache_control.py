@@ -339,5 +339,18 @@ class CacheControls:
         self._check()
         return len(self._transfers.inflight)
 
+    def device_pages_returning(self) -> int:
+        """Device pages freed while a worker still holds them (a drop's zeroing, a copy still
+        reading them): each becomes free when its worker lets go, so a scheduler that cannot
+        allocate now may wait for them rather than give up (cheap, as
+        :meth:`copies_in_flight`).
+
+        Raises:
+            CacheClosedError: the cache is not running.
+        """
+        self._check()
+        alloc = self._core.dev_alloc
+        return 0 if alloc is None else alloc.quarantined
+
 
 __all__ = ["CacheControls"]

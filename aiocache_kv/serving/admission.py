@@ -8,10 +8,12 @@ the rest of its prompt; then the request joins the batch at the next step.
 
 Waiting for room never holds anything: an admission that finds the device pool short
 (``load_back`` or ``alloc`` raising ``CapacityError``) releases its match and waits for the
-engine to give rows or pins back (or for copies in flight to land, checked every
-:data:`ROOM_POLL` seconds), then starts over.  A request is not admitted while another running
-request computes pages of its prompt it could reuse (:func:`~.scheduler.prefix_in_flight`);
-it is admitted once those pages are in the tree.
+engine to give rows or pins back (or for copies in flight to land, or a drop's zeroing to
+give pages back, checked every :data:`ROOM_POLL` seconds), then starts over.  Rows go first
+come, first served: while a request is short of rows, those behind it in the admission line
+take none (a big request is not starved by a stream of small ones).  A request is not
+admitted while another running request computes pages of its prompt it could reuse
+(:func:`~.scheduler.prefix_in_flight`); it is admitted once those pages are in the tree.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class Admissions:
         self._tasks: set[asyncio.Task[None]] = set()
         #: the prefetch each request started on arrival (admission waits for it first)
         self._arrivals: dict[int, asyncio.Task[None]] = {}
+        #: admitting requests the device pool was short for: no later one takes rows first
+        self._short: set[int] = set()
+        #: admitting requests turned back by that rule on their last try (they hold nothing)
+        self._gated: set[int] = set()
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -128,13 +134,30 @@ class Admissions:
                         await asyncio.wait_for(q.room.wait(), ROOM_POLL)
         except KVCacheError as exc:
             q.fail(req, exc)
+        finally:
+            self._short.discard(req.id)
+            self._gated.discard(req.id)
+
+    def _behind(self, req: Request) -> bool:
+        """Whether a request ahead of ``req`` in the admission line is waiting for rows: then
+        ``req`` takes none (first come, first served: a big request is not starved by a
+        stream of small ones that each fit the rows given back)."""
+        for r in self.queues.admitting:
+            if r is req:
+                return False
+            if r.id in self._short:
+                return True
+        return False
 
     def _stuck(self, req: Request) -> bool:
-        """Whether waiting cannot help ``req``: nothing runs or enters the batch that could
-        give rows back, and no copy in flight will make pages evictable."""
+        """Whether waiting cannot help ``req``: nothing runs, no other admitting request
+        could join the batch and give rows back (those turned back behind a short one hold
+        nothing and wait), no copy in flight will make pages evictable, and no worker holds
+        freed pages (a drop's zeroing) that will come back."""
         q = self.queues
-        alone = not q.running and all(r is req for r in q.admitting)
-        return alone and not self.cache.copies_in_flight()
+        alone = not q.running and all(r is req or r.id in self._gated for r in q.admitting)
+        cache = self.cache
+        return alone and not (cache.copies_in_flight() or cache.device_pages_returning())
 
     async def _try(self, req: Request) -> bool:
         """One admission attempt; ``True`` once the request is in the batch (or ended).
@@ -161,6 +184,10 @@ class Admissions:
         m: MatchResult | None = cache.match_prefix(toks, tenant=req.tenant, lora=req.lora)
         assert m is not None
         try:
+            if self._behind(req):
+                self._gated.add(req.id)
+                return False  # (the finally releases the match)
+            self._gated.discard(req.id)
             device, host = m.device_len, m.host_len
             if m.host_len:
                 await cache.load_back(m)
@@ -171,6 +198,7 @@ class Admissions:
         except CapacityError:
             if self._stuck(req):
                 raise
+            self._short.add(req.id)
             return False
         else:
             rows = m.device_indices[:reused]

@@ -461,7 +461,12 @@ class Engine:
         r.token_times.append(now)
         self.counters.generated_tokens += 1
         if r.sends is not None:
-            r.sends.send_nowait(tok)
+            try:
+                r.sends.send_nowait(tok)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                # the reader stopped reading (``break``): its request goes on to its result
+                r.sends.close()
+                r.sends = None
 
     def _insert_pages(self, r: Request) -> None:
         """Put every page ``r`` completed into the tree (pinned by the new handle)."""
@@ -516,9 +521,9 @@ class Engine:
             try:
                 pages = cache.alloc(need)
             except CapacityError:
-                if cache.copies_in_flight():
+                if cache.copies_in_flight() or cache.device_pages_returning():
                     self._short = True
-                    return False  # copies to host land soon and make pages evictable
+                    return False  # copies land soon (pages evictable), zeroing ends (free)
                 victim = q.running[-1]  # the newest request yields (vLLM's order)
                 if victim is r and len(q.running) == 1:
                     q.fail(r, CapacityError(f"the device pool cannot hold {r} alone"))

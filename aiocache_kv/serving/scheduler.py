@@ -64,15 +64,19 @@ def plan_step(running: Sequence[Request], budget: int) -> list[Slot]:
 def prefix_in_flight(waiting: Request, others: Iterable[Request], page_size: int) -> int:
     """Prompt tokens of ``waiting`` (whole pages, at most what it could reuse) that a request
     in ``others`` shares and is computing, beyond what that one has put in the tree already:
-    what admitting ``waiting`` now would compute a second time.  0 when nothing is gained."""
+    what admitting ``waiting`` now would compute a second time (of its own namespace: its
+    tenant and LoRA).  0 when nothing is gained."""
     p = page_size
     reusable = (waiting.length - 1) // p * p
     if reusable < p:
         return 0
     best = 0
     seq = waiting.seq
+    ns = (waiting.tenant or "", waiting.lora or "")  # (None is the default: the cache's rule)
     for r in others:
         if not r.prefilling or r.inserted >= reusable:
+            continue
+        if (r.tenant or "", r.lora or "") != ns:  # another namespace's pages: never shared
             continue
         shared = common_len(r.prompt, seq, 0, reusable) // p * p
         if shared > r.inserted and shared > best:

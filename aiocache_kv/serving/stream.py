@@ -31,7 +31,9 @@ class TokenStream:
         return self._request.id
 
     async def tokens(self) -> AsyncIterator[int]:
-        """Each generated token as the engine makes it (ends when the request ends)."""
+        """Each generated token as the engine makes it (ends when the request ends).  A
+        reader may stop early (``break``): the request goes on, and :meth:`result` has every
+        token; :meth:`close` aborts it instead."""
         async with self._receives:
             async for token in self._receives:
                 yield token

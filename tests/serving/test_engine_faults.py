@@ -1,0 +1,130 @@
+"""The engine under adversarial clients and operators (found by adversarial trials):
+
+* a stream reader that stopped reading (``break`` out of ``tokens()``) made the next token's
+  send raise inside the step loop: every request failed and the engine's task group died;
+* a big request that fits the pool alone was starved for good by a steady stream of small
+  ones, each grabbing the rows given back before the big one fit;
+* a request that fits alone failed with ``CapacityError`` while a zeroizing drop's pages were
+  held by the zeroing worker for a few milliseconds;
+* requests of other tenants (or LoRAs) with the same tokens waited for each other's prefill,
+  though namespaces never share pages.
+
+Every reply is checked against the model's own uncached greedy generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from typing import Any
+
+import pytest
+
+import aiocache_kv as akv
+from aiocache_kv.models import GPT2Spec, build_gpt2
+from aiocache_kv.serving import Engine
+from tests.serving.test_engine import VOCAB, assert_nothing_held, config, reference, toks
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> Any:
+    spec = GPT2Spec(n_layer=2, n_head=4, n_embd=64, vocab_size=VOCAB, n_positions=512, seed=3)
+    return build_gpt2(spec)
+
+
+@pytest.mark.parametrize("how", ["aclose", "gc"])
+async def test_a_reader_that_stops_reading_leaves_the_engine_serving(gpt2: Any, how: str) -> None:
+    async with akv.HiCache(config(gpt2)) as cache:
+        async with Engine(gpt2, cache, max_batch_tokens=64, max_running=8) as eng:
+            other = asyncio.ensure_future(eng.generate(toks(1, 20), max_new_tokens=24))
+            ts = eng.open_stream(toks(2, 20), max_new_tokens=24)
+            it = ts.tokens()
+            got = [await it.__anext__(), await it.__anext__()]
+            if how == "aclose":
+                await it.aclose()  # what ``break`` under ``aclosing`` does at once
+            else:
+                del it
+                gc.collect()
+            res = await ts.result()  # the request went on: every token
+            assert res.tokens[:2] == got
+            assert res.tokens == reference(gpt2, toks(2, 20), 24)
+            assert (await other).tokens == reference(gpt2, toks(1, 20), 24)
+            again = await eng.generate(toks(3, 8), max_new_tokens=2)
+            assert again.tokens == reference(gpt2, toks(3, 8), 2)
+            st = eng.statistics()
+            assert st.failed == 0 and st.finished == 3, st
+            eng.check_invariants()
+        await cache.flush()
+        assert_nothing_held(cache)
+
+
+async def test_a_big_request_is_not_starved_by_a_stream_of_small_ones(gpt2: Any) -> None:
+    big_prompt = toks(7, 116)  # 30 of the 32 pages with its 4 new tokens: fits alone
+    async with akv.HiCache(config(gpt2, device_pages=32, host_pages=64)) as cache:
+        async with Engine(gpt2, cache, max_batch_tokens=64, max_running=8) as eng:
+            stop = False
+            small: list[list[int]] = []
+
+            async def client(c: int) -> None:
+                i = 0
+                while not stop:
+                    i += 1
+                    prompt = toks(10_000 * c + i, 20)
+                    res = await eng.generate(prompt, max_new_tokens=8)
+                    small.append(res.tokens)
+
+            clients = [asyncio.ensure_future(client(c)) for c in range(4)]
+            await asyncio.sleep(0.2)
+            big = asyncio.ensure_future(eng.generate(big_prompt, max_new_tokens=4))
+            done, _ = await asyncio.wait([big], timeout=20)
+            before = len(small)
+            stop = True
+            await asyncio.gather(*clients)
+            assert done, f"starved: {before} small requests finished while the big one waited"
+            assert (await big).tokens == reference(gpt2, big_prompt, 4)
+            assert eng.statistics().failed == 0
+            eng.check_invariants()
+        await cache.flush()
+        assert_nothing_held(cache)
+
+
+@pytest.mark.parametrize("variant", ["admit", "running"])
+async def test_pages_a_zeroing_holds_are_waited_for_not_a_capacity_error(
+    gpt2: Any, variant: str
+) -> None:
+    async with akv.HiCache(config(gpt2, device_pages=12, host_pages=0)) as cache:
+        async with Engine(gpt2, cache, max_batch_tokens=64, max_running=4) as eng:
+            x = toks(1, 32)
+            await eng.generate(x, max_new_tokens=1)  # 8 pages cached (evictable)
+            ts = None
+            if variant == "running":  # the only running request grows while the drop zeroes
+                ts = eng.open_stream(toks(2, 14), max_new_tokens=30)  # 44 rows: fits alone
+                await ts.tokens().__anext__()
+            drop = asyncio.ensure_future(cache.drop(x[:4], zeroize=True))
+            await asyncio.sleep(0)
+            if ts is None:
+                res = await eng.generate(toks(3, 40), max_new_tokens=4)  # 44 rows: fits alone
+                assert res.tokens == reference(gpt2, toks(3, 40), 4)
+            else:
+                res = await ts.result()
+                assert res.tokens == reference(gpt2, toks(2, 14), 30)
+            await drop
+            assert eng.statistics().failed == 0
+        await cache.flush()
+        assert_nothing_held(cache)
+
+
+async def test_other_namespaces_with_the_same_tokens_prefill_together(gpt2: Any) -> None:
+    prompt = toks(1, 120)
+    cfg = config(gpt2, device_pages=200, host_pages=256)
+    async with akv.HiCache(cfg) as cache, Engine(gpt2, cache, max_batch_tokens=512) as eng:
+        rs = await asyncio.gather(
+            eng.generate(prompt, max_new_tokens=2, tenant="alice"),
+            eng.generate(prompt, max_new_tokens=2, tenant="bob"),
+            eng.generate(prompt, max_new_tokens=2, lora="adapter-1"),
+        )
+        st = eng.statistics()
+    want = reference(gpt2, prompt, 2)
+    assert [r.tokens for r in rs] == [want] * 3
+    assert [r.attribution.cached for r in rs] == [0, 0, 0]  # never each other's pages
+    assert st.steps == 2, f"prefills queued behind each other: {st.steps} steps"
