@@ -41,7 +41,7 @@ from aiocache_kv.namespace import Namespace, namespace_of
 from aiocache_kv.pins import HandleTable
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
 from aiocache_kv.pools.build import build_pools
-from aiocache_kv.shutdown import close_parts
+from aiocache_kv.shutdown import abandon, close_abandoned, close_parts
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
 from aiocache_kv.storage.tier import PrefetchResult, PrefetchStatus, StorageTier
 from aiocache_kv.transfer import CopyEngine, default_engine
@@ -138,10 +138,8 @@ class HiCache(CacheControls, CacheReports):
             self._engine.start(loop)
             core.coordinator.start(loop)
         except BaseException:
-            l3, self._l3 = self._l3, None
-            if l3 is not None:  # its workers and backend close in the background (bounded:
-                # an open still stuck in its worker is waited for up to storage_timeout)
-                self._tier_closes.add(asyncio.get_running_loop().create_task(l3.aclose()))
+            abandon(self._l3, self._tier_closes)  # unhooked, its workers stop (shutdown.py)
+            self._l3 = None
             self._state = Lifecycle.NEW
             raise
         self._state = Lifecycle.RUNNING
@@ -166,8 +164,7 @@ class HiCache(CacheControls, CacheReports):
         """
         if self._state is Lifecycle.NEW:
             self._state = Lifecycle.CLOSED
-            if self._tier_closes:  # what a start that gave up opened
-                await asyncio.wait(self._tier_closes)
+            await close_abandoned(self._tier_closes, self.config)  # what a start opened
             return
         if self._closing is None:
             self._state = Lifecycle.CLOSING

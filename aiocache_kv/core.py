@@ -137,6 +137,11 @@ class CacheCore:
         storage-resident one, is split."""
         self._split_hooks.append(hook)
 
+    def off_split(self, *hooks: SplitHook) -> None:
+        """Stop calling ``hooks`` (registered with :meth:`on_split`)."""
+        for hook in hooks:
+            self._split_hooks.remove(hook)
+
     def _on_split(self, head: Node, tail: Node) -> None:
         for hook in self._split_hooks:
             hook(head, tail)

@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 import aiocache_kv as akv
 from aiocache_kv.errors import InvalidTypeError, StorageUnavailableError
@@ -29,6 +31,15 @@ from tests.conftest import small_config
 from tests.test_split_ack import insert
 
 A = list(range(10, 42))
+
+
+async def stored(cache: akv.HiCache, tokens: list[int]) -> None:
+    r = insert(cache, tokens)
+    assert r.write_through is not None
+    await r.write_through
+    cache.release(r)
+    await cache.flush()
+    assert cache.statistics().backup_pages_ok >= len(tokens) // cache.config.page_size
 
 
 def storage_threads() -> list[str]:
@@ -123,7 +134,7 @@ async def test_start_that_does_not_finish_closes_the_storage_tier(how: str) -> N
     if how == "cancel":
         await cache.start()  # a retry builds one tier, and closes it
     await cache.aclose()  # waits for the tier the start gave up on too
-    assert store.closes == store.opens, (store.opens, store.closes)
+    assert store.closes == 1 and store._closed, (store.opens, store.closes)
     assert await threads_gone(before) == []
 
 
@@ -199,3 +210,69 @@ async def test_invariants_hold_after_closing_with_live_handles() -> None:
     with pytest.raises(akv.CacheClosedError):
         cache.release(m)
     del r
+
+
+class FlakyOpen(MemoryStorage):
+    """Its first ``open`` fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_next = True
+
+    def open(self) -> None:
+        if self.fail_next:
+            self.fail_next = False
+            raise StorageUnavailableError("injected: the first open fails")
+        super().open()
+
+
+async def test_a_retried_start_has_one_storage_tier_hooked() -> None:
+    """The tier a failed start built is unhooked: a split of a node whose backup is in flight
+    retargets that backup once (twice, its put landed on duplicated heads and the ack tripped
+    an assertion, then ``flush`` hung)."""
+    store = FlakyOpen()
+    cache = akv.HiCache(small_config(storage=store, device_pages=32, host_pages=64))
+    with pytest.raises(StorageUnavailableError):
+        await cache.start()
+    await cache.start()
+    try:
+        store.gates["put"].clear()  # hold the backup's put
+        prompt = list(range(100, 124))
+        r = insert(cache, prompt, seed=1)
+        assert r.write_through is not None
+        await r.write_through  # the host copy landed: the backup started (held)
+        other = prompt[:16] + [99] * 8  # shares 8 pages: splits the node under backup
+        own = cache.alloc(8)
+        r2 = cache.insert(other, torch.cat([r.device_indices[:16], own]))
+        store.gates["put"].set()
+        await asyncio.wait_for(cache.flush(), 10)
+        cache.release(r)
+        cache.release(r2)
+        cache.check_invariants()
+        st = cache.statistics()
+        assert st.backup_pages_failed == 0 and st.backup_pages_ok >= 12, st
+    finally:
+        await asyncio.wait_for(cache.aclose(), 10)
+    assert store._closed
+
+
+async def test_a_file_storage_start_cancelled_then_retried(tmp_path: Path) -> None:
+    class SlowFirstOpen(akv.FileStorage):
+        first = True
+
+        def open(self) -> None:
+            if self.first:
+                self.first = False
+                time.sleep(0.4)
+            super().open()
+
+    cache = akv.HiCache(small_config(storage=SlowFirstOpen(tmp_path / "s")))
+    t = asyncio.create_task(cache.start())
+    await asyncio.sleep(0.1)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    await asyncio.sleep(0.6)  # the abandoned tier's workers stop; its backend stays open
+    await cache.start()  # the retry opens the same backend again
+    await stored(cache, A[:16])
+    await cache.aclose()

@@ -40,6 +40,10 @@ class Coordinator(Protocol):
         """Add a queue whose operations this coordinator applies."""
         ...
 
+    def unregister(self, queue: AckQueue[Any]) -> None:
+        """Remove a queue registered before ``start`` (a start that gave up built it)."""
+        ...
+
     def track(self, queue: AckQueue[T], op: T) -> None:
         """``op`` started (call when it is submitted, in the serving loop's order)."""
         ...
@@ -81,6 +85,9 @@ class LocalCoordinator:
 
     def register(self, queue: AckQueue[Any]) -> None:
         """Nothing to remember: queues apply directly."""
+
+    def unregister(self, queue: AckQueue[Any]) -> None:
+        """Nothing to forget."""
 
     def track(self, queue: AckQueue[T], op: T) -> None:
         """Nothing to track."""
@@ -129,6 +136,12 @@ class AgreedCoordinator:
     def register(self, queue: AckQueue[Any]) -> None:
         """Agreements cover ``queue`` from now on (register every queue before ``start``)."""
         self._queues.append(queue)
+
+    def unregister(self, queue: AckQueue[Any]) -> None:
+        """Agreements no longer cover ``queue`` (only before ``start``: a start that gave up
+        built it; every rank's vectors must keep one width)."""
+        assert self._seq is None, "a queue unregistered after the agreements started"
+        self._queues.remove(queue)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the background agreement task."""

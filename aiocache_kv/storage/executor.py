@@ -116,11 +116,7 @@ class StorageIO:
         self._pending = 0  # slots taken (== len(_inflight) except between grant and submit)
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._closed = False
-        self._submitted = 0
-        self._completed = 0
-        self._timeouts = 0
-        self._cancelled = 0
-        self._late = 0
+        self._submitted = self._completed = self._timeouts = self._cancelled = self._late = 0
 
     def __repr__(self) -> str:
         return (
@@ -327,8 +323,9 @@ class StorageIO:
         while calls := [c.finished for i, c in self._inflight.items() if i <= last]:
             await asyncio.wait([asyncio.shield(f) for f in calls])
 
-    async def aclose(self, *, timeout: float | None = None) -> None:
-        """Refuse new calls, drain (up to ``timeout``), close the backend, stop the workers.
+    async def aclose(self, *, timeout: float | None = None, keep_backend: bool = False) -> None:
+        """Refuse new calls, drain (up to ``timeout``), close the backend (unless
+        ``keep_backend``: a start that gave up leaves it to a retry), stop the workers.
 
         Returns within about ``2 * timeout``: if the drain times out, the backend is closed
         anyway and the stuck threads are left to finish on their own (they hold no loop
@@ -348,7 +345,8 @@ class StorageIO:
         try:
             # Its own thread: a stuck worker must not queue the close behind it, and a close
             # that hangs (a stalled store) must not hold the loop's shutdown or process exit.
-            await self._close_backend(timeout)
+            if not keep_backend:
+                await self._close_backend(timeout)
         finally:
             self._pool.shutdown(wait=False)
 

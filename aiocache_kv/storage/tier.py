@@ -153,6 +153,13 @@ class StorageTier(PrefetchingTier):
         finally:
             await self.io.aclose(timeout=self.core.config.storage_timeout)
 
+    async def abandon(self) -> None:
+        """A cache's ``start`` gave up on this tier: its hooks go (a retry builds another
+        tier), its workers stop (bounded as :meth:`aclose`); the backend stays open."""
+        self.core.off_split(self._split_stored, self.retarget)
+        self.core.coordinator.unregister(self.acks)
+        await self.io.aclose(timeout=self.core.config.storage_timeout, keep_backend=True)
+
     @property
     def in_flight(self) -> int:
         """Backups and background prefetches not yet settled."""
