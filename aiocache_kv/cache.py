@@ -553,6 +553,7 @@ class HiCache(CacheControls, CacheReports):
             AgreementError: the ranks can no longer agree (a collective failed).
         """
         self._check()
+        self._handles.release_dropped()  # (TP: handles collected unreleased, on every rank)
         await self._core.coordinator.sync()
 
     # ------------------------------------------------------------------ eviction

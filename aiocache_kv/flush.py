@@ -12,6 +12,7 @@ up to ``storage_timeout`` to hand their pages back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from aiocache_kv.logs import get_logger
@@ -35,7 +36,30 @@ async def settle_work(
 ) -> None:
     """Wait for the copies, backups and background prefetches in flight now, and for the
     backups those copies start; with ``until_idle`` repeat until nothing is in flight (for a
-    closing cache, where no new work can start).  Failures do not raise here."""
+    closing cache, where no new work can start).  Failures do not raise here.
+
+    With TP a caller cancelled meanwhile stops waiting only once the agreement rounds ran:
+    every rank runs as many, and the other ranks' callers were not cancelled."""
+    if core.coordinator.deferred:
+        task = asyncio.get_running_loop().create_task(
+            _settle_loop(core, transfers, l3, until_idle)
+        )
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            while not task.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([task])
+            if not task.cancelled():
+                task.exception()  # (retrieved: the cancellation is what the caller gets)
+            raise
+        return
+    await _settle_loop(core, transfers, l3, until_idle)
+
+
+async def _settle_loop(
+    core: CacheCore, transfers: Transfers, l3: StorageTier | None, until_idle: bool
+) -> None:
     while True:
         await _settle_once(core, transfers, l3)
         if not until_idle or not (transfers.inflight or (l3 is not None and l3.in_flight)):

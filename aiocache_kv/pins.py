@@ -4,8 +4,9 @@ The table keeps each handle's pinned node, never the handle itself, so a handle 
 drops is garbage-collected.  Its ``__del__`` then calls :meth:`HandleTable.dropped_soon`, which
 asks the loop to release the pin (``loop.call_soon_threadsafe``: a collection may run on any
 thread, or in the middle of a tree operation on the loop, so the tree is never touched from
-there) and warns with a ``ResourceWarning`` naming the handle: the serving code leaked a pin,
-and until now the pages it covered could not be evicted.  A released handle, or one of a
+there; with TP at the next ``sync`` instead, the same point on every rank) and warns with
+a ``ResourceWarning`` naming the handle: the serving code leaked a pin, and until now the
+pages it covered could not be evicted.  A released handle, or one of a
 closed cache, does nothing when collected.
 
 An insert result may also retain device rows (its caller's pages the tree did not take); the
@@ -15,6 +16,7 @@ the handle is released or collected.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import warnings
@@ -48,6 +50,8 @@ class HandleTable:
         self._closed = False
         self.leaked = 0  #: handles garbage-collected while pinned
         self._on_drop = self.dropped_soon  # bound once: every handle gets it
+        #: with TP, handles collected while pinned, released at the next ``sync`` (below)
+        self._dropped_tp: collections.deque[tuple[int, str]] = collections.deque()
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -91,8 +95,13 @@ class HandleTable:
         loop = self._core.loop
         if token not in self._pins or loop is None or self._closed:
             return
-        with contextlib.suppress(RuntimeError):  # a closed loop: the cache is closed too
-            loop.call_soon_threadsafe(self.dropped, token, what)
+        if self._core.coordinator.deferred:
+            # TP: released where every rank releases it, at the next ``sync`` (a loop
+            # callback runs wherever each rank's loop happens to yield: the trees would part)
+            self._dropped_tp.append((token, what))  # (a deque's append is thread-safe)
+        else:
+            with contextlib.suppress(RuntimeError):  # a closed loop: the cache is closed too
+                loop.call_soon_threadsafe(self.dropped, token, what)
         # after the release is scheduled: under ``-W error`` this raises (and is reported)
         warnings.warn(
             f"{what} #{token} was garbage-collected without cache.release(); its pin is "
@@ -100,6 +109,12 @@ class HandleTable:
             ResourceWarning,
             stacklevel=2,
         )
+
+    def release_dropped(self) -> None:
+        """With TP: release the pins of the handles collected since the last call (on the
+        loop, at ``sync``: the same point of every rank's serving loop)."""
+        while self._dropped_tp:
+            self.dropped(*self._dropped_tp.popleft())
 
     def dropped(self, token: int, what: str) -> None:
         """On the loop: a pinned handle was garbage-collected; release its pin."""

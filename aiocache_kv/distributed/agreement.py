@@ -24,7 +24,8 @@ The agreed decision is *applied* to the tree only when the serving loop awaits a
 (:meth:`Sequencer.settle`): every agreement up to that ticket is applied, in order.  So tree
 changes happen at the same point of the serving loop on every rank, never in between its
 calls.  A request whose caller was cancelled is still agreed (the other ranks wait for its
-collective) and is applied by the next ``settle``.
+collective) and applied before the cancellation reaches the caller: at the point of the
+serving loop where the other ranks apply it too.
 """
 
 from __future__ import annotations
@@ -127,11 +128,30 @@ class Sequencer:
     async def settle(self, request: Request) -> None:
         """Wait for ``request``'s agreement, then apply every agreement up to it, in order.
 
+        A caller cancelled meanwhile still applies: every other rank applies this agreement at
+        this point of its serving loop, so this rank waits for it (bounded as the agreement
+        is) and applies it before the cancellation goes on.
+
         Raises:
             AgreementError: a collective failed.
         """
-        await asyncio.shield(request.collected)
+        try:
+            await asyncio.shield(request.collected)
+        except asyncio.CancelledError:
+            await self._settle_cancelled(request)
+            raise
         self.apply_collected(request.ticket)
+
+    async def _settle_cancelled(self, request: Request) -> None:
+        while not request.collected.done():
+            try:
+                await asyncio.shield(request.collected)
+            except asyncio.CancelledError:
+                continue  # cancelled again: still this rank's apply point
+            except Exception:
+                return  # the group broke: nothing to apply (the next call raises it)
+        if request.collected.exception() is None:
+            self.apply_collected(request.ticket)
 
     def apply_collected(self, upto: int | None = None) -> None:
         """Apply, in ticket order, every agreed request (up to ticket ``upto``)."""
