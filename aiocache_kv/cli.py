@@ -8,11 +8,8 @@ as concise lines (:func:`aiocache_kv.logs.configure_console`).  ``main`` returns
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from aiocache_kv.bench import ENGINE_MODELS, ENGINE_SIDES, SERVE_ARMS, SUITE_HELP, SUITES
 from aiocache_kv.demo_defaults import DEFAULTS as D
@@ -58,24 +55,6 @@ def _rate(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive (or inf), got {text!r}")
     return value
-
-
-def _flat(values: Sequence[Sequence[int]] | None, default: Sequence[int]) -> tuple[int, ...]:
-    if not values:
-        return tuple(default)
-    return tuple(v for group in values for v in group)
-
-
-#: ``--page-kib`` when not given, per suite
-TRANSFER_PAGE_KIB = (64, 256, 1024)
-STORAGE_PAGE_KIB = (64, 256, 1024, 4096)
-STORAGE_BATCHES = (16, 128)
-
-
-def page_kib(args: argparse.Namespace, suite: str) -> tuple[int, ...]:
-    """The page sizes (KiB) ``suite`` uses: ``--page-kib`` or the suite's default."""
-    default = STORAGE_PAGE_KIB if suite == "storage" else TRANSFER_PAGE_KIB
-    return _flat(args.page_kib, default)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -380,14 +359,6 @@ def _serve_arguments(bench: argparse.ArgumentParser) -> None:
     )
 
 
-def _serve_plot(args: argparse.Namespace) -> str | None:
-    """``--plot`` for the serve suite (beside e2e's when ``all`` runs both)."""
-    if not args.plot or args.suite == "serve":
-        return args.plot  # type: ignore[no-any-return]
-    root, ext = os.path.splitext(args.plot)
-    return f"{root}-serve{ext or '.png'}"
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     """``aiocache-kv demo``."""
     from aiocache_kv.demo import run_demo
@@ -396,190 +367,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``aiocache-kv bench [SUITE|all]``."""
-    from aiocache_kv.bench import report
+    """``aiocache-kv bench [SUITE|all]`` (:func:`aiocache_kv.bench.command.run_bench`)."""
+    from aiocache_kv.bench.command import run_bench
 
-    suites = SUITES if args.suite == "all" else (args.suite,)
-    plots = [s for s in suites if s in ("e2e", "serve")]
-    if args.plot and plots and importlib.util.find_spec("matplotlib") is None:
-        from aiocache_kv.bench.e2e import PLOT_HINT
-
-        print(f"bench {plots[0]}: {PLOT_HINT}", file=sys.stderr)  # before a long run, not after
-        return 2
-    results: dict[str, report.JSON] = {}
-    identity_failed = False
-    print(
-        "note: timings on a shared 2-core machine are noisy; numbers are medians of repeats "
-        "and ratios use baselines measured in this same run."
-    )
-    for suite in suites:
-        if suite == "tree" and args.peer_sglang:
-            from aiocache_kv.bench import peer_sglang
-
-            opts = peer_sglang.PeerBenchOptions(
-                wheels=tuple(Path(d) for d in args.peer_sglang),
-                page_sizes=tuple(args.page_sizes),
-                sequences=args.sequences,
-                repeats=args.tree_repeats,
-                seed=args.seed,
-            )
-            try:
-                results["tree_peer_sglang"] = peer_sglang.run(opts)
-            except FileNotFoundError as e:
-                sys.exit(f"bench tree: {e}")
-        elif suite == "tree":
-            from aiocache_kv.bench import tree
-
-            results["tree"] = tree.run(
-                tree.TreeBenchOptions(
-                    page_sizes=tuple(args.page_sizes),
-                    sequences=args.sequences,
-                    repeats=args.tree_repeats,
-                    seed=args.seed,
-                    events=args.events,
-                )
-            )
-        elif suite == "transfer":
-            from aiocache_kv.bench import transfer
-
-            results["transfer"] = transfer.run(
-                transfer.TransferBenchOptions(
-                    page_kib=page_kib(args, "transfer"),
-                    mib=args.mib,
-                    lag_mib=args.lag_mib,
-                    repeats=args.transfer_repeats,
-                    seed=args.seed,
-                )
-            )
-        elif suite == "cuda":
-            from aiocache_kv.bench import cuda_copies as cu
-
-            kib = _flat(args.page_kib, cu.PAGE_KIB)
-            cuda_opts = cu.CudaBenchOptions(kib, args.mib, args.transfer_repeats, args.seed)
-            if (res := cu.run_if_cuda(cuda_opts, run_loop)) is not None:
-                results["cuda"] = res
-        elif suite == "lag":
-            from aiocache_kv.bench import lag
-
-            results["lag"] = lag.run(
-                lag.LagBenchOptions(
-                    lag_mib=args.lag_mib,
-                    max_running=args.max_running,
-                    max_batch_tokens=args.max_batch_tokens,
-                    worker_idle=args.worker_idle,
-                    stdlib_loop=args.stdlib_loop,
-                    seed=args.seed,
-                )
-            )
-        elif suite == "storage":
-            from aiocache_kv.bench import storage
-
-            if (args.master is None) != (args.metadata is None):
-                print("bench storage: --master and --metadata go together", file=sys.stderr)
-                return 2
-            results["storage"] = storage.run(
-                storage.StorageBenchOptions(
-                    backends=storage.BACKENDS if args.backend == "all" else (args.backend,),
-                    page_kib=page_kib(args, "storage"),
-                    batches=_flat(args.batch, STORAGE_BATCHES),
-                    mib=args.storage_mib,
-                    repeats=args.storage_repeats,
-                    master=args.master,
-                    metadata=args.metadata,
-                    storage_dir=args.storage_dir,
-                    explicit_backend=args.backend != "all",
-                )
-            )
-        elif suite == "embedding":
-            from aiocache_kv.bench import embedding
-
-            if (args.master is None) != (args.metadata is None):
-                print("bench embedding: --master and --metadata go together", file=sys.stderr)
-                return 2
-            results["embedding"] = embedding.run(
-                embedding.EmbeddingBenchOptions(
-                    mib=args.emb_mib,
-                    repeats=args.emb_repeats,
-                    requests=args.emb_requests,
-                    seed=args.seed,
-                    master=args.master,
-                    metadata=args.metadata,
-                    explicit=args.suite == "embedding",
-                )
-            )
-        elif suite == "e2e":
-            from aiocache_kv.bench import e2e
-
-            results["e2e"] = e2e.run(
-                e2e.E2EBenchOptions(
-                    prefix_lens=_flat(args.prefix_lens, e2e.E2EBenchOptions.prefix_lens),
-                    suffix=args.suffix,
-                    repeats=args.e2e_repeats,
-                    seed=args.seed,
-                    plot=args.plot,
-                    storage_dir=args.storage_dir,
-                )
-            )
-            if not results["e2e"]["identical"]:
-                identity_failed = True
-        elif suite == "engine":
-            from aiocache_kv.bench import engine
-
-            results["engine"] = engine.run(
-                engine.EngineBenchOptions(
-                    models=tuple(args.engine_models),
-                    sides=tuple(args.engine_sides),
-                    conversations=args.conversations,
-                    turns=args.turns,
-                    system_tokens=args.system_tokens,
-                    reply_tokens=args.reply_tokens,
-                    max_batch_tokens=args.max_batch_tokens,
-                    max_running=args.max_running,
-                    size=args.engine_size,
-                    repeats=args.engine_repeats,
-                    seed=args.seed,
-                )
-            )
-            if not results["engine"]["identical"]:
-                identity_failed = True  # engine and sequential replies differ
-        elif suite == "serve":
-            from aiocache_kv.bench import serve
-
-            results["serve"] = serve.run(
-                serve.ServeBenchOptions(
-                    clients=args.clients,
-                    rounds=args.rounds,
-                    system_tokens=args.system_len,
-                    user_tokens=args.user_len,
-                    output_len=args.output_len,
-                    max_in_flight=args.max_in_flight,
-                    request_rate=args.request_rate,
-                    round_barrier=args.round_barrier,
-                    arms=tuple(args.arms),
-                    max_batch_tokens=args.max_batch_tokens,
-                    max_running=args.max_running,
-                    device_pages=args.device_pages,
-                    size=args.serve_size,
-                    seed=args.seed,
-                    plot=_serve_plot(args),
-                    storage_dir=args.storage_dir,
-                    url=args.url,
-                    model=args.served_model,
-                    vocab=args.vocab,
-                )
-            )
-            if not results["serve"]["identical"] or results["serve"]["fatal"]:
-                identity_failed = True  # engine arms differ, or an engine arm (or --url) failed
-        elif suite == "fairness":
-            from aiocache_kv.bench import fairness
-
-            results["fairness"] = fairness.run(fairness.FairnessOptions(seed=args.seed))
-    errors = [results.get(s, {}).get("errors") for s in ("storage", "embedding")]
-    code = 1 if any(errors) or identity_failed else 0
-    if args.json:
-        report.write_json(report.make_report(results), args.json)
-        print(f"\nJSON report written to {args.json}")
-    return code
+    return run_bench(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -61,7 +61,7 @@ from aiocache_kv.demo_report import (
     print_turns,
     round_line,
 )
-from aiocache_kv.errors import KVCacheError
+from aiocache_kv.errors import InvalidInputError, KVCacheError
 from aiocache_kv.logs import get_logger
 from aiocache_kv.models import GPT2Spec, build_gpt2, cache_config_for
 from aiocache_kv.models.generate import Generation, reference_generate
@@ -112,6 +112,32 @@ def make_conversations(
         )
         for i in range(conversations)
     ]
+
+
+def check_positions(args: argparse.Namespace) -> None:
+    """The longest conversation fits the demo model's positions: its system prompt, every
+    user message it gets (one more on the restarted node, with a storage tier) and a reply
+    to each (found before the model is built).
+
+    Raises:
+        InvalidInputError: it does not (the lengths named).
+    """
+    turns = _opt(args, "turns") + (0 if _opt(args, "storage") == "none" else 1)
+    new = _opt(args, "new_tokens")
+    chats = make_conversations(
+        _opt(args, "seed"),
+        _opt(args, "conversations"),
+        _opt(args, "turns"),
+        _opt(args, "system_tokens"),
+        DEMO_SPEC.vocab_size,
+    )
+    need = max(len(c.history) + sum(map(len, c.messages[:turns])) + turns * new for c in chats)
+    if need > DEMO_SPEC.n_positions:
+        raise InvalidInputError(
+            f"the longest chat needs {need} positions ({_opt(args, 'system_tokens')} system "
+            f"tokens, {turns} turns of up to 60 user tokens and {new} reply tokens each); the "
+            f"demo model has {DEMO_SPEC.n_positions}"
+        )
 
 
 # ---------------------------------------------------------------------------- storage
@@ -410,6 +436,7 @@ async def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
     stream = out if out is not None else sys.stdout
     try:
         demo_config(args)
+        check_positions(args)
     except KVCacheError as exc:
         log.error("demo_bad_config", error=str(exc))
         return 2

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from aiocache_kv.cli import build_parser, page_kib
+from aiocache_kv.bench.command import page_kib
+from aiocache_kv.cli import build_parser
 
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -343,3 +344,38 @@ def test_plot_without_matplotlib_exits_2_with_the_readme_hint(
     assert PLOT_HINT in err and not png.exists()
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "pip install -e .[plot]" in PLOT_HINT and "pip install -e .[plot]" in readme
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["bench", "tree", "--json", "{dir}"], "is a directory"),
+        (["bench", "tree", "--json", "{file}/report.json"], "--json"),
+        (["bench", "transfer", "--page-kib", "24"], "multiples of 16 KiB"),
+        (["bench", "e2e", "--prefix-lens", "100000"], "exceeds the model's"),
+    ],
+)
+def test_bad_bench_arguments_exit_2_before_any_suite_runs(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Found before the suites run (a ``--json`` that cannot be written used to fail with a
+    traceback after the whole run; a page size or prefix the suite refused, with one when
+    its suite started)."""
+    from aiocache_kv.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    argv = [a.format(dir=tmp_path, file=afile) for a in argv]
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert says in out.err and "bench tree" not in out.out and "== bench" not in out.out
+
+
+def test_demo_that_cannot_fit_the_model_exits_2_before_building_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from aiocache_kv.cli import main
+
+    assert main(["--log-level", "error", "demo", "--system-tokens", "5000"]) == 2
+    out = capsys.readouterr()
+    assert "positions" in out.err and "random-weight GPT-2" not in out.out

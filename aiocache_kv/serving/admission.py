@@ -157,7 +157,9 @@ class Admissions:
         q = self.queues
         alone = not q.running and all(r is req or r.id in self._gated for r in q.admitting)
         cache = self.cache
-        return alone and not (cache.copies_in_flight() or cache.device_pages_returning())
+        if not alone or self._arrivals:  # (a read on arrival pins its path for a while)
+            return False
+        return not (cache.copies_in_flight() or cache.device_pages_returning())
 
     async def _try(self, req: Request) -> bool:
         """One admission attempt; ``True`` once the request is in the batch (or ended).
@@ -172,6 +174,10 @@ class Admissions:
         toks = self._match_tokens(req)
         seq_len = req.length
         reusable = (seq_len - 1) // p * p
+        if self._behind(req):  # (before its prefetch: one turned back holds no pin)
+            self._gated.add(req.id)
+            return False
+        self._gated.discard(req.id)  # (holds pins from here: not counted as holding none)
         if cache.config.storage is not None:
             arrival = self._arrivals.get(req.id)
             if arrival is not None:  # the read it started on arrival: one read, not two
@@ -184,10 +190,9 @@ class Admissions:
         m: MatchResult | None = cache.match_prefix(toks, tenant=req.tenant, lora=req.lora)
         assert m is not None
         try:
-            if self._behind(req):
+            if self._behind(req):  # (someone got short meanwhile)
                 self._gated.add(req.id)
                 return False  # (the finally releases the match)
-            self._gated.discard(req.id)
             device, host = m.device_len, m.host_len
             if m.host_len:
                 await cache.load_back(m)

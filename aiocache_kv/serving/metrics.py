@@ -36,7 +36,10 @@ HISTOGRAMS = {
     "itl": ("inter_token_seconds", "Between consecutive generated tokens of a request."),
     "step": ("step_seconds", "One forward pass of the batch."),
     "batch_size": ("batch_size", "Requests in one forward pass."),
-    "tokens_per_step": ("step_tokens", "Tokens (prefill chunks and decodes) in one forward pass."),
+    "tokens_per_step": (
+        "tokens_per_step",
+        "Tokens (prefill chunks and decodes) in one forward pass.",
+    ),
 }
 
 
