@@ -8,8 +8,10 @@
 * ``POST /cache/warm``  ``{"tokens": [...], "tier": "device"|"host", "timeout": 5, "tenant"}``
   -> the ``WarmResult`` (``device_len``, ``host_len``, ``storage_tokens``, ``timed_out``, ...)
 
-Bodies are read like ``/generate``'s (bounded size, JSON only); token ids and numbers are
-checked by the cache itself (a typed error is a 400).  The server binds 127.0.0.1 like the
+Bodies are read like ``/generate``'s (bounded size, JSON only) and their token ids checked
+like its (``validate_tokens``: ints in the model's vocabulary, no bools; else a 400 naming
+the first bad one); the other numbers are checked by the cache itself (a typed error is a
+400).  A ``pin_id`` that is missing or not an int is a 400.  The server binds 127.0.0.1 like the
 rest: these are operator controls, not for the open network.
 """
 
@@ -20,7 +22,7 @@ import itertools
 from typing import Any, Protocol
 
 from aiohttp import web
-from server_requests import BadRequest, RequestLimits, read_json_body
+from server_requests import BadRequest, RequestLimits, read_json_body, validate_tokens
 
 from aiocache_kv import CachePin, HiCache, PinState
 from aiocache_kv.errors import KVCacheError, NotCachedError, PinLimitError
@@ -88,7 +90,7 @@ class CacheAdminRoutes:
             if "tokens" not in body or "ttl" not in body:
                 raise BadRequest(400, "tokens and ttl are required")
             pin = cache.pin(
-                body["tokens"],
+                validate_tokens(body["tokens"], self.server.limits),
                 ttl=body["ttl"],
                 tier=body.get("tier", "device"),
                 tenant=body.get("tenant"),
@@ -115,7 +117,9 @@ class CacheAdminRoutes:
             cache = self._cache()
             body = _fields(await read_json_body(request, self.server.limits), UNPIN_FIELDS)
             pin_id = body.get("pin_id")
-            pin = self.pins.pop(pin_id, None) if type(pin_id) is int else None
+            if type(pin_id) is not int:  # bool is no pin id
+                raise BadRequest(400, f"pin_id must be an int, got {pin_id!r:.40}")
+            pin = self.pins.pop(pin_id, None)
             if pin is None:
                 raise BadRequest(404, f"no pin {pin_id!r}")
             released = cache.unpin(pin)
@@ -131,7 +135,7 @@ class CacheAdminRoutes:
             if "tokens" not in body:
                 raise BadRequest(400, "tokens are required")
             res = await cache.warm(
-                body["tokens"],
+                validate_tokens(body["tokens"], self.server.limits),
                 tier=body.get("tier", "device"),
                 timeout=body.get("timeout"),
                 tenant=body.get("tenant"),

@@ -31,11 +31,13 @@ value (``type: "invalid_request_error"``), 404 ``model`` names another model, 41
 longer than the model's context or the device pool (or a body over ``--max-body-bytes``),
 415 a body that is not JSON, 503 the engine is not running (``type: "server_error"``).
 An error after a stream started is sent as one ``data: {"error": ...}`` event before
-``data: [DONE]``.
+``data: [DONE]``.  :func:`json_errors` (a middleware of the whole server) gives aiohttp's own
+errors that shape too: 404 no such route, 405 a method the route has not, ...
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -43,12 +45,25 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
-from server_requests import BadRequest, RequestLimits, read_json_body, retention_fields
+from aiohttp.typedefs import Handler
+from server_requests import (
+    BadRequest,
+    ClientGone,
+    RequestLimits,
+    read_json_body,
+    retention_fields,
+)
 
 from aiocache_kv import KVCacheError
 from aiocache_kv.serving import Engine, GenerationResult
 
-__all__ = ["CompletionRequest", "OpenAIError", "OpenAIRoutes", "validate_completion"]
+__all__ = [
+    "CompletionRequest",
+    "OpenAIError",
+    "OpenAIRoutes",
+    "json_errors",
+    "validate_completion",
+]
 
 DEFAULT_MAX_TOKENS = 16  #: the API's default ``max_tokens``
 #: fields the API has that this server accepts at their defaults only (null is always fine)
@@ -101,6 +116,30 @@ class OpenAIError(Exception):
     def response(self) -> web.Response:
         """The HTTP reply."""
         return web.json_response(self.body(), status=self.status)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's HTTP errors (no such route 404, a wrong method 405, ...) as
+    :class:`OpenAIError` bodies, their status and headers (a 405's ``Allow``) kept; a 408
+    (the body came too slowly) also closes the connection."""
+    try:
+        resp = await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = f"{exc.reason}: {request.method} {request.path}"
+        if exc.text and exc.text != f"{exc.status}: {exc.reason}":
+            message += f" ({exc.text})"
+        if "Allow" in exc.headers:
+            message += f" (allowed: {exc.headers['Allow'] or 'none'})"
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return web.json_response(
+            OpenAIError(exc.status, message).body(), status=exc.status, headers=headers
+        )
+    if resp.status == 408:
+        resp.force_close()
+    return resp
 
 
 @dataclass(frozen=True)
@@ -163,6 +202,8 @@ def validate_completion(obj: object, limits: RequestLimits, model: str) -> Compl
     if unknown:
         raise OpenAIError(400, f"unrecognized request arguments {_short(unknown)}", unknown[0])
     asked = obj.get("model")
+    if asked is not None and type(asked) is not str:
+        raise OpenAIError(400, f"model must be a string, got {_short(asked)}", "model")
     if asked is not None and asked != model:
         raise OpenAIError(
             404,
@@ -281,10 +322,15 @@ class OpenAIRoutes:
         try:
             obj = await read_json_body(request, server.limits)
             req = validate_completion(obj, server.limits, self.model)
+        except ClientGone as exc:  # nobody reads the reply
+            return self._fail(OpenAIError(exc.status, exc.message), "error")
         except BadRequest as exc:
             return self._fail(OpenAIError(exc.status, exc.message))
         except OpenAIError as exc:
             return self._fail(exc)
+        except asyncio.CancelledError:  # the client went away mid-body
+            server.metrics.requests.labels(outcome="error").inc()
+            raise
         tenant = request.headers.get("X-Tenant") or req.user  # the gateway's header wins
         engine = server.engine
         if engine is None:
@@ -307,6 +353,9 @@ class OpenAIRoutes:
             )
         except KVCacheError as exc:
             return self._fail(*_engine_error(exc))
+        except asyncio.CancelledError:  # the client went away: generate() aborted it
+            server.metrics.requests.labels(outcome="error").inc()
+            raise
         server.metrics.record(res)
         choice = {
             "index": 0,
@@ -338,6 +387,9 @@ class OpenAIRoutes:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        metrics = self.server.metrics
+        outcome = "error"  #: counted once, at the end: "ok" only once [DONE] is written
+        ended = "ok"
         try:
             await resp.prepare(request)
 
@@ -354,22 +406,23 @@ class OpenAIRoutes:
                 res = await stream.result()
             except KVCacheError as exc:  # the status line is sent: an error event instead
                 err, outcome = _engine_error(exc)
-                self.server.metrics.requests.labels(outcome=outcome).inc()
+                ended = outcome
                 await send(err.body())
             else:
+                metrics.observe(res)  # generated, whether or not the client stays for usage
                 if n != req.max_tokens:  # not expected: greedy runs to max_tokens
                     await send({**head, "choices": [_choice("", [], True)]})
-                self.server.metrics.record(res)
                 if req.include_usage:
                     await send({**head, "choices": [], "usage": usage(res)})
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
+            outcome = ended
             return resp
         except ConnectionResetError:  # the client went away: its request is aborted below
-            self.server.metrics.requests.labels(outcome="error").inc()
             return resp
-        finally:
+        finally:  # also on cancellation (the client went away, handler_cancellation)
             stream.close()
+            metrics.requests.labels(outcome=outcome).inc()
 
 
 def _choice(text: str, token_ids: list[int], last: bool) -> dict[str, Any]:

@@ -22,7 +22,9 @@ Endpoints:
   seeded).
   A malformed request (``examples/server_requests.py``) gets ``{"error": "..."}``: 400 (bad
   JSON, encoding or fields), 413 (body over ``--max-body-bytes``, 1 MiB), 415 (a
-  Content-Type other than JSON, or a charset other than UTF-8/16/32).
+  Content-Type other than JSON, or a charset other than UTF-8/16/32), 408 (the body took
+  over ``--read-timeout`` seconds after the headers).  aiohttp's own errors (no such route
+  404, a wrong method 405) get the OpenAI API's JSON error shape.
 * ``GET /health`` - ``{"status": "ok", ...}`` with the cache's page counts and the engine's
   requests by state.
 * ``POST /flush`` - waits until every copy and storage backup in flight when it was called has
@@ -51,6 +53,12 @@ stored since), matches, loads back, computes the uncached suffix in the device p
 inserts every page a request completes while it runs (written through to host and storage).
 ``aiocache_kv_storage_served_requests_total`` counts returning prompts served from storage;
 ``aiocache_kv_admission_wait_seconds`` is how long requests queued before joining the batch.
+A client that disconnects aborts its request (streamed or not: handlers are cancelled) and
+frees its pages.  Slow clients: a connection gets ``--read-timeout`` seconds (30) to send a
+request's headers, and as long again for its body; an idle keep-alive connection is closed
+after it too.  The header deadline is aiohttp's keep-alive timer, which only runs from the
+moment a connection opens in aiohttp releases with aio-libs/aiohttp#13681 (3.14 does): on
+older ones, or for stronger slow-client protection, run behind a reverse proxy.
 Two live servers started with the same ``--model-seed`` and one Mooncake master reuse each
 other's KV; a ``--storage-dir`` is shared across restarts (one live server owns it).
 """
@@ -60,6 +68,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import shutil
 import sys
 import tempfile
@@ -67,9 +76,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
@@ -86,20 +96,20 @@ from aiocache_kv import (
 )
 from aiocache_kv.events import ZmqEventPublisher
 from aiocache_kv.events.zmq import EventEncoding
+from aiocache_kv.events.zmq import check_endpoint as check_zmq_endpoint
 from aiocache_kv.logs import get_logger
 from aiocache_kv.metrics import CacheCollector, histogram_buckets
 from aiocache_kv.models import GPT2Spec, build_gpt2, cache_config_for
-from aiocache_kv.serving import Engine, GenerationResult
+from aiocache_kv.serving import Engine
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (tests): its sibling
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cache_admin import CacheAdminRoutes
-from openai_api import OpenAIRoutes
-from server_requests import BadRequest, RequestLimits, parse_generate_request
+from openai_api import OpenAIRoutes, json_errors
+from server_metrics import ServerMetrics
+from server_requests import BadRequest, ClientGone, RequestLimits, parse_generate_request
 
 log = get_logger("aiocache_kv.examples.server")
-
-TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass
@@ -125,58 +135,9 @@ class ServerOptions:
     #: runs meanwhile)
     max_running: int = 4
     max_batch_tokens: int = 256  #: tokens one forward pass runs at most (prefills and decodes)
-
-
-class ServerMetrics:
-    """What the server counts itself, in the registry that also holds the cache's collector.
-
-    The cache's own metrics (hits per tier, prompt tokens per source, bytes, latencies, pool
-    pages, evictions, storage errors, operations in flight, the event queue) come from
-    :class:`aiocache_kv.metrics.CacheCollector` and the engine's from :class:`EngineCollector`,
-    registered once the cache and the engine are open.
-    """
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter(
-            "aiocache_kv_requests", "Generate requests by outcome.", ["outcome"], registry=registry
-        )
-        for outcome in ("ok", "bad_request", "error"):
-            self.requests.labels(outcome=outcome)
-        self.generated_tokens = Counter(
-            "aiocache_kv_generated_tokens", "Tokens generated.", registry=registry
-        )
-        self.ttft = Histogram(
-            "aiocache_kv_ttft_seconds",
-            "Time to first token, per request.",
-            buckets=TTFT_BUCKETS,
-            registry=registry,
-        )
-        self.storage_served = Counter(
-            "aiocache_kv_storage_served_requests",
-            "Requests whose prompt was served in part from storage (a returning prompt).",
-            registry=registry,
-        )
-        self.queued = Histogram(
-            "aiocache_kv_admission_wait_seconds",
-            "Time from arrival to joining the engine's batch, while the arrival prefetch runs.",
-            buckets=TTFT_BUCKETS,
-            registry=registry,
-        )
-        self.events = Counter(
-            "aiocache_kv_events",
-            "KV events drained by the server, by type and medium.",
-            ["type", "medium"],
-            registry=registry,
-        )
-
-    def record(self, result: GenerationResult) -> None:
-        """Account one finished request (its prompt attribution is the engine's)."""
-        self.requests.labels(outcome="ok").inc()
-        self.generated_tokens.inc(len(result.tokens))
-        self.ttft.observe(result.ttft)
-        self.queued.observe(result.queue_time)
-        if result.attribution.storage:
-            self.storage_served.inc()
+    #: seconds a client has to send a request's headers, then its body (408); also the
+    #: keep-alive timeout of an idle connection
+    read_timeout: float = 30.0
 
 
 #: ``EngineStatistics`` counters exported as ``aiocache_kv_engine_<name>_total``
@@ -230,6 +191,7 @@ class GenerateServer:
             max_positions=opts.model.n_positions,
             max_kv_slots=opts.device_pages * opts.page_size,
             max_body_bytes=opts.max_body_bytes,
+            read_timeout=opts.read_timeout,
         )
         #: scraped on the loop (``/metrics``): the cache's collector reads loop-owned state
         self.registry = CollectorRegistry()
@@ -330,11 +292,20 @@ class GenerateServer:
     # ------------------------------------------------------------------ handlers
 
     async def generate(self, request: web.Request) -> web.Response:
-        """``POST /generate``."""
+        """``POST /generate`` (a client that leaves, mid-body or while its request runs,
+        cancels this handler: its request is aborted and counted as an ``error``)."""
+        try:
+            return await self._generate(request)
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(outcome="error").inc()
+            raise
+
+    async def _generate(self, request: web.Request) -> web.Response:
         try:
             req = await parse_generate_request(request, self.limits)
-        except BadRequest as exc:
-            self.metrics.requests.labels(outcome="bad_request").inc()
+        except BadRequest as exc:  # ClientGone: nobody reads the reply
+            outcome = "error" if isinstance(exc, ClientGone) else "bad_request"
+            self.metrics.requests.labels(outcome=outcome).inc()
             return web.json_response({"error": exc.message}, status=exc.status)
         assert self.engine is not None
         try:  # prefetch on arrival, queue, admission, batched steps: all the engine's
@@ -437,10 +408,23 @@ async def engine_task(engine: Engine) -> AsyncIterator[Callable[[], Awaitable[No
 SERVER: web.AppKey[GenerateServer] = web.AppKey("server", GenerateServer)
 
 
+def runner_kwargs(opts: ServerOptions) -> dict[str, Any]:
+    """What ``web.run_app`` (or a ``web.AppRunner``) serves :func:`make_app`'s app with: a
+    handler is cancelled when its client disconnects (the engine aborts its request), a
+    connection is closed after ``opts.read_timeout`` s without a complete request, and the
+    unread rest of a refused body (413, 408) is drained for at most as long (10 s)."""
+    return {
+        "handler_cancellation": True,
+        "keepalive_timeout": opts.read_timeout,
+        "lingering_time": min(opts.read_timeout, 10.0),
+    }
+
+
 def make_app(opts: ServerOptions) -> web.Application:
-    """The aiohttp application (the model is built and the cache opened at start-up)."""
+    """The aiohttp application (the model is built and the cache opened at start-up); serve
+    it with :func:`runner_kwargs`."""
     server = GenerateServer(opts)
-    app = web.Application()
+    app = web.Application(middlewares=[json_errors])
     app[SERVER] = server
     app.cleanup_ctx.append(server.lifespan)
     app.router.add_post("/generate", server.generate)
@@ -450,6 +434,27 @@ def make_app(opts: ServerOptions) -> web.Application:
     OpenAIRoutes(server, opts.model.name).add_to(app)  # /v1/completions, /v1/models
     CacheAdminRoutes(server).add_to(app)  # /cache/pin, /cache/unpin, /cache/warm
     return app
+
+
+def check_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """``p.error`` (exit 2) on a flag the server could not start, or serve a request, with."""
+    for flag in (
+        "page_size", "device_pages", "host_pages", "layers", "heads", "hidden", "positions",
+        "max_new_tokens", "max_body_bytes", "max_running", "max_batch_tokens",
+    ):  # fmt: skip
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+    if a.hidden % a.heads:
+        p.error(f"--hidden {a.hidden} must be a multiple of --heads {a.heads}")
+    if not 0 <= a.port <= 65535:
+        p.error(f"--port must be in [0, 65535], got {a.port}")
+    if not 0 < a.read_timeout < math.inf:
+        p.error(f"--read-timeout must be a positive number of seconds, got {a.read_timeout}")
+    if a.kv_events is not None:
+        try:
+            check_zmq_endpoint("--kv-events", a.kv_events)
+        except KVCacheError as exc:
+            p.error(str(exc))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
@@ -501,13 +506,15 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
         default=ServerOptions.max_batch_tokens,
         help="tokens one forward pass runs at most, prefill chunks and decodes (default 256)",
     )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=ServerOptions.read_timeout,
+        help="seconds a client has to send a request's headers, then as long for its body "
+        "(408); an idle keep-alive connection is closed after it too (default 30)",
+    )
     a = p.parse_args(argv)
-    for flag, value in (
-        ("--max-running", a.max_running),
-        ("--max-batch-tokens", a.max_batch_tokens),
-    ):
-        if value < 1:
-            p.error(f"{flag} must be >= 1, got {value}")
+    check_flags(p, a)
     return ServerOptions(
         host=a.host,
         port=a.port,
@@ -531,6 +538,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerOptions:
         kv_events_encoding=a.kv_events_encoding,
         max_running=a.max_running,
         max_batch_tokens=a.max_batch_tokens,
+        read_timeout=a.read_timeout,
     )
 
 
@@ -544,7 +552,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("server_listening", url=f"http://{opts.host}:{opts.port}")
     # timers to the microsecond: asyncio's default loop rounds its waits up to whole ms
     loop = new_event_loop()
-    web.run_app(make_app(opts), host=opts.host, port=opts.port, print=None, loop=loop)
+    web.run_app(
+        make_app(opts), host=opts.host, port=opts.port, print=None, loop=loop, **runner_kwargs(opts)
+    )
     return 0
 
 

@@ -4,10 +4,13 @@ Everything a client controls is bounded before the server acts on it: the body's
 its content type and charset (415), its JSON (nesting depth, digit counts, no NaN) and its
 fields (token ids in the vocabulary, ``max_new_tokens`` in range, the request within the
 model's context and the device pool): anything else is a 400 with a message naming it.
+The body must arrive within ``RequestLimits.read_timeout`` seconds of the headers (408
+otherwise); a client that leaves mid-body ends the request quietly (:class:`ClientGone`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import NoReturn
@@ -22,11 +25,13 @@ __all__ = [
     "GENERATE_FIELDS",
     "JSON_CHARSETS",
     "BadRequest",
+    "ClientGone",
     "GenerateRequest",
     "RequestLimits",
     "parse_generate_request",
     "read_json_body",
     "validate_generate",
+    "validate_tokens",
 ]
 
 #: charsets a ``/generate`` body may declare (none: UTF-8, as RFC 8259 requires of JSON)
@@ -55,6 +60,14 @@ class BadRequest(Exception):
         self.message = message
 
 
+class ClientGone(BadRequest):
+    """The client closed the connection before its body arrived: nobody reads the reply
+    (handlers count it as an ``error`` outcome, not a bad request)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the connection before sending its body")
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     """A validated ``POST /generate`` body."""
@@ -74,6 +87,8 @@ class RequestLimits:
     max_positions: int  #: prompt + reply, the model's context
     max_kv_slots: int  #: prompt + reply K/V rows the engine reserves: the device pool's size
     max_body_bytes: int
+    #: seconds the body may take to arrive once the headers are in (None: no deadline)
+    read_timeout: float | None = None
 
 
 def _short(value: object, limit: int = 40) -> str:
@@ -100,7 +115,9 @@ async def read_json_body(request: web.Request, limits: RequestLimits) -> object:
     """Read, decode and parse a JSON body (bounded as the module doc says).
 
     Raises:
-        BadRequest: 413, 415 or 400 as :func:`parse_generate_request` (not the fields).
+        BadRequest: 413, 415 or 400 as :func:`parse_generate_request` (not the fields); 408
+            the body did not arrive within ``limits.read_timeout``.
+        ClientGone: the client closed the connection mid-body.
     """
     media = request.content_type  # "application/octet-stream" when the header is absent
     if "Content-Type" in request.headers and not (
@@ -115,15 +132,17 @@ async def read_json_body(request: web.Request, limits: RequestLimits) -> object:
     too_large = BadRequest(413, f"body exceeds {limit} bytes")
     if (request.content_length or 0) > limit:
         raise too_large
-    body = bytearray()
     try:
-        async for chunk in request.content.iter_any():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
+        body = await asyncio.wait_for(_read_body(request, limit), limits.read_timeout)
+    except asyncio.TimeoutError:
+        raise BadRequest(
+            408, f"body not received within {limits.read_timeout:g} s of the headers"
+        ) from None
     except web.RequestPayloadError as exc:  # e.g. a corrupt Content-Encoding
         reason = str(exc).strip().splitlines()[-1].strip()  # drop aiohttp's "400, message:"
         raise BadRequest(400, f"body could not be read: {reason}") from None
+    except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one too
+        raise ClientGone() from None
     try:
         text = body.decode(codec)
     except UnicodeDecodeError as exc:
@@ -139,6 +158,29 @@ async def read_json_body(request: web.Request, limits: RequestLimits) -> object:
     return obj
 
 
+async def _read_body(request: web.Request, limit: int) -> bytearray:
+    body = bytearray()
+    async for chunk in request.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise BadRequest(413, f"body exceeds {limit} bytes")
+    return body
+
+
+def validate_tokens(tokens: object, limits: RequestLimits, name: str = "tokens") -> list[int]:
+    """A non-empty list of token ids in the model's vocabulary (a ``bool`` is no token id),
+    else :class:`BadRequest` (400) naming the first bad id."""
+    if not isinstance(tokens, list) or not tokens:
+        raise BadRequest(400, f"{name} must be a non-empty list of token ids")
+    vocab = limits.vocab_size
+    for i, t in enumerate(tokens):
+        if type(t) is not int or not 0 <= t < vocab:  # bool is no int here
+            raise BadRequest(
+                400, f"{name} must be ints in [0, {vocab}), {name}[{i}] is {_short(t)}"
+            )
+    return tokens
+
+
 def validate_generate(obj: object, limits: RequestLimits) -> GenerateRequest:
     """A parsed JSON body -> :class:`GenerateRequest` (raises :class:`BadRequest`, 400)."""
     if not isinstance(obj, dict):
@@ -147,19 +189,11 @@ def validate_generate(obj: object, limits: RequestLimits) -> GenerateRequest:
     if unknown:
         known = ", ".join(sorted(GENERATE_FIELDS))
         raise BadRequest(400, f"unknown fields {_short(unknown)}; known: {known}")
-    tokens = obj.get("tokens")
-    if not isinstance(tokens, list) or not tokens:
-        raise BadRequest(400, "tokens must be a non-empty list of token ids")
+    tokens = validate_tokens(obj.get("tokens"), limits)
     if len(tokens) >= limits.max_positions:
         raise BadRequest(
             400, f"tokens has {len(tokens)} ids; the model's context is {limits.max_positions}"
         )
-    vocab = limits.vocab_size
-    for i, t in enumerate(tokens):
-        if type(t) is not int or not 0 <= t < vocab:  # bool is no int here
-            raise BadRequest(
-                400, f"tokens must be ints in [0, {vocab}), tokens[{i}] is {_short(t)}"
-            )
     bound = limits.max_new_tokens
     max_new = obj.get("max_new_tokens", min(DEFAULT_MAX_NEW_TOKENS, bound))
     if type(max_new) is not int or not 1 <= max_new <= bound:

@@ -267,9 +267,9 @@ class ZmqEventPublisher:
             )
         if event_encoding not in ("array", "map"):
             raise ConfigError(f"event_encoding must be 'array' or 'map', got {event_encoding!r}")
-        _check_endpoint("endpoint", endpoint)
+        check_endpoint("endpoint", endpoint)
         if replay_endpoint is not None:
-            _check_endpoint("replay_endpoint", replay_endpoint)
+            check_endpoint("replay_endpoint", replay_endpoint)
         if type(publish_cache_salt) is not bool:
             raise InvalidTypeError(f"publish_cache_salt must be a bool, got {publish_cache_salt!r}")
         topic_bytes = _topic_bytes(topic)
@@ -550,7 +550,7 @@ class ZmqEventPublisher:
                 log.warning("kv_events_replay_failed", error=str(exc))
 
 
-def _check_endpoint(name: str, endpoint: object) -> None:
+def check_endpoint(name: str, endpoint: object) -> None:
     """Raise unless ``endpoint`` is a ZeroMQ address, ``transport://address``.
 
     Raises:

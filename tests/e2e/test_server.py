@@ -77,7 +77,7 @@ def options(storage_dir: Path, **kw: Any) -> Any:
 
 
 async def start(opts: Any) -> Running:
-    runner = web.AppRunner(server_mod.make_app(opts))
+    runner = web.AppRunner(server_mod.make_app(opts), **server_mod.runner_kwargs(opts))
     await runner.setup()
     site = web.TCPSite(runner, opts.host, opts.port)
     await site.start()
