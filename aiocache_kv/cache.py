@@ -167,6 +167,8 @@ class HiCache(CacheControls, CacheReports):
             await close_abandoned(self._tier_closes, self.config)  # what a start opened
             return
         if self._closing is None:
+            if self._state is Lifecycle.CLOSED:
+                return  # (closed before it ever started)
             self._state = Lifecycle.CLOSING
             self._waiters.close()
             self._closing = asyncio.get_running_loop().create_task(self._close())

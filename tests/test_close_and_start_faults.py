@@ -276,3 +276,19 @@ async def test_a_file_storage_start_cancelled_then_retried(tmp_path: Path) -> No
     await cache.start()  # the retry opens the same backend again
     await stored(cache, A[:16])
     await cache.aclose()
+
+
+@pytest.mark.parametrize("started", ["never", "failed"])
+async def test_aclose_twice_on_a_cache_that_never_ran(started: str) -> None:
+    """A second ``aclose`` of a cache closed before it ran returns at once (it started the
+    close sequence of a cache with no pools)."""
+    store = FlakyOpen()
+    cache = akv.HiCache(small_config(storage=store))
+    if started == "failed":
+        with pytest.raises(StorageUnavailableError):
+            await cache.start()
+    await cache.aclose()
+    await asyncio.wait_for(cache.aclose(), 5)
+    assert cache._state is Lifecycle.CLOSED
+    with pytest.raises(akv.CacheClosedError):
+        await cache.start()
