@@ -38,6 +38,7 @@ from aiocache_kv.inserts import insert_tokens
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
 from aiocache_kv.namespace import Namespace, namespace_of
+from aiocache_kv.outlast import Once
 from aiocache_kv.pins import HandleTable
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
 from aiocache_kv.pools.build import build_pools
@@ -104,7 +105,7 @@ class HiCache(CacheControls, CacheReports):
         self._state = Lifecycle.NEW
         self._handles = HandleTable(self._core)
         self._l3: StorageTier | None = None
-        self._closing: asyncio.Task[None] | None = None
+        self._closing = Once()  # the close, run once in its own task
         self._tier_closes: set[asyncio.Task[None]] = set()
         self._transfers = Transfers(self._core, self._engine, self._backup_to_storage, self._rotten)
         self._waiters = CapacityWaiters(self._core)
@@ -166,13 +167,12 @@ class HiCache(CacheControls, CacheReports):
             self._state = Lifecycle.CLOSED
             await close_abandoned(self._tier_closes, self.config)  # what a start opened
             return
-        if self._closing is None:
+        if not self._closing.started:
             if self._state is Lifecycle.CLOSED:
                 return  # (closed before it ever started)
             self._state = Lifecycle.CLOSING
             self._waiters.close()
-            self._closing = asyncio.get_running_loop().create_task(self._close())
-        await asyncio.shield(self._closing)
+        await self._closing.run(self._close)
 
     async def _close(self) -> None:
         try:

@@ -12,10 +12,10 @@ up to ``storage_timeout`` to hand their pages back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 from aiocache_kv.logs import get_logger
+from aiocache_kv.outlast import outlast
 from aiocache_kv.transfer.ops import TransferOp, Transfers
 from aiocache_kv.tree import Node
 
@@ -41,18 +41,10 @@ async def settle_work(
     With TP a caller cancelled meanwhile stops waiting only once the agreement rounds ran:
     every rank runs as many, and the other ranks' callers were not cancelled."""
     if core.coordinator.deferred:
-        task = asyncio.get_running_loop().create_task(
-            _settle_loop(core, transfers, l3, until_idle)
-        )
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            while not task.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([task])
-            if not task.cancelled():
-                task.exception()  # (retrieved: the cancellation is what the caller gets)
-            raise
+        task = asyncio.get_running_loop().create_task(_settle_loop(core, transfers, l3, until_idle))
+        if await outlast(task):
+            raise asyncio.CancelledError
+        task.result()
         return
     await _settle_loop(core, transfers, l3, until_idle)
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from aiocache_kv.distributed.group import TPGroup
 from aiocache_kv.errors import AgreementError
 from aiocache_kv.logs import get_logger
+from aiocache_kv.outlast import outlast
 
 log = get_logger(__name__)
 
@@ -135,23 +136,12 @@ class Sequencer:
         Raises:
             AgreementError: a collective failed.
         """
-        try:
-            await asyncio.shield(request.collected)
-        except asyncio.CancelledError:
-            await self._settle_cancelled(request)
-            raise
-        self.apply_collected(request.ticket)
-
-    async def _settle_cancelled(self, request: Request) -> None:
-        while not request.collected.done():
-            try:
-                await asyncio.shield(request.collected)
-            except asyncio.CancelledError:
-                continue  # cancelled again: still this rank's apply point
-            except Exception:
-                return  # the group broke: nothing to apply (the next call raises it)
+        cancelled = await outlast(request.collected)
         if request.collected.exception() is None:
             self.apply_collected(request.ticket)
+        if cancelled:
+            raise asyncio.CancelledError  # (a broken group: the next call raises it)
+        request.collected.result()  # AgreementError
 
     def apply_collected(self, upto: int | None = None) -> None:
         """Apply, in ticket order, every agreed request (up to ticket ``upto``)."""

@@ -65,6 +65,7 @@ from aiocache_kv.errors import (
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
 from aiocache_kv.numeric import check_int, check_real
+from aiocache_kv.outlast import Once
 from aiocache_kv.pools.admission import available_host_bytes
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.mooncake import MooncakeStorage
@@ -161,7 +162,7 @@ class EmbeddingCache:
         self._life = Lifecycle.NEW
         self._starting: asyncio.Future[None] | None = None
         #: the one close (see :meth:`aclose`): created by the first call, awaited by all
-        self._closing: asyncio.Task[None] | None = None
+        self._closing = Once()
         self._owner: int | None = None
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._pool = EntryPool(self._counters)
@@ -253,14 +254,9 @@ class EmbeddingCache:
         The close runs in one task of its own, started by the first call: every call waits
         for that same close, and a caller that is cancelled only stops waiting (the close
         still completes: the store client and its worker threads are closed)."""
-        if self._closing is None:
-            if self._life is not Lifecycle.STARTING:
-                self._life = Lifecycle.CLOSING  # refused from now on (a start ends first)
-            self._closing = asyncio.get_running_loop().create_task(
-                self._close(), name="aiocache-kv-emb-close"
-            )
-            self._closing.add_done_callback(_retrieve)
-        await asyncio.shield(self._closing)
+        if not self._closing.started and self._life is not Lifecycle.STARTING:
+            self._life = Lifecycle.CLOSING  # refused from now on (a start ends first)
+        await self._closing.run(self._close)
 
     async def _close(self) -> None:
         """The steps of :meth:`aclose`; the store is closed even if this task is cancelled."""
@@ -561,9 +557,3 @@ class EmbeddingCache:
             push_failed=stats.push_failed,
         )
         return stats
-
-
-def _retrieve(task: asyncio.Task[None]) -> None:
-    """Mark the close task's outcome retrieved (its callers may all have stopped waiting)."""
-    if not task.cancelled():
-        task.exception()
