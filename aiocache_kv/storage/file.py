@@ -23,7 +23,9 @@ not.  The order and the chains are rebuilt at open from modification times and t
 recorded in the files.  A page larger than the capacity is refused (``False``); a page evicted
 again by the put that wrote it reports ``False``; every other evicted key is reported once by
 :meth:`FileStorage.take_evicted`.  A corrupt page is deleted when detected so that a later put
-can store it again.
+can store it again (unless it was stored again since the read: see ``get_into``); a page
+indexed at another size than a put writes (torn by a crash, another slot size) is rewritten
+by that put.
 
 Links and special files (see :mod:`.safe_fs`).  No symbolic link is ever followed and only
 regular files are pages: the root must be a real directory (its parents may be links); shards
@@ -53,6 +55,7 @@ import collections
 import contextlib
 import itertools
 import os
+import re
 import shutil
 import threading
 import weakref
@@ -91,6 +94,8 @@ AUTO_FRACTION = 0.5
 AUTO_RESERVE = 0.1
 #: evicted keys kept for :meth:`FileStorage.take_evicted` (the oldest go first when nobody asks)
 _EVICTED_KEPT = 1 << 16
+#: the open probe's file in the root: ``.probe-{pid}-{instance:x}-{seq}.tmp`` (see open)
+_PROBE = re.compile(r"\.probe-[0-9]+-[0-9a-f]+-[0-9]+" + re.escape(TMP_SUFFIX))
 
 
 class FileStorage(FileWrites):
@@ -175,7 +180,10 @@ class FileStorage(FileWrites):
 
         Junk in the directory (links, FIFOs, directories named like pages, a shard that is not
         a directory) is skipped with one ``storage.file.junk_skipped`` warning; a full file
-        system opens read-only (see :attr:`writable`).
+        system opens read-only (see :attr:`writable`).  Temporary files a crash left behind
+        are deleted: those in the shards (a put's) and the regular files in the root named
+        like the write probe (``.probe-<pid>-<hex>-<n>.tmp``; a link or directory of that name
+        stays, no link is followed).
 
         Raises:
             StorageUnavailableError: the storage was closed, or the directory cannot be created
@@ -189,6 +197,7 @@ class FileStorage(FileWrites):
                 return
             try:
                 self._dirs.open_root()
+                probes = self._dirs.remove_stale(_PROBE.fullmatch)  # a crash mid-probe
                 try:
                     # unique among the instances of this process on the same directory too
                     probe = f".probe-{self._pid}-{id(self):x}-{next(self._seq)}{TMP_SUFFIX}"
@@ -203,7 +212,7 @@ class FileStorage(FileWrites):
                     f"FileStorage directory {self._root_str!r} is not usable: {exc}"
                 ) from exc
             recreated, broken = self._dirs.prepare(_SHARDS)
-            junk = self._rebuild_index()
+            junk = self._rebuild_index(probes)
             if junk or recreated or broken:
                 log.warning(
                     "storage.file.junk_skipped",
@@ -223,9 +232,10 @@ class FileStorage(FileWrites):
                 writable=self._writable,
             )
 
-    def _rebuild_index(self) -> list[str]:
+    def _rebuild_index(self, probes: int = 0) -> list[str]:
         """Index the regular page files of every shard with the parents their headers record,
-        oldest first; resolve an ``"auto"`` capacity; return what was skipped as junk."""
+        oldest first; resolve an ``"auto"`` capacity; return what was skipped as junk
+        (``probes``: stale probe files :meth:`open` removed, logged with the temporary files)."""
         scan = self._dirs.scan(_SHARDS, is_page_name, TMP_SUFFIX)
         found = sorted((st.st_mtime_ns, n, st.st_size) for _, n, st in scan.files)
         index = PageIndex()
@@ -242,8 +252,13 @@ class FileStorage(FileWrites):
             self._index = index
             victims = self._pick_victims_locked()
         self._unlink_victims(victims)
-        if scan.stale:
-            log.info("storage.file.stale_temp_removed", path=self._root_str, count=scan.stale)
+        if scan.stale or probes:
+            log.info(
+                "storage.file.stale_temp_removed",
+                path=self._root_str,
+                count=scan.stale + probes,
+                probes=probes,
+            )
         return scan.junk
 
     def _auto_capacity(self, stored: int) -> int:
@@ -359,12 +374,7 @@ class FileStorage(FileWrites):
 
     def _unlink_pages(self, names: list[str]) -> None:
         try:
-            for name in names:
-                try:
-                    dfd = self._dirs.get(name[:2])
-                except OSError:
-                    continue
-                safe_fs.unlink_quietly(name + SUFFIX, dfd)
+            self._dirs.unlink_files(names, SUFFIX)
         finally:
             with self._lock:
                 self._deleting.difference_update(names)
@@ -451,7 +461,11 @@ class FileStorage(FileWrites):
         identities: Sequence[bytes] | None = None,
     ) -> list[bool]:
         """Read each present key into its slot and verify it (against ``identities``, see
-        :mod:`.integrity`); corrupt pages and pages of another identity are deleted.
+        :mod:`.integrity`); corrupt pages and pages of another identity are deleted, and a
+        page found gone is forgotten.  Files are read outside the index lock: what a read
+        found is applied only if the key's index entry is still the one seen before the
+        read, so a page removed and stored again meanwhile stays indexed and on disk (the
+        read is a miss).
 
         Raises:
             StorageKeyError: a malformed key.
@@ -470,8 +484,9 @@ class FileStorage(FileWrites):
         n = len(keys)
         results = [False] * n
         names = [file_name(k) for k in keys]
-        with self._lock:
-            todo = [i for i, name in enumerate(names) if name in self._index]
+        with self._lock:  # the entry each read is planned against (see _forget)
+            seen = {i: self._index.generation(name) for i, name in enumerate(names)}
+        todo = [i for i in range(n) if seen[i] is not None]
         misses = n - len(todo)
         hits = read_bytes = 0
         corrupt: list[tuple[str, integrity.Verdict]] = []
@@ -479,12 +494,12 @@ class FileStorage(FileWrites):
         for chunk in chunks(todo, buffers):
             got = page_file.read_chunk(self._dirs.get, keys, names, buffers, idents, chunk)
             for i in got.gone:  # deleted behind our back: nothing left to unlink
-                self._forget(names[i], unlinking=False)
+                self._forget(names[i], unlinking=False, seen=seen[i])
             for i in got.junk:  # not a page: forgotten and deleted, not counted as removed
-                self._drop(names[i], count=False)
+                self._drop(names[i], seen[i], count=False)
             for i, verdict in got.corrupt:
                 corrupt.append((keys[i], verdict))
-                self._drop(names[i])
+                self._drop(names[i], seen[i])
             misses += len(got.gone) + len(got.junk)
             io_errors += got.io_errors
             for i in got.good:
@@ -511,18 +526,27 @@ class FileStorage(FileWrites):
             )
         return results
 
-    def _drop(self, name: str, count: bool = True) -> None:
+    def _drop(self, name: str, seen: int | None, count: bool = True) -> None:
         """Forget and delete a corrupt page (or junk named like one, not counted as removed)
-        so that a later put can store it again."""
-        if self._forget(name):
+        so that a later put can store it again; only if the index still holds entry ``seen``
+        (``_forget``): a page stored again since the read stays, file and entry."""
+        if self._forget(name, seen=seen):
             self._unlink_page(name)
             if count:
                 self._stats.add(removed=1)
 
-    def _forget(self, name: str, *, unlinking: bool = True) -> bool:
+    def _forget(self, name: str, *, unlinking: bool = True, seen: int | None = None) -> bool:
         """Drop ``name`` from the index; whether it was there.  With ``unlinking`` the caller
-        deletes the file next (``_unlink_page``): puts of the name wait until it has."""
+        deletes the file next (``_unlink_page``): puts of the name wait until it has.
+
+        With ``seen`` (a read's verdict, applied after reading outside the lock) only the
+        entry of that generation (``PageIndex.generation``, taken when the read was planned)
+        is dropped: if the page was removed, evicted or stored again meanwhile, the file on
+        disk is not the one the read found (each such change, in this process, replaced the
+        entry or marked the name, see ``_writing``/``_deleting``), so nothing is done."""
         with self._lock:
+            if seen is not None and self._index.generation(name) != seen:
+                return False
             if self._index.remove(name) is None:
                 return False
             if unlinking:  # a mark nobody clears would stall every later put of the name

@@ -6,7 +6,9 @@ pages (~4 MiB) right before its writes, create the files (in place, one group in
 temporary file and a rename where a name is taken or ``fsync`` asks), then, under the index
 lock once per group, index the pages and evict for room (chain ends first: a page this same
 put wrote and had to evict again reports ``False``, and so do the pages after it in its
-chain).  The capacity can be exceeded by one group while it is written.  Layout, policies and
+chain).  The capacity can be exceeded by one group while it is written.  A key is present
+(skipped) only if its indexed size is the size this put writes: a page torn by a crash or of
+another slot size is rewritten (``FileWrites._present_locked``).  Layout, policies and
 the rest of the class: :mod:`aiocache_kv.storage.file`.
 """
 
@@ -71,6 +73,13 @@ class FileWrites(FileQuotas):
         keys are not rewritten (``True``, counted skipped).  Pages stored this way record no
         parent: see :meth:`put_chain`.
 
+        A key counts as present only if its indexed file has the size this put writes
+        (header, key, slot); one of another size (torn by a crash before a restart, or stored
+        with another slot size) is rewritten through a temporary file and a rename (if that
+        fails: ``False``, and the old file is deleted).  A file changed behind the storage's
+        back while it runs is not looked at by a put (no system call per present key): its
+        first read drops it, and the next put stores it again.
+
         Raises:
             StorageKeyError: a malformed key.
             InvalidInputError: ``len(keys) != len(buffers)``, a slot <= ``FRAME_OVERHEAD``, or
@@ -92,6 +101,7 @@ class FileWrites(FileQuotas):
         """:meth:`put`, with ``parents[i]`` the key page ``i`` depends on (``None``: a chain
         start), recorded in the file and used by eviction (chain ends first).  A page the same
         call had to evict again reports ``False``, and so do the pages after it in its chain.
+        Present keys as in :meth:`put` (a page of another size is rewritten).
 
         Raises:
             StorageKeyError: a malformed key or parent.
@@ -120,11 +130,17 @@ class FileWrites(FileQuotas):
         results = [False] * n
         names = [file_name(k) for k in keys]
         key_bytes = [k.encode("utf-8", "surrogatepass") for k in keys]
+        # the size of each file as this put writes it: a present page of another size is not
+        # this page (torn by a crash, another slot size) and is rewritten (see _present_locked)
+        sizes = [
+            page_file.HEADER.size + len(kb) + b.nbytes
+            for kb, b in zip(key_bytes, buffers, strict=True)
+        ]
         first: dict[str, int] = {}  # absent name -> the index it is written from
         skipped = too_big = 0
         with self._lock:
             for i, name in enumerate(names):
-                if name in self._index:
+                if self._index.size(name) == sizes[i]:
                     self._index.touch(name)
                     results[i] = True
                     skipped += 1
@@ -132,7 +148,7 @@ class FileWrites(FileQuotas):
                     first[name] = i
         todo: list[int] = []
         for i in first.values():
-            size = page_file.HEADER.size + len(key_bytes[i]) + buffers[i].nbytes
+            size = sizes[i]
             if self.capacity_bytes is not None and size > self.capacity_bytes:
                 too_big += 1
             else:
@@ -148,6 +164,7 @@ class FileWrites(FileQuotas):
             )
             group: list[int] = []  # created in place, in one batch
             single: list[int] = []  # through a temporary file, page by page
+            replaced: set[str] = set()  # indexed at another size: dropped, rewritten
             mine = {names[i] for i in chunk}
             with self._lock:
                 # rare: another put writes one of these names, or an eviction unlinks one
@@ -157,21 +174,25 @@ class FileWrites(FileQuotas):
                     name = names[i]
                     if parents[i] in dropped:  # unreachable: its parent went for room already
                         dropped.add(name)
-                    elif name in self._index:  # stored by another worker meanwhile
-                        self._index.touch(name)
+                    elif self._present_locked(name, sizes[i], replaced):  # stored meanwhile
                         results[i] = True
                         skipped += 1
                     else:
                         self._writing.add(name)
-                        (group if self.fsync == "never" else single).append(i)
+                        in_place = self.fsync == "never" and name not in replaced
+                        (group if in_place else single).append(i)
             marked = [names[i] for i in group + single]  # ours to write: unmarked below
             try:
                 done = self._write_chunk(group, single, names, key_bytes, buffers, parents)
             except BaseException:  # not an I/O failure (those are per page): no name stays
-                with self._lock:  # marked as being written by a put that is gone
+                self._unlink_unindexed(replaced)  # marked as being written by a put that is
+                with self._lock:  # gone, and no file of a dropped entry stays
                     self._writing.difference_update(marked)
                     self._settled.notify_all()
                 raise
+            self._unlink_unindexed(
+                {names[i] for i in chunk if isinstance(done.get(i), OSError)} & replaced
+            )
             added: list[tuple[str, int, str | None, str | None]] = []
             for i in chunk:
                 got = done.get(i)
@@ -225,6 +246,31 @@ class FileWrites(FileQuotas):
                 sample_keys=[k for k, _ in errors[:3]],
             )
         return results
+
+    def _present_locked(self, name: str, size: int, replaced: set[str]) -> bool:
+        """Whether ``name`` is stored as a file of ``size`` bytes, what this put would write
+        (then it is touched: a put of a present page is an access).  An entry of another size
+        is not this page: a file torn by a crash (zero-length, truncated: its size comes
+        from the scan at open) or of another slot size.  It is dropped from the index and
+        added to ``replaced``; the caller rewrites the name through a temporary file and a
+        rename (atomic for readers) and unlinks it if that fails.  Not detected here, to
+        keep a put of present pages free of system calls: a file changed behind the cache's
+        back while it runs (replaced by a link, FIFO or directory, truncated, overwritten):
+        its first read finds it and drops it, and the next put stores it again."""
+        stored = self._index.size(name)
+        if stored == size:
+            self._index.touch(name)
+            return True
+        if stored is not None:
+            self._index.remove(name)
+            replaced.add(name)
+        return False
+
+    def _unlink_unindexed(self, names: set[str]) -> None:
+        """Unlink the files of ``names``: dropped from the index by ``_present_locked``,
+        still marked as being written by this put (no other put or unlink touches them)
+        and not rewritten, so what is on disk under the name is the old, wrong file."""
+        self._dirs.unlink_files(names, SUFFIX)
 
     def _write_chunk(
         self,

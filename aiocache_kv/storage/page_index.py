@@ -45,6 +45,7 @@ class _Entry:
     children: int = 0  #: stored pages whose parent this is
     hit: int = 0  #: the newest hit (touch_run) of this page or of a removed page below it
     tag: str | None = None  #: the namespace tag of its key (``None``: unknown)
+    gen: int = 0  #: which :meth:`PageIndex.add` recorded it (unique in the index)
 
 
 #: how many of a tag's oldest pages :meth:`PageIndex.pick_tag_victims` looks through for a
@@ -75,6 +76,19 @@ class PageIndex:
         """Every name, least recently used first."""
         return list(self._pages)
 
+    def size(self, name: str) -> int | None:
+        """The file size recorded for ``name`` (``None``: not stored)."""
+        entry = self._pages.get(name)
+        return None if entry is None else entry.size
+
+    def generation(self, name: str) -> int | None:
+        """Which :meth:`add` recorded ``name`` (``None``: not stored): a number no other entry
+        of this index had or will have, so a caller that saw one entry before working outside
+        the lock can tell whether the page was removed or stored again meanwhile (a touch
+        keeps it)."""
+        entry = self._pages.get(name)
+        return None if entry is None else entry.gen
+
     def parent(self, name: str) -> str | None:
         """The parent recorded for ``name`` (``None``: a chain start or unknown)."""
         return self._pages[name].parent
@@ -99,7 +113,8 @@ class PageIndex:
         self.remove(name)
         if parent == name:
             parent = None  # a page cannot depend on itself
-        entry = _Entry(size, parent, self._next(), self._orphans.pop(name, 0), tag=tag)
+        tick = self._next()
+        entry = _Entry(size, parent, tick, self._orphans.pop(name, 0), tag=tag, gen=tick)
         self._pages[name] = entry
         if tag is not None:
             self._by_tag.setdefault(tag, OrderedDict())[name] = None

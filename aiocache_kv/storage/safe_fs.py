@@ -214,6 +214,45 @@ class ShardDirs:
                 os.close(dfd)
         return out
 
+    def unlink_files(self, names: Iterable[str], suffix: str) -> None:
+        """Unlink each ``name + suffix`` in its shard (the first two characters of the name),
+        the name itself, no link followed; quiet (a missing shard or file is skipped)."""
+        for name in names:
+            try:
+                dfd = self.get(name[:2])
+            except OSError:
+                continue
+            unlink_quietly(name + suffix, dfd)
+
+    def remove_stale(self, match: Callable[[str], object]) -> int:
+        """Delete the regular files directly in the root whose name ``match`` accepts (the
+        leftovers of a crash, e.g. between :meth:`probe_write`'s create and unlink); return
+        how many.  Listed and unlinked relative to the root's descriptor, each entry's type
+        read without following a link: a link (whatever it points to), a directory or any
+        other kind of file of such a name stays, nothing below or outside the root is
+        touched.  Quiet: a root that cannot be listed deletes nothing.
+        """
+        removed = 0
+        try:
+            dfd = os.open(".", DIR_FLAGS, dir_fd=self._require_root())
+        except OSError:
+            return 0
+        try:
+            with os.scandir(dfd) as it:
+                for entry in it:
+                    try:
+                        if not match(entry.name) or not entry.is_file(follow_symlinks=False):
+                            continue
+                        os.unlink(entry.name, dir_fd=dfd)
+                    except OSError:
+                        continue
+                    removed += 1
+        except OSError:
+            pass  # unreadable root: the probe decides whether it is usable
+        finally:
+            os.close(dfd)
+        return removed
+
     def probe_write(self, name: str) -> None:
         """Create, write one byte to and delete ``name`` in the root.
 
