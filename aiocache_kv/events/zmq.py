@@ -39,6 +39,12 @@ current protocol (``"map"``, the default) and the one before vllm-project/vllm#4
   like a published message: ``[identity, b"", topic, seq, payload]``, ending with
   ``[identity, b"", b"", END_SEQ, b""]``.  ``"array"`` answers in the older framing without
   the topic: ``[identity, b"", seq, payload]``, ending with ``[identity, b"", END_SEQ, b""]``.
+  An answer (replay or snapshot) is never cut short by ZeroMQ's high-water mark: the ROUTER
+  is ``ROUTER_MANDATORY`` and each peer's answer is sent from a cursor without blocking,
+  peers taking turns (:mod:`aiocache_kv.events.zmq_replay`).  It arrives whole and in order,
+  then its end marker; or, for a peer that disconnects (dropped quietly) or leaves its pipe
+  full for :data:`~aiocache_kv.events.zmq_replay.REPLAY_STALL_TIMEOUT` seconds (30), it is
+  abandoned for that peer alone, without its end marker.
 * Snapshot (on the replay socket, for a consumer that joined late or lost more than the replay
   buffer): the request ``[identity, b"", SNAPSHOT_REQUEST]`` (the bytes
   ``b"aiocache_kv/snapshot"``, never an 8-byte sequence number) is answered with the cache's
@@ -77,6 +83,7 @@ from aiocache_kv.errors import (
     MissingDependencyError,
 )
 from aiocache_kv.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from aiocache_kv.events.zmq_replay import Answer, ReplayServer
 from aiocache_kv.logs import get_logger
 from aiocache_kv.numeric import check_int, check_real
 
@@ -222,8 +229,9 @@ class ZmqEventPublisher:
 
     Everything runs on the event loop through ``zmq.asyncio``: a PUB socket never blocks (it
     drops messages beyond ``hwm`` for a slow subscriber), and replay requests are served by a
-    task of their own.  ``endpoint`` (and ``replay_endpoint``) are bound; a ``*`` port binds a
-    free one (see :attr:`endpoint` after :meth:`start`).  ``event_encoding`` picks vLLM's current
+    task of their own, peer by peer, never blocking the loop (see the module docstring).
+    ``endpoint`` (and ``replay_endpoint``) are bound; a ``*`` port binds a free one (see
+    :attr:`endpoint` after :meth:`start`).  ``event_encoding`` picks vLLM's current
     protocol (``"map"``) or the older positional one with its replay framing (``"array"``);
     ``publish_cache_salt`` adds each namespace's tenant salt to ``extra_keys`` (see the module
     docstring).  ``data_parallel_rank`` defaults to 0, as vLLM's does.
@@ -290,6 +298,7 @@ class ZmqEventPublisher:
         self._pub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
+        self._replay_server: ReplayServer | None = None
         self._lock = asyncio.Lock()
         self._closed = asyncio.Event()
         self.batches_published = 0
@@ -323,6 +332,17 @@ class ZmqEventPublisher:
         """The sequence number the next batch will carry."""
         return self._next_seq
 
+    @property
+    def replays_completed(self) -> int:
+        """Replay and snapshot answers sent whole, end marker included."""
+        return 0 if self._replay_server is None else self._replay_server.completed
+
+    @property
+    def replays_abandoned(self) -> int:
+        """Replay and snapshot answers given up: the peer went away, or left its pipe full
+        for :data:`~aiocache_kv.events.zmq_replay.REPLAY_STALL_TIMEOUT` seconds."""
+        return 0 if self._replay_server is None else self._replay_server.abandoned
+
     async def start(self) -> None:
         """Bind the PUB (and replay) sockets; start serving replay requests.
 
@@ -345,9 +365,23 @@ class ZmqEventPublisher:
             if self._replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # a full pipe fails a send (EAGAIN) instead of dropping it silently
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self._bind(self._replay, "replay_endpoint", self._replay_endpoint)
+                # vLLM's current replies carry the topic like a published message; older
+                # ones do not
+                topic: tuple[bytes, ...] = (
+                    (self._topic_bytes,) if self.event_encoding == "map" else ()
+                )
+                self._replay_server = ReplayServer(
+                    self._replay,
+                    zmq,
+                    self._answer,
+                    reply_prefix=topic,
+                    end_prefix=(b"", END_SEQ) if topic else (END_SEQ,),
+                )
                 self._replay_task = asyncio.get_running_loop().create_task(
-                    self._serve_replay(self._replay), name="zmq-kv-events-replay"
+                    self._replay_server.serve(), name="zmq-kv-events-replay"
                 )
         except BaseException:
             self._close_sockets()
@@ -501,13 +535,17 @@ class ZmqEventPublisher:
         log.info("kv_events_snapshot", events=len(events), messages=len(payloads), seq=start)
         return start, payloads
 
-    async def _send_snapshot(self, sock: zmq.asyncio.Socket, identity: bytes) -> None:
-        topic: tuple[bytes, ...] = (self._topic_bytes,) if self.event_encoding == "map" else ()
-        end: tuple[bytes, ...] = (b"",) if self.event_encoding == "map" else ()
+    def _answer(self, request: bytes) -> Answer | float | None:
+        """What the replay socket sends for ``request`` (see :class:`ReplayServer`): a
+        snapshot, or the buffered batches from a start seq; for a snapshot not due yet, the
+        seconds to wait."""
+        if request != SNAPSHOT_REQUEST:
+            start = int.from_bytes(request, "big")
+            # a copy of the references: publish() may append while the answer is sent
+            return [item for item in self._buffer if item[0] >= start], b""
         source = self._snapshot_source
         if source is None:
-            await sock.send_multipart((identity, b"", *end, END_SEQ, b""))
-            return
+            return [], b""  # the end marker alone
         last = self._last_snapshot
         if last is not None and last[1] == self._next_seq and last[3] is source:
             start, payloads = last[1], last[2]  # nothing published since: still exact
@@ -515,39 +553,9 @@ class ZmqEventPublisher:
             if last is not None:
                 wait = last[0] + self.snapshot_interval - time.monotonic()
                 if wait > 0:
-                    await asyncio.sleep(wait)
+                    return wait
             start, payloads = self._snapshot(source)
-        seq = start.to_bytes(8, "big")
-        for payload in payloads:
-            await sock.send_multipart((identity, b"", *topic, seq, payload))
-        await sock.send_multipart((identity, b"", *end, END_SEQ, seq))
-
-    async def _serve_replay(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            if len(frames) != 3:
-                log.warning("kv_events_bad_replay_request", frames=len(frames))
-                continue
-            identity, _, start_bytes = frames
-            if start_bytes == SNAPSHOT_REQUEST:
-                try:
-                    await self._send_snapshot(sock, identity)
-                except self._zmq.ZMQError as exc:
-                    log.warning("kv_events_snapshot_failed", error=str(exc))
-                continue
-            start = int.from_bytes(start_bytes, "big")
-            # vLLM's current replies carry the topic like a published message; older ones do not
-            topic: tuple[bytes, ...] = (self._topic_bytes,) if self.event_encoding == "map" else ()
-            end: tuple[bytes, ...] = (b"",) if self.event_encoding == "map" else ()
-            try:
-                # a snapshot: publish() may append while a send is awaited
-                for seq, payload in [item for item in self._buffer if item[0] >= start]:
-                    await sock.send_multipart(
-                        (identity, b"", *topic, seq.to_bytes(8, "big"), payload)
-                    )
-                await sock.send_multipart((identity, b"", *end, END_SEQ, b""))
-            except self._zmq.ZMQError as exc:
-                log.warning("kv_events_replay_failed", error=str(exc))
+        return [(start, payload) for payload in payloads], start.to_bytes(8, "big")
 
 
 def check_endpoint(name: str, endpoint: object) -> None:
