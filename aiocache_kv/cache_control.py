@@ -16,13 +16,14 @@ import torch
 
 from aiocache_kv.errors import InvalidInputError, InvalidTypeError
 from aiocache_kv.hardpins import CachePin, check_pin_tier
+from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.numeric import check_real
 from aiocache_kv.purge import DropResult, Purger, check_drop_tiers
 from aiocache_kv.quotas import TenantQuota, check_quota, check_tenant
 from aiocache_kv.tree import Node, Tier
 from aiocache_kv.validate import check_names, check_tokens
-from aiocache_kv.warm import WarmResult, warm
+from aiocache_kv.warm import LoadBack, Release, State, WarmResult, check_alive, warm
 
 if TYPE_CHECKING:
     from aiocache_kv.config import CacheConfig
@@ -39,6 +40,7 @@ class CacheControls:
 
     # the facade's state (set by HiCache.__init__)
     config: CacheConfig
+    _state: Lifecycle
     _core: CacheCore
     _handles: HandleTable
     _l3: StorageTier | None
@@ -131,19 +133,21 @@ class CacheControls:
         ``timeout`` (seconds, finite, >= 0) bounds the whole call; ``None``: each step's own
         deadline does (the storage deadline; a load-back that finds no device room stops at
         once).  Cut short or cancelled, it leaks nothing: what arrived is committed, the
-        copies it started land in the tree, and it holds no pin afterwards.
+        copies it started land in the tree, and it holds no pin afterwards.  The result's
+        ``error`` says why it stopped short otherwise (the storage failed, no host room for
+        what storage holds, no device room).
 
         Raises:
             InvalidTypeError / InvalidInputError: bad tokens, names, tier or ``timeout``, or
                 a ``timeout`` with tensor parallelism (nothing changed).
-            CacheClosedError: the cache is not running (or closed meanwhile).
+            CacheClosedError: the cache is not running, or it closed meanwhile (checked
+                after every wait; raised once the warm-up holds nothing: no pin, no handle,
+                no reserved host page).
         """
         self._check()
         toks = list(check_tokens(tokens))  # a copy: the caller's list may change meanwhile
         ns, where, seconds = self._warm_args(tenant, lora, tier, timeout, "timeout")
-        return await warm(
-            self._core, self._handles, self._l3, self._load, self.release, ns, toks, where, seconds
-        )
+        return await warm(*self._warm_parts(), ns, toks, where, seconds)
 
     async def warm_from(
         self,
@@ -157,12 +161,14 @@ class CacheControls:
     ) -> list[WarmResult]:
         """Warm each of ``prompts`` in turn (e.g. a node's known system prompts at start):
         :meth:`warm` with ``timeout=timeout_each``, then ``progress(done, total)``.  Every
-        prompt is checked before the first is warmed.
+        prompt is checked before the first is warmed.  A cache that closes meanwhile ends
+        it: no later prompt is warmed and ``progress`` is not called again.
 
         Raises:
             InvalidTypeError / InvalidInputError: as :meth:`warm` (naming the prompt's index),
                 or ``progress`` not callable (nothing changed).
-            CacheClosedError: the cache is not running (or closed meanwhile).
+            CacheClosedError: the cache is not running, or it closed meanwhile (as
+                :meth:`warm`; the warm-ups before it are kept in the tree).
             Whatever ``progress`` raises (the warm-ups before it are kept).
         """
         self._check()
@@ -179,12 +185,24 @@ class CacheControls:
             except (InvalidTypeError, InvalidInputError) as exc:
                 raise type(exc)(f"prompts[{i}]: {exc}") from None
         out: list[WarmResult] = []
+        parts = self._warm_parts()
         for toks in lists:
-            args = (self._core, self._handles, self._l3, self._load, self.release, ns, toks)
-            out.append(await warm(*args, where, seconds))
+            check_alive(self._lifecycle)  # (``progress`` may have started a close)
+            out.append(await warm(*parts, ns, toks, where, seconds))
             if progress is not None:
+                check_alive(self._lifecycle)
                 progress(len(out), len(lists))
         return out
+
+    def _warm_parts(
+        self,
+    ) -> tuple[CacheCore, HandleTable, StorageTier | None, LoadBack, Release, State]:
+        """The facade's parts a warm-up uses (``warm.warm``'s leading arguments)."""
+        return self._core, self._handles, self._l3, self._load, self.release, self._lifecycle
+
+    def _lifecycle(self) -> Lifecycle:
+        """The cache's lifecycle now (a warm-up checks it after every wait)."""
+        return self._state
 
     def _warm_args(
         self, tenant: str | None, lora: str | None, tier: object, timeout: object, name: str
@@ -221,11 +239,13 @@ class CacheControls:
         Storage loses the keys (for a tenant: every key of its namespaces, any node's).
         ``zeroize``: freed device and host pages are overwritten with zeros before reuse.
         ``timeout`` (default ``storage_timeout``) bounds the storage calls and the wait for
-        the zeroing.
+        the zeroing.  ``tiers``: any iterable of names or ``Tier``s (a generator, dict keys,
+        ...), read once.
 
         Raises:
-            InvalidTypeError: ``tokens``, ``tenant``, ``lora``, ``tiers`` or ``zeroize`` of
-                the wrong type.
+            InvalidTypeError: ``tokens``, ``tenant``, ``lora`` or ``zeroize`` of the wrong
+                type; ``tiers`` a ``str``/``bytes`` or not iterable, or an item of it neither
+                a ``str`` nor a ``Tier`` (named).
             InvalidInputError: tokens shorter than a page or out of range, an unknown tier,
                 ``"device"`` without ``"host"`` (or the reverse), no tier, a ``timeout`` not
                 finite and >= 0, or tensor parallelism (nothing changed).

@@ -50,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -443,20 +443,33 @@ _TIER_NAMES = {"device": Tier.DEVICE, "host": Tier.HOST, "storage": Tier.STORAGE
 
 
 def check_drop_tiers(tiers: object) -> frozenset[Tier]:
-    """The tiers of a drop: names (``"device"``, ``"host"``, ``"storage"``) or ``Tier``s;
-    device and host go together (a node must keep a copy in one of them).
+    """The tiers of a drop: any iterable (list, tuple, set, generator, dict keys, ...) of
+    names (``"device"``, ``"host"``, ``"storage"``) or ``Tier``s, read once; device and host
+    go together (a node must keep a copy in one of them).
 
     Raises:
-        InvalidTypeError: not an iterable of names (a bare ``str`` is refused).
-        InvalidInputError: empty, an unknown tier, or device without host (or the reverse).
+        InvalidTypeError: not an iterable (a bare ``str`` or ``bytes`` is refused too), or
+            an item that is neither a ``str`` nor a ``Tier`` (an unhashable one included),
+            named.
+        InvalidInputError: empty, an unknown tier name, or device without host (or the
+            reverse).
     """
-    if isinstance(tiers, (str, bytes)) or not isinstance(tiers, (list, tuple, set, frozenset)):
+    if isinstance(tiers, (str, bytes, bytearray)) or not isinstance(tiers, Iterable):
         raise InvalidTypeError(
-            f"tiers must be a list/tuple/set of tier names, got {type(tiers).__name__} {tiers!r}"
+            f"tiers must be an iterable of tier names, got {type(tiers).__name__} {tiers!r}"
         )
+    names = list(tiers)  # once: a generator or an iterator is consumed here
     out: set[Tier] = set()
-    for t in tiers:
-        tier = t if isinstance(t, Tier) else _TIER_NAMES.get(t) if isinstance(t, str) else None
+    for t in names:
+        if isinstance(t, Tier):
+            out.add(t)
+            continue
+        if not isinstance(t, str):
+            raise InvalidTypeError(
+                f"tiers: {type(t).__name__} {t!r} is not a tier name; use some of "
+                f"{sorted(_TIER_NAMES)}"
+            )
+        tier = _TIER_NAMES.get(str.__str__(t))  # (a str subclass's own hash is not asked)
         if tier is None:
             raise InvalidInputError(f"tiers: unknown tier {t!r}; use some of {sorted(_TIER_NAMES)}")
         out.add(tier)

@@ -14,14 +14,21 @@ bounded operation (``cache.warm``, ``cache.warm_from``; issue #26).
 Nothing outlives the call but what it put in the tree: a prefetch cut short commits the
 leading run that arrived and frees (or quarantines, rule 2) the rest; a load-back cut short
 stops waiting, and the copies it started land and are the tree's.  The result says what is
-where when it returns.  Everything here runs on the loop (rule 1); it holds a handle only
-while it runs.
+where when it returns, and ``error`` why it stopped short otherwise: the storage failed, a
+round found no host room (``"host pool full"``) or a bad page, or the load-back failed or
+found no device room.  A storage phase that stops short for want of room still loads what
+host holds to device; one whose storage failed does not.  Everything here runs on the loop
+(rule 1); it holds a handle only while it runs.
+
+A cache that closes meanwhile ends it: after every wait (each prefetch round, the
+load-back) the cache's lifecycle is checked, and a cache no longer running raises
+:class:`CacheClosedError` once the warm-up's match is released (the prefetch that returned
+already let go of its anchor and reservation).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -32,6 +39,7 @@ from aiocache_kv.config import PrefetchPolicy
 from aiocache_kv.core import CacheCore
 from aiocache_kv.errors import CacheClosedError, CapacityError, TransferError
 from aiocache_kv.handles import HandleState, MatchResult
+from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.pins import HandleTable
@@ -45,6 +53,8 @@ __all__ = ["WarmResult", "warm"]
 #: the facade's ``load_back(m, timeout=)``
 LoadBack = Callable[[MatchResult, float | None], Awaitable[object]]
 Release = Callable[[MatchResult], None]
+#: the facade's lifecycle now (``HiCache``'s state)
+State = Callable[[], Lifecycle]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +68,25 @@ class WarmResult:
     #: beside it count too; a round cut short counts what it committed)
     storage_tokens: int
     timed_out: bool = False  #: its ``timeout`` cut it short
-    error: str | None = None  #: why it stopped early otherwise (storage failure, no room)
+    #: why it stopped short otherwise: the storage failed, a prefetch round found no host
+    #: room (``"host pool full"``) or a bad page, the load-back failed or found no device room
+    error: str | None = None
 
     @property
     def cached_len(self) -> int:
         """Leading tokens matchable from device or host."""
         return self.device_len + self.host_len
+
+
+def check_alive(state: State) -> None:
+    """Raise if the cache stopped running while the warm-up waited.
+
+    Raises:
+        CacheClosedError: naming the state (``closing`` or ``closed``).
+    """
+    now = state()
+    if now is not Lifecycle.RUNNING:
+        raise CacheClosedError(f"warm: cache is {now.value} (closed meanwhile)")
 
 
 def lens(core: CacheCore, ns: Namespace, tokens: list[int], n: int) -> tuple[int, int]:
@@ -82,16 +105,19 @@ async def warm(
     l3: StorageTier | None,
     load_back: LoadBack,
     release: Release,
+    state: State,
     ns: Namespace,
     tokens: list[int],
     tier: Tier,
     seconds: float | None,
 ) -> WarmResult:
     """Warm ``tokens`` (checked) into ``tier`` within ``seconds`` (checked; ``None``: each
-    step's own deadline bounds it).  See the module docstring.
+    step's own deadline bounds it) on a running cache (``state``: its lifecycle, checked
+    after every wait).  See the module docstring.
 
     Raises:
-        CacheClosedError: the cache closed meanwhile.
+        CacheClosedError: the cache closed meanwhile (nothing of the warm-up held: its
+            match released, its prefetches done).
         asyncio.CancelledError: the caller was cancelled (nothing leaked: see the module
             docstring).
     """
@@ -104,21 +130,27 @@ async def warm(
     read0 = l3.counters.prefetch_hit_tokens if l3 is not None else 0
     cut = False
     error: str | None = None
-    done = False
+    failed = False  # the storage failed: nothing more is tried
+    done = closed = False
     try:
         with anyio.move_on_at(math.inf if deadline is None else deadline) as scope:
             if l3 is not None and n:
-                error = await _from_storage(core, l3, ns, tokens, n)
-            if tier is Tier.DEVICE and n and error is None:
-                error = await _to_device(core, handles, load_back, release, ns, tokens, n, deadline)
-                cut = error is not None and deadline is not None and loop.time() >= deadline
+                error, failed = await _from_storage(core, l3, state, ns, tokens, n)
+            if tier is Tier.DEVICE and n and not failed:
+                args = (core, handles, load_back, release, state)
+                why = await _to_device(*args, ns, tokens, n, deadline)
+                cut = why is not None and deadline is not None and loop.time() >= deadline
+                error = why or error  # the load-back's, else why storage stopped short
         cut = cut or scope.cancelled_caught
         done = True
+    except CacheClosedError:
+        closed = True
+        raise
     finally:
         # what prefetches committed while it ran (a round cut short commits what arrived)
         got = l3.counters.prefetch_hit_tokens - read0 if l3 is not None else 0
         counters.warm_storage_tokens += got
-        if not done or cut:  # cancelled, or the timeout ran out
+        if not (done or closed) or cut:  # cancelled, or the timeout ran out
             counters.warms_cut_short += 1
     dev, host = lens(core, ns, tokens, n)
     log.debug("warm", tokens=n, device=dev, host=host, storage=got, cut=cut, error=error)
@@ -126,18 +158,35 @@ async def warm(
 
 
 async def _from_storage(
-    core: CacheCore, l3: StorageTier, ns: Namespace, tokens: list[int], n: int
-) -> str | None:
-    """Prefetch rounds until storage has nothing more to give; the error that stopped it."""
+    core: CacheCore,
+    l3: StorageTier,
+    state: State,
+    ns: Namespace,
+    tokens: list[int],
+    n: int,
+) -> tuple[str | None, bool]:
+    """Prefetch rounds until storage has nothing more to give.  Returns why it stopped
+    short of ``n`` (``None``: it did not, or storage has no more of the prompt) and whether
+    the storage failed.
+
+    Raises:
+        CacheClosedError: the cache closed during a round.
+    """
+    error: str | None = None
     while True:
         core.tree.root(ns, ns.tag)  # the namespace's seed (the prefetch unpins it again)
         res = await l3.prefetch(ns, tokens, n, PrefetchPolicy.WAIT_COMPLETE, 0)
+        check_alive(state)  # the round is over: its anchor and reservation are let go
         if res.status is PrefetchStatus.FAILED:
-            return res.error or "storage failed"
-        if res.hit_tokens == 0 or res.status is not PrefetchStatus.PARTIAL:
-            return None
+            return res.error or "storage failed", True
+        if res.error is not None:  # no host room, a bad page: the round stopped there
+            error = res.error
+        elif res.hit_tokens:  # a round that only ran out of its share of the pool
+            error = None
         if res.usable_tokens >= n:
-            return None
+            return None, False
+        if res.hit_tokens == 0 or res.status is not PrefetchStatus.PARTIAL:
+            return error, False  # storage has no more of it (``error``: why)
 
 
 async def _to_device(
@@ -145,27 +194,41 @@ async def _to_device(
     handles: HandleTable,
     load_back: LoadBack,
     release: Release,
+    state: State,
     ns: Namespace,
     tokens: list[int],
     n: int,
     deadline: float | None,
 ) -> str | None:
-    """Load the host run of the prompt's match to device; the error that stopped it."""
+    """Load the host run of the prompt's match to device; the error that stopped it.
+
+    Raises:
+        CacheClosedError: the cache closed meanwhile (the match released first).
+    """
+    check_alive(state)  # (a storage phase that awaited checked already)
     tree = core.tree
     if not tree.peek(ns, tokens, n):
         return None
     node, _ = tree.match(ns, tokens, n, pin=True)
     m = MatchResult(core, node, release)
     handles.add(m)
+    error: str | None = None
+    closed: CacheClosedError | None = None
     try:
         if m.host_len:
             loop = asyncio.get_running_loop()
             left = None if deadline is None else max(deadline - loop.time(), 0.0)
             await load_back(m, left)
     except (CapacityError, TransferError) as exc:
-        return str(exc)
+        error = str(exc)
+    except CacheClosedError as exc:
+        closed = exc  # raised below, once the match is released
     finally:
-        if m.state is HandleState.PINNED:  # the copies it started land and stay the tree's
-            with contextlib.suppress(CacheClosedError):  # closed: the table let go of it
-                release(m)
-    return None
+        # the copies it started land and stay the tree's; a closing cache refuses
+        # ``release``, so the table lets go of the match itself (a closed one already did)
+        if m.state is HandleState.PINNED and state() is not Lifecycle.CLOSED:
+            handles.release(m)
+    check_alive(state)
+    if closed is not None:  # (a cache never runs again once it closed)
+        raise closed
+    return error
