@@ -165,7 +165,7 @@ class HiCache(CacheControls, CacheReports):
         """
         if self._state is Lifecycle.NEW:
             self._state = Lifecycle.CLOSED
-            await close_abandoned(self._tier_closes, self.config)  # what a start opened
+            await close_abandoned(self._tier_closes, self.config, self._core)  # a start opened
             return
         if not self._closing.started:
             if self._state is Lifecycle.CLOSED:

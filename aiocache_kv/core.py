@@ -110,6 +110,10 @@ class CacheCore:
         #: hard pins with expiry (``cache.pin``): the tree pins they hold and their timer
         self.hard_pins = HardPins(self.tree, config)
         self._quota_pass = False  # an enforcement pass is scheduled
+        #: the cache is closing (``shutdown.close_parts``): no quota pass runs any more (its
+        #: evictions would stage copies on a closed engine and change the tree after the
+        #: closing events)
+        self.closing = False
 
     # ------------------------------------------------------------------ binding
 
@@ -398,7 +402,12 @@ class CacheCore:
         with tensor parallelism, where the pass would run at a different point of each rank's
         loop: there budgets are enforced only after inserts and quota changes, which every
         rank makes in the same order."""
-        if not self._quota_pass and self.loop is not None and not self.coordinator.deferred:
+        if (
+            not self._quota_pass
+            and not self.closing
+            and self.loop is not None
+            and not self.coordinator.deferred
+        ):
             self._quota_pass = True
             self.loop.call_soon(self.enforce_quotas)
 
@@ -407,7 +416,7 @@ class CacheCore:
         victims with a host copy demote, host-only leaves are deleted); pinned and in-flight
         pages stay, so a budget is best effort against them."""
         book = self.tree.tenants
-        if book is None or self.dev_alloc is None:
+        if book is None or self.dev_alloc is None or self.closing:
             self._quota_pass = False
             return
         self._quota_pass = True  # the pass's own evictions schedule no other

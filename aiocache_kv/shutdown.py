@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from aiocache_kv.errors import AgreementError
 from aiocache_kv.flush import settle_work, settle_zeroing
 from aiocache_kv.logs import get_logger
+from aiocache_kv.storage import owners
 from aiocache_kv.storage.executor import StorageIO
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ async def close_parts(
         part was closed.
     """
     errors: list[Exception] = []
+    core.closing = True  # no quota pass from here on: the tree changes only as closing does
 
     async def step(what: str, work: Awaitable[None]) -> None:
         try:
@@ -92,11 +94,19 @@ def abandon(l3: StorageTier | None, closes: set[asyncio.Task[None]]) -> None:
         closes.add(asyncio.get_running_loop().create_task(l3.abandon()))
 
 
-async def close_abandoned(closes: set[asyncio.Task[None]], config: CacheConfig) -> None:
+async def close_abandoned(
+    closes: set[asyncio.Task[None]], config: CacheConfig, owner: object
+) -> None:
     """``aclose`` of a cache whose ``start`` gave up: wait for the abandoned tiers' workers,
-    then close the backend they opened (on a daemon thread, up to ``storage_timeout``)."""
+    then close the backend they opened (on a daemon thread, up to ``storage_timeout``) unless
+    another cache holds it: a start refused because another cache uses the backend leaves
+    it alone (:mod:`.storage.owners`)."""
     if closes:
         await asyncio.wait(closes)
-        if config.storage is not None:
-            io = StorageIO(config.storage, default_timeout=config.storage_timeout)
-            await io.aclose(timeout=config.storage_timeout)
+        backend = config.storage
+        if backend is not None and owners.usable_by(backend, owner):
+            try:
+                io = StorageIO(backend, default_timeout=config.storage_timeout)
+                await io.aclose(timeout=config.storage_timeout)
+            finally:
+                owners.release(backend, owner)

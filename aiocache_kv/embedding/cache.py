@@ -67,6 +67,7 @@ from aiocache_kv.logs import get_logger
 from aiocache_kv.numeric import check_int, check_real
 from aiocache_kv.outlast import Once
 from aiocache_kv.pools.admission import available_host_bytes
+from aiocache_kv.storage import owners
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.mooncake import MooncakeStorage
 
@@ -183,6 +184,7 @@ class EmbeddingCache:
             HostMemoryError: ``pool_bytes`` exceeds the host's available memory, or the
                 pool cannot be allocated (or pinned).
             StorageUnavailableError / StorageTimeoutError: the store cannot be opened.
+            ConfigError: the store object is used by another cache (:mod:`..storage.owners`).
             OwnershipError: called from a thread other than the one that started it.
         """
         if self._life is Lifecycle.RUNNING:
@@ -197,6 +199,8 @@ class EmbeddingCache:
         self._starting = loop.create_future()
         self._life = Lifecycle.STARTING
         try:
+            if self._io is not None:  # first: a refused start allocates nothing
+                owners.claim(self._io.backend, self)  # released when this cache closes it
             pin = self._pin_memory
 
             def build() -> torch.Tensor:
@@ -273,11 +277,13 @@ class EmbeddingCache:
         finally:
             self._life = Lifecycle.CLOSING
             try:
-                if self._io is not None:
+                if self._io is not None and owners.usable_by(self._io.backend, self):
                     await self._io.aclose(timeout=self.timeout)
             except StorageError as exc:
                 log.warning("embedding.close_failed", error=str(exc))
             finally:
+                if self._io is not None:
+                    owners.release(self._io.backend, self)
                 self._life = Lifecycle.CLOSED
                 log.info("embedding.closed", **self._counters)
 

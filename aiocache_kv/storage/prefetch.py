@@ -559,7 +559,7 @@ class PrefetchingTier(StorageTierBase):
                 piece.invalid = frozenset(
                     name for pool, name, _ in self._trailing if not all(job.loaded[pool][lo:hi])
                 )
-                self.remember_stored(piece)  # it came from storage
+                self.remember_fetched(piece)  # it came from storage (announced there)
                 core.emit_stored(piece, Tier.HOST)
         self.counters.prefetch_hit_tokens += used * p
         return used

@@ -54,6 +54,7 @@ from aiocache_kv.distributed.acks import AckQueue
 from aiocache_kv.errors import KVCacheError, StorageTimeoutError
 from aiocache_kv.events import BlockRemoved
 from aiocache_kv.logs import get_logger
+from aiocache_kv.storage import owners
 from aiocache_kv.storage.backup_op import BackupOp, put_lists, put_parts
 from aiocache_kv.storage.base import (
     ChainAwareStorage,
@@ -151,7 +152,10 @@ class StorageTier(PrefetchingTier):
         try:
             await self.settle(drain=False)  # the executor's close drains, bounded
         finally:
-            await self.io.aclose(timeout=self.core.config.storage_timeout)
+            try:
+                await self.io.aclose(timeout=self.core.config.storage_timeout)
+            finally:
+                owners.release(self.io.backend, self.core)
 
     async def abandon(self) -> None:
         """A cache's ``start`` gave up on this tier: its hooks go (a retry builds another

@@ -18,6 +18,7 @@ from aiocache_kv.errors import StorageKeyError
 from aiocache_kv.events import BlockRemoved
 from aiocache_kv.logs import get_logger
 from aiocache_kv.stats import StorageCounters
+from aiocache_kv.storage import owners
 from aiocache_kv.storage.base import (
     ChainAwareStorage,
     PageBuffer,
@@ -90,11 +91,13 @@ class StorageTierBase:
         """Open the backend, register the host pool once, build per-page buffer views.
 
         Raises:
+            ConfigError: the backend object is used by another cache (:mod:`.owners`).
             StorageUnavailableError / StorageTimeoutError: the backend cannot be opened (within
                 ``storage_open_timeout``).
         """
         pool = self.core.host_pool
         assert pool is not None, "a storage tier needs a host pool"
+        owners.claim(self.io.backend, self.core)  # released when this cache closes it
         await self.io.open(timeout=self.core.config.storage_open_timeout)
         raws = [(pool.raw, pool.page_bytes)]
         raws += [(sc.host_raw, sc.page_bytes) for sc in self.core.sidecars]
@@ -139,6 +142,18 @@ class StorageTierBase:
             tree.parent_hash(node),
             start // self.core.config.page_size,
         )
+
+    def remember_fetched(self, node: Node) -> None:
+        """``node``'s pages came from storage (a prefetch committed them): remembered as
+        stored, and announced in STORAGE unless the stream claims each of them already (a
+        restart over the store, or a backup whose failed page announced none of its node,
+        left them unannounced: snapshot + stream must equal the cache's claims)."""
+        events = self.core.events.enabled
+        stored = self._stored
+        new = events and not all(map(stored.claims_page, self.core.tree.block_hashes(node)))
+        self.remember_stored(node)
+        if new:
+            self.core.emit_stored(node, Tier.STORAGE)
 
     def _split_stored(self, head: Node, tail: Node) -> None:
         """A split's new prefix node holds some of ``tail``'s stored pages now: index them

@@ -57,6 +57,10 @@ class MemoryStorage:
         "corrupt",
     )
 
+    #: one object may serve several caches at once, as one store serves several nodes (no
+    #: per-user state; see ``aiocache_kv.storage.owners``); its ``close`` closes it for all
+    multi_user = True
+
     def __init__(
         self,
         seed: int = 0,

@@ -1,0 +1,136 @@
+"""One cache per storage backend object (``storage/owners.py``).
+
+Two caches handed the same backend object shared its per-user state: a second
+``HiCache`` on one ``FileStorage`` took the first one's eviction notices (the first kept
+claiming pages the store had evicted), the first close closed the backend under the other
+(its backups then failed quietly), and a ``HiCache`` sharing a ``MooncakeStorage`` with an
+``EmbeddingCache`` set ``defer_checksum`` on it, so the embedding reads checked trailers only.
+The second user's start is now refused with a ``ConfigError`` and nothing of the first
+changes.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+import aiocache_kv as akv
+from aiocache_kv.embedding import EmbeddingCache
+from aiocache_kv.errors import ConfigError
+from aiocache_kv.storage import FileStorage, owners
+from aiocache_kv.testing.memory_storage import MemoryStorage
+from tests.conftest import small_config
+from tests.test_split_ack import insert
+
+from .conftest import MasterProc, loopback_client
+
+
+class Owner:
+    """A stand-in owner (owners are held weakly)."""
+
+
+def cfg(store: akv.StorageBackend) -> akv.CacheConfig:
+    return small_config(
+        storage=store,
+        storage_retry_seconds=0.0,
+        prefetch_threshold_tokens=0,
+        prefetch_policy="wait_complete",
+    )
+
+
+async def test_second_hicache_on_one_file_storage_is_refused(tmp_path: Path) -> None:
+    store = FileStorage(tmp_path / "s", capacity_bytes=None)
+    async with akv.HiCache(cfg(store)) as first:
+        first.release(insert(first, [1, 2, 3, 4]))
+        await first.flush()
+        stored = store.total_bytes()
+        assert stored > 0
+        second = akv.HiCache(cfg(store))
+        with pytest.raises(ConfigError, match="already used by CacheCore"):
+            await second.start()
+        await second.aclose()  # must not close the first cache's backend
+        # the first cache still backs up and reads: its backend is open and its own
+        first.release(insert(first, [9, 8, 7, 6]))
+        await first.flush()
+        assert store.total_bytes() > stored
+        assert first.statistics().backup_pages_failed == 0
+        first.evict(1 << 30)
+        first.evict(1 << 30, "host")
+        res = await first.prefetch([9, 8, 7, 6], policy="wait_complete")
+        assert res.hit_tokens == 4
+        first.check_invariants()
+    # closed: the claim ended, another cache may use the directory through a new object
+    assert owners.usable_by(store, Owner())
+    async with akv.HiCache(cfg(FileStorage(tmp_path / "s", capacity_bytes=None))) as third:
+        res = await third.prefetch([1, 2, 3, 4], policy="wait_complete")
+        assert res.hit_tokens == 4
+
+
+async def test_claim_of_a_cache_collected_unclosed_is_void(tmp_path: Path) -> None:
+    store = FileStorage(tmp_path / "s", capacity_bytes=None)
+    owner = akv.HiCache(cfg(store))
+    owners.claim(store, owner)
+    assert not owners.usable_by(store, Owner())
+    with pytest.raises(ConfigError):
+        owners.claim(store, Owner())
+    owners.claim(store, owner)  # the same owner again: no change
+    del owner
+    gc.collect()
+    assert owners.usable_by(store, Owner())
+    other = Owner()
+    owners.claim(store, other)
+    owners.release(store, Owner())  # not the holder: no change
+    assert not owners.usable_by(store, Owner())
+    owners.release(store, other)
+    assert owners.usable_by(store, Owner())
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(120)
+async def test_embedding_cache_refused_a_store_a_hicache_uses(mooncake_master: MasterProc) -> None:
+    store = loopback_client(mooncake_master, 64 << 20)
+    async with akv.HiCache(cfg(store)) as kv:
+        assert getattr(store, "defer_checksum", False)  # the KV cache's load-back verifies
+        emb = EmbeddingCache(pool_bytes=1 << 20, store=store, namespace="owners-emb")
+        with pytest.raises(ConfigError, match="already used by CacheCore"):
+            await emb.start()
+        await emb.aclose()  # must not close the KV cache's client
+        kv.release(insert(kv, [5, 6, 7, 8]))
+        await kv.flush()
+        assert kv.statistics().backup_pages_failed == 0
+        kv.evict(1 << 30)
+        kv.evict(1 << 30, "host")
+        res = await kv.prefetch([5, 6, 7, 8], policy="wait_complete")
+        assert res.hit_tokens == 4
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(120)
+async def test_hicache_refused_a_store_an_embedding_cache_uses(
+    mooncake_master: MasterProc,
+) -> None:
+    store = loopback_client(mooncake_master, 64 << 20)
+    async with EmbeddingCache(pool_bytes=1 << 20, store=store, namespace="owners-emb2") as emb:
+        kv = akv.HiCache(cfg(store))
+        with pytest.raises(ConfigError, match="already used by EmbeddingCache"):
+            await kv.start()
+        await kv.aclose()
+        assert not getattr(store, "defer_checksum", False)  # embedding reads verify in full
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+        h = bytes(range(32))
+        await emb.insert_batch([h], [x])
+        got = await emb.get_batch([h])
+        assert got[0] is not None and torch.equal(got[0], x)
+
+
+async def test_a_multi_user_backend_serves_several_caches() -> None:
+    """``MemoryStorage`` stands for one store every node reaches: it is never claimed."""
+    store = MemoryStorage(0)
+    async with akv.HiCache(cfg(store)) as writer, akv.HiCache(cfg(store)) as reader:
+        writer.release(insert(writer, [1, 2, 3, 4]))
+        await writer.flush()
+        res = await reader.prefetch([1, 2, 3, 4], policy="wait_complete")
+        assert res.hit_tokens == 4
