@@ -42,7 +42,7 @@ class Component:
     present; it is rounded up to whole pages by :meth:`window_pages`.
 
     Raises:
-        ConfigError: bad name, shape, dtype or window.
+        ConfigError: bad name, shape (a list is kept as a tuple), dtype, hit policy or window.
     """
 
     name: str
@@ -56,12 +56,32 @@ class Component:
             raise ConfigError(
                 f"component name must match {_NAME.pattern} (not 'kv'): {self.name!r}"
             )
-        if not self.page_shape or any(type(d) is not int or d < 1 for d in self.page_shape):
-            raise ConfigError(f"component {self.name}: bad page_shape {self.page_shape!r}")
+        shape = self.page_shape
+        if (
+            not isinstance(shape, (tuple, list))
+            or not shape
+            or any(type(d) is not int or d < 1 for d in shape)
+        ):
+            raise ConfigError(
+                f"component {self.name}: page_shape must be a non-empty tuple of ints >= 1, "
+                f"got {shape!r}"
+            )
+        object.__setattr__(self, "page_shape", tuple(shape))  # frozen: hashable, immutable
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError(f"component {self.name}: dtype must be a torch.dtype")
-        policy = HitPolicy(self.hit_policy)
+        try:
+            policy = HitPolicy(self.hit_policy)
+        except ValueError:
+            raise ConfigError(
+                f"component {self.name}: hit_policy must be one of "
+                f"{[p.value for p in HitPolicy]}, got {self.hit_policy!r}"
+            ) from None
         object.__setattr__(self, "hit_policy", policy)
+        if type(self.window_tokens) is not int or self.window_tokens < 0:
+            raise ConfigError(
+                f"component {self.name}: window_tokens must be an int >= 0, "
+                f"got {self.window_tokens!r}"
+            )
         if policy is HitPolicy.TRAILING_PAGES and (
             type(self.window_tokens) is not int or self.window_tokens < 1
         ):
@@ -106,8 +126,13 @@ def MambaState(
     page_size: int,
     name: str = "mamba",
 ) -> Component:
-    """Mamba/SSM recurrent state after each page; only the state at the prefix end is needed."""
-    return Component(name, tuple(state_shape), dtype, HitPolicy.TRAILING_PAGES, page_size)
+    """Mamba/SSM recurrent state after each page; only the state at the prefix end is needed.
+
+    Raises:
+        ConfigError: ``state_shape`` not a non-empty tuple/list of ints >= 1, or as
+            :class:`Component` does.
+    """
+    return Component(name, state_shape, dtype, HitPolicy.TRAILING_PAGES, page_size)
 
 
 def Indexer(
