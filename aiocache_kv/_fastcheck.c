@@ -302,6 +302,10 @@ static PyObject *insert_pages(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_ValueError, "page_size must be >= 1");
         return NULL;
     }
+    if (limit < 0) { /* (a negative limit would turn into a huge unsigned bound below) */
+        PyErr_Format(PyExc_ValueError, "limit must be >= 0, got %lld", limit);
+        return NULL;
+    }
     Py_buffer views[5];
     int got = 0;
     long code = 0;
@@ -442,7 +446,8 @@ static PyObject *page_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     Py_ssize_t n = pv.len / 8;
-    int ok = p >= 1 && ov.len / 8 == n * p;
+    /* (n * p computed only once it cannot overflow) */
+    int ok = p >= 1 && (n == 0 || p <= (long long)(PY_SSIZE_T_MAX / 8) / n) && ov.len / 8 == n * p;
     if (ok) {
         page_slots_core((const int64_t *)pv.buf, n, p, (int64_t *)ov.buf);
     }

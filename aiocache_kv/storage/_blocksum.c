@@ -330,17 +330,19 @@ static uint64_t *read_presums(PyObject *presums, Py_ssize_t count)
     if (presums == NULL || presums == Py_None) {
         return pre;
     }
-    PyObject *fast = PySequence_Fast(presums, "presums must be a sequence");
+    /* a tuple copy: it holds every item while an item's __index__ (run by the int
+     * conversions below) may change the caller's list */
+    PyObject *fast = PySequence_Tuple(presums);
     if (fast == NULL) {
         PyMem_Free(pre);
         return NULL;
     }
-    if (PySequence_Fast_GET_SIZE(fast) != count) {
+    if (PyTuple_GET_SIZE(fast) != count) {
         PyErr_SetString(PyExc_ValueError, "one presum (or None) per buffer is needed");
         goto fail;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        PyObject *item = PyTuple_GET_ITEM(fast, i);
         if (item == Py_None) {
             continue;
         }
@@ -590,6 +592,32 @@ done:
 /* ------------------------------------------------------- sums taken by the copy (fused) */
 
 /* the int64 page ids of ``obj`` (a C-contiguous buffer); -1 (error set) on failure */
+/* Whether ``extent`` bytes at ``page * stride`` lie within ``len`` bytes, computed without
+ * overflow (``page`` from the caller: any value; ``stride`` > 0, ``extent`` >= 0). */
+static int span_fits(int64_t page, Py_ssize_t stride, Py_ssize_t extent, Py_ssize_t len)
+{
+    if (page < 0 || extent < 0 || extent > len) {
+        return 0;
+    }
+    return (uint64_t)page <= (uint64_t)((len - extent) / stride);
+}
+
+/* ``nseg`` segments of ``seg`` bytes, ``stride`` apart: their byte count (``*n``) and the
+ * extent from the first byte to the last (``*extent``); 0 on overflow or a bad geometry. */
+static int segments(Py_ssize_t seg, Py_ssize_t nseg, Py_ssize_t stride, Py_ssize_t *n,
+                    Py_ssize_t *extent)
+{
+    if (seg <= 0 || nseg <= 0 || stride < 0 || nseg > PY_SSIZE_T_MAX / seg) {
+        return 0;
+    }
+    if (stride > 0 && nseg - 1 > (PY_SSIZE_T_MAX - seg) / stride) {
+        return 0;
+    }
+    *n = seg * nseg;
+    *extent = seg + (nseg - 1) * stride;
+    return 1;
+}
+
 static int hold_ids(PyObject *obj, Py_buffer *b, const char *what)
 {
     if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
@@ -715,22 +743,22 @@ static PyObject *gather_sum(PyObject *self, PyObject *args)
     }
     held = 5;
     Py_ssize_t count = sp.len / 8;
-    Py_ssize_t n = seg * nseg;
+    Py_ssize_t n = 0, extent = 0;
     if (dp.len / 8 != count) {
         PyErr_SetString(PyExc_ValueError, "src_pages and dst_pages differ in length");
         goto done;
     }
-    if (seg <= 0 || nseg <= 0 || seg_stride < 0 || n > slot || slot <= 0) {
+    if (!segments(seg, nseg, seg_stride, &n, &extent) || n > slot || slot <= 0) {
         PyErr_Format(PyExc_ValueError, "bad geometry: seg %zd x %zd, stride %zd, slot %zd", seg,
                      nseg, seg_stride, slot);
         goto done;
     }
+    const Py_ssize_t row = 3 * (Py_ssize_t)sizeof(uint64_t);
     const int64_t *si = (const int64_t *)sp.buf, *di = (const int64_t *)dp.buf;
     for (Py_ssize_t i = 0; i < count; i++) {
         int64_t s = si[i], d = di[i];
-        if (s < 0 || d < 0 || (s + 1) * seg + (nseg - 1) * seg_stride > src.len ||
-            d * slot + n > dst.len ||
-            (table.buf != NULL && (d + 1) * 3 * (Py_ssize_t)sizeof(uint64_t) > table.len)) {
+        if (!span_fits(s, seg, extent, src.len) || !span_fits(d, slot, n, dst.len) ||
+            (table.buf != NULL && !span_fits(d, row, row, table.len))) {
             PyErr_Format(PyExc_IndexError, "page pair %zd (%lld -> %lld) out of range", i,
                          (long long)s, (long long)d);
             goto done;
@@ -738,7 +766,8 @@ static PyObject *gather_sum(PyObject *self, PyObject *args)
     }
     /* pages split over up to ``threads`` threads (this one included), each a contiguous range */
     Py_ssize_t parts = threads < 1 ? 1 : (threads > GATHER_MAX_THREADS ? GATHER_MAX_THREADS : threads);
-    Py_ssize_t by_size = count * n / GATHER_BYTES_PER_THREAD;
+    Py_ssize_t by_size =
+        count > PY_SSIZE_T_MAX / n ? PY_SSIZE_T_MAX : count * n / GATHER_BYTES_PER_THREAD;
     if (parts > by_size) {
         parts = by_size < 1 ? 1 : by_size;
     }
@@ -881,16 +910,16 @@ static PyObject *scatter_check(PyObject *self, PyObject *args)
     }
     held = 5;
     Py_ssize_t count = sp.len / 8;
-    Py_ssize_t n = seg * nseg;
+    Py_ssize_t n = 0, extent = 0;
     if (dp.len / 8 != count) {
         PyErr_SetString(PyExc_ValueError, "src_pages and dst_pages differ in length");
         goto done;
     }
-    if (exp.obj != NULL && exp.len < count * 3 * (Py_ssize_t)sizeof(uint64_t)) {
+    if (exp.obj != NULL && exp.len / (3 * (Py_ssize_t)sizeof(uint64_t)) < count) {
         PyErr_SetString(PyExc_ValueError, "expect needs one (S1, S2, bytes) row per page");
         goto done;
     }
-    if (seg <= 0 || nseg <= 0 || seg_stride < 0 || n > slot || slot <= 0) {
+    if (!segments(seg, nseg, seg_stride, &n, &extent) || n > slot || slot <= 0) {
         PyErr_Format(PyExc_ValueError, "bad geometry: seg %zd x %zd, stride %zd, slot %zd", seg,
                      nseg, seg_stride, slot);
         goto done;
@@ -898,15 +927,15 @@ static PyObject *scatter_check(PyObject *self, PyObject *args)
     const int64_t *si = (const int64_t *)sp.buf, *di = (const int64_t *)dp.buf;
     for (Py_ssize_t i = 0; i < count; i++) {
         int64_t s = si[i], d = di[i];
-        if (s < 0 || d < 0 || s * slot + n > src.len ||
-            (d + 1) * seg + (nseg - 1) * seg_stride > dst.len) {
+        if (!span_fits(s, slot, n, src.len) || !span_fits(d, seg, extent, dst.len)) {
             PyErr_Format(PyExc_IndexError, "page pair %zd (%lld -> %lld) out of range", i,
                          (long long)s, (long long)d);
             goto done;
         }
     }
     Py_ssize_t parts = threads < 1 ? 1 : (threads > GATHER_MAX_THREADS ? GATHER_MAX_THREADS : threads);
-    Py_ssize_t by_size = count * n / GATHER_BYTES_PER_THREAD;
+    Py_ssize_t by_size =
+        count > PY_SSIZE_T_MAX / n ? PY_SSIZE_T_MAX : count * n / GATHER_BYTES_PER_THREAD;
     if (parts > by_size) {
         parts = by_size < 1 ? 1 : by_size;
     }
@@ -986,8 +1015,8 @@ static PyObject *slot_sums(PyObject *self, PyObject *args)
         goto done;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (di[i] < 0 || di[i] * slot + n > dst.len ||
-            (di[i] + 1) * 3 * (Py_ssize_t)sizeof(uint64_t) > table.len) {
+        const Py_ssize_t row = 3 * (Py_ssize_t)sizeof(uint64_t);
+        if (!span_fits(di[i], slot, n, dst.len) || !span_fits(di[i], row, row, table.len)) {
             PyErr_Format(PyExc_IndexError, "page %lld out of range", (long long)di[i]);
             goto done;
         }

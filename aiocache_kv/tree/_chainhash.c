@@ -195,6 +195,24 @@ static PyObject *chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     n = PySequence_Fast_GET_SIZE(seq);
     items = PySequence_Fast_ITEMS(seq);
+    if (PyList_Check(seq)) {
+        /* An item that is not an exact int is converted by its own __index__, which may
+         * change the list under the loop (and free the items it reads): hash a tuple copy,
+         * which holds every item, then. */
+        for (j = 0; j < n; j++) {
+            if (!PyLong_CheckExact(items[j])) {
+                PyObject *copy = PyList_AsTuple(seq);
+                Py_DECREF(seq);
+                if (copy == NULL) {
+                    return NULL;
+                }
+                seq = copy;
+                n = PyTuple_GET_SIZE(seq);
+                items = PySequence_Fast_ITEMS(seq);
+                break;
+            }
+        }
+    }
     npages = n / page_size + (n % page_size != 0); /* a short last page is hashed as it is */
     buf = PyMem_Malloc(DIGEST + 8 * (size_t)page_size);
     out = PyList_New(npages);
