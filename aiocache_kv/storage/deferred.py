@@ -15,9 +15,9 @@ rows: on CPU in the copy itself (:func:`copy_to_device`, C: each 16 KiB block su
 scattered while in L1, like the backup's ``gather_sum`` the other way; without the extension,
 :func:`first_bad` before a torch copy of the pages before the failure); on CUDA the waiter
 thread after the copy's event (:func:`first_bad`: the pinned pages did not change, the device
-pages are not yet anyone's).  It reports the first page that fails on the job.
-The loop then applies it (``transfer/ops.py``, ``transfer/corrupt.py``): the nodes before the
-failed page become device-resident, the rest of the load fails back (device pages freed,
+pages are not yet anyone's).  It reports the first page that fails on the job.  The loop then
+applies it (``transfer/ops.py``, ``Purger.drop_corrupt`` in ``purge.py``): the nodes before
+the failed page become device-resident, the rest of the load fails back (device pages freed,
 never read by a caller), the failed node is split at the page and marked ``corrupt`` (no match
 extends through it), and the prefix from that page on is dropped from host and storage (the
 key removed, ``BlockRemoved`` for HOST and STORAGE).  A page that verified is unmarked.

@@ -122,8 +122,8 @@ class StorageTierBase:
         # Mooncake reads check only trailers, the load-back verifies (deferred.py); not with
         # tensor parallelism (ranks would have to agree on which pages failed)
         backend = self.io.backend
-        if hasattr(backend, "defer_checksum") and not self.core.coordinator.deferred:
-            backend.defer_checksum = True
+        if hasattr(backend, "defer_checksum"):  # set either way: an object may be reused
+            backend.defer_checksum = not self.core.coordinator.deferred
         #: prefetched KV pages come unverified (the load-back verifies them)
         self.deferred_verify = bool(getattr(backend, "defer_checksum", False))
         if self.core.tree.tenants is not None:

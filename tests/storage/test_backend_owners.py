@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import aiocache_kv as akv
+from aiocache_kv.distributed.coordinator import LocalCoordinator
 from aiocache_kv.embedding import EmbeddingCache
 from aiocache_kv.errors import ConfigError
 from aiocache_kv.storage import FileStorage, owners
@@ -134,3 +135,27 @@ async def test_a_multi_user_backend_serves_several_caches() -> None:
         await writer.flush()
         res = await reader.prefetch([1, 2, 3, 4], policy="wait_complete")
         assert res.hit_tokens == 4
+
+
+async def test_deferred_checksum_is_set_by_each_cache_that_opens_the_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A backend reused after a close takes the new cache's verification mode: the flag a
+    first cache set is not left on for a cache that verifies at read time (tensor
+    parallelism, whose coordinator defers: the start reads only that)."""
+
+    class Deferring(MemoryStorage):
+        defer_checksum = False
+
+    store = Deferring(0)
+    async with akv.HiCache(cfg(store)):
+        assert store.defer_checksum is True
+    assert store.defer_checksum is True  # as the first cache left it
+    cache = akv.HiCache(cfg(store))
+    with monkeypatch.context() as patch:  # the start of a cache whose ranks must agree
+        patch.setattr(LocalCoordinator, "deferred", True)
+        await cache.start()
+    try:
+        assert store.defer_checksum is False
+    finally:
+        await cache.aclose()
