@@ -89,8 +89,10 @@ async def close_parts(
 def abandon(l3: StorageTier | None, closes: set[asyncio.Task[None]]) -> None:
     """A ``start`` gave up on ``l3``: unhook it and stop its workers in the background (a
     task added to ``closes``; bounded: an ``open`` still stuck in a worker is waited for up
-    to ``storage_timeout``).  Its backend stays open for a retry."""
+    to ``storage_timeout``).  Its backend stays open for a retry, and unclaimed: the retry
+    may be a new cache (:mod:`.storage.owners`)."""
     if l3 is not None:
+        owners.release(l3.io.backend, l3.core)  # a retry (a new cache too) may claim it
         closes.add(asyncio.get_running_loop().create_task(l3.abandon()))
 
 

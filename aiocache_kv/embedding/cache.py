@@ -228,6 +228,8 @@ class EmbeddingCache:
                 await self._io.register_buffer(self._pool.memory)
         except BaseException as exc:
             self._life = Lifecycle.NEW
+            if self._io is not None:  # a retry, by a new cache too, may claim the store
+                owners.release(self._io.backend, self)
             starting, self._starting = self._starting, None
             if isinstance(exc, Exception):
                 starting.set_exception(exc)

@@ -13,13 +13,15 @@ A backend built to be shared (a store every node reaches through the one object,
 calls keep no per-user state: the test double ``MemoryStorage``) says so with a true
 ``multi_user`` attribute and is never claimed.
 
-A claim ends when its owner closes the backend (:func:`release`), or when the owner is
-garbage-collected without closing (the claim holds it weakly).  Claims are per process and
+A claim ends when its owner closes the backend (:func:`release`), when its start gives up
+(a retry, by a new cache too, may claim it), or when the owner is garbage-collected without
+closing (the claim holds it weakly; the backend is let go then).  Claims are per process and
 thread-safe (caches on different loops may start at once).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 
@@ -27,9 +29,21 @@ from aiocache_kv.errors import ConfigError
 
 __all__ = ["claim", "release", "usable_by"]
 
-_lock = threading.Lock()
-#: id(backend) -> (backend, its owner, weakly): the backend is held so its id stays its own
+#: reentrant: an owner collected while this thread holds the lock (a collection triggered
+#: inside a claim) ends its claim from the weak reference's callback
+_lock = threading.RLock()
+#: id(backend) -> (backend, its owner, weakly): the backend is held so its id stays its own,
+#: until the owner closes it or is collected (the reference's callback drops the entry)
 _claims: dict[int, tuple[object, weakref.ref[object]]] = {}
+
+
+def _collected(key: int, ref: weakref.ref[object]) -> None:
+    """An owner was collected without closing: its claim (still the one ``ref`` made, not a
+    later owner's) ends, and the backend is no longer held here (any thread)."""
+    with _lock:
+        held = _claims.get(key)
+        if held is not None and held[1] is ref:
+            del _claims[key]
 
 
 def _owner_of(backend: object) -> object | None:
@@ -59,7 +73,10 @@ def claim(backend: object, owner: object) -> None:
                 f"by {type(other).__name__} at {id(other):#x}; each cache needs a backend "
                 "object of its own (its index, eviction notices and close are per user)"
             )
-        _claims[id(backend)] = (backend, weakref.ref(owner))
+        if other is owner:
+            return
+        key = id(backend)
+        _claims[key] = (backend, weakref.ref(owner, functools.partial(_collected, key)))
 
 
 def usable_by(backend: object, owner: object) -> bool:

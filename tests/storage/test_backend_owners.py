@@ -12,6 +12,7 @@ changes.
 from __future__ import annotations
 
 import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 import aiocache_kv as akv
 from aiocache_kv.distributed.coordinator import LocalCoordinator
 from aiocache_kv.embedding import EmbeddingCache
-from aiocache_kv.errors import ConfigError
+from aiocache_kv.errors import ConfigError, HostMemoryError, StorageUnavailableError
 from aiocache_kv.storage import FileStorage, owners
 from aiocache_kv.testing.memory_storage import MemoryStorage
 from tests.conftest import small_config
@@ -159,3 +160,66 @@ async def test_deferred_checksum_is_set_by_each_cache_that_opens_the_backend(
         assert store.defer_checksum is False
     finally:
         await cache.aclose()
+
+
+class FlakyOpen(FileStorage):
+    """A ``FileStorage`` whose first ``open`` fails (a directory not mounted yet)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, capacity_bytes=None)
+        self.fails = 1
+
+    def open(self) -> None:
+        if self.fails:
+            self.fails -= 1
+            raise StorageUnavailableError("not mounted yet")
+        super().open()
+
+
+async def test_a_new_cache_may_retry_a_start_that_gave_up(tmp_path: Path) -> None:
+    """``async with`` never closes a cache whose start raised: a retry is a new cache on the
+    same backend, and the first one's claim must not refuse it (it used to, until a cyclic
+    garbage collection happened to run)."""
+    store = FlakyOpen(tmp_path / "s")
+    gc.disable()  # the claim must end without the collector's help
+    try:
+        with pytest.raises(StorageUnavailableError):
+            async with akv.HiCache(cfg(store)):
+                pass
+        async with akv.HiCache(cfg(store)) as cache:
+            cache.release(insert(cache, [1, 2, 3, 4]))
+            await cache.flush()
+            assert cache.statistics().backup_pages_ok == 2
+    finally:
+        gc.enable()
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(120)
+async def test_an_embedding_cache_may_retry_a_start_that_gave_up(
+    mooncake_master: MasterProc,
+) -> None:
+    """A start refused for its pool size ("lower pool_bytes") is retried by a new cache."""
+    store = loopback_client(mooncake_master, 64 << 20)
+    gc.disable()
+    try:
+        with pytest.raises(HostMemoryError):
+            await EmbeddingCache(pool_bytes=1 << 60, store=store, namespace="owners-r").start()
+        async with EmbeddingCache(pool_bytes=1 << 20, store=store, namespace="owners-r") as emb:
+            x = torch.ones(2, 8)
+            h = bytes(range(32))
+            await emb.insert_batch([h], [x])
+            got = await emb.get_batch([h])
+            assert got[0] is not None and torch.equal(got[0], x)
+    finally:
+        gc.enable()
+
+
+def test_a_claim_does_not_keep_the_backend_of_a_collected_owner(tmp_path: Path) -> None:
+    store = FileStorage(tmp_path / "s", capacity_bytes=None)
+    owner = Owner()
+    owners.claim(store, owner)
+    alive = weakref.ref(store)
+    del owner, store  # the owner dropped without closing
+    gc.collect()
+    assert alive() is None, "the claim registry kept the backend alive"
