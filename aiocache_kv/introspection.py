@@ -39,6 +39,7 @@ def _quota_fields(core: CacheCore) -> dict[str, Any]:
         return {}
     return {
         "quota_evictions": dict(book.evictions),
+        "quota_evictions_folded": book.evictions_folded,
         "tenant_pages": {t: book.pages(t) for t in book.usage},
     }
 

@@ -28,6 +28,7 @@ write-back / backup / prefetch latency.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from aiocache_kv.cache import HiCache
 
 PREFIX = "aiocache_kv_"
+#: a Prometheus label name (names starting with ``__`` are reserved, refused apart)
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 #: ``statistics().latency`` key -> histogram name (without the prefix)
 LATENCY_METRICS = {
     "load_back": ("load_back_seconds", "A load-back copy (host -> device), submit to applied."),
@@ -91,7 +94,9 @@ class CacheCollector:
 
     Raises:
         MissingDependencyError: ``prometheus_client`` is not installed.
-        InvalidInputError: a label name that is not a string or clashes with the metrics' own.
+        InvalidInputError: a label name that is not a string, not a valid Prometheus label
+            name (``[a-zA-Z_][a-zA-Z0-9_]*``, not starting with ``__``), or clashes with the
+            metrics' own (``tenant`` included); a value that is not a string.
     """
 
     def __init__(
@@ -107,10 +112,20 @@ class CacheCollector:
         self.prompts = prompts
         self.labels = dict(labels or {})
         reserved = {"tier", "state", "source", "direction", "outcome", "op", "kind", "le"}
-        bad = [k for k in self.labels if not isinstance(k, str) or k in reserved]
+        reserved |= {"tenant", "quantile"}
+        bad = [
+            k
+            for k in self.labels
+            if not isinstance(k, str)
+            or k in reserved
+            or not _LABEL_NAME.fullmatch(k)
+            or k.startswith("__")
+        ]
         if bad or not all(isinstance(v, str) for v in self.labels.values()):
             raise InvalidInputError(
-                f"labels must map str to str, not using {sorted(reserved)}: {self.labels!r}"
+                f"labels must map str to str, names matching {_LABEL_NAME.pattern} (not "
+                f"starting with '__') and not using {sorted(reserved)}: bad {bad!r} in "
+                f"{self.labels!r}"
             )
         if registry is not None:
             registry.register(self)
@@ -231,22 +246,28 @@ class CacheCollector:
             "counter",
             "storage_pages",
             "Storage tier pages: backed up, failed, skipped while backing off, prefetched "
-            "but discarded.",
+            "but discarded, prefetched but failing their verification at load-back.",
             "op",
             [
                 ("backup_ok", s.backup_pages_ok),
                 ("backup_failed", s.backup_pages_failed),
                 ("backup_skipped", s.backup_skipped_pages),
                 ("prefetch_discarded", s.prefetch_pages_discarded),
+                ("load_back_corrupt", s.load_back_corrupt_pages),
             ],
         )
         yield one("counter", "storage_errors", "Failed storage operations.", s.storage_errors)
         yield family(
             "counter",
             "evicted_pages",
-            "Pages whose copy in a tier was dropped by eviction.",
+            "Pages whose copy in a tier was dropped by eviction (storage: the backend "
+            "reported it evicted).",
             "tier",
-            [("device", s.evicted_pages_device), ("host", s.evicted_pages_host)],
+            [
+                ("device", s.evicted_pages_device),
+                ("host", s.evicted_pages_host),
+                ("storage", s.evicted_pages_storage),
+            ],
         )
         yield one("counter", "drops", "Drops (cache.drop) that removed something.", s.drops)
         yield family(
@@ -279,6 +300,13 @@ class CacheCollector:
             "Pages evicted to bring a tenant down to its quota, per tenant.",
             "tenant",
             sorted(s.quota_evictions.items()),
+        )
+        yield one(
+            "counter",
+            "quota_evictions_other_tenants",
+            "Quota evictions of tenants no longer counted by name (past 1,024 names: those "
+            "holding no page, without a quota of their own).",
+            s.quota_evictions_folded,
         )
         tenant_pages = prom.GaugeMetricFamily(
             PREFIX + "tenant_pages",

@@ -93,6 +93,10 @@ def tenant_of(ns: Hashable) -> str:
     return tenant if type(tenant) is str else ""
 
 
+#: per-tenant eviction counts kept by name (metric series) before idle tenants are folded
+MAX_NAMED_EVICTIONS = 1024
+
+
 class QuotaBook:
     """Budgets and pages per tenant per tier (device, host) of one tree (loop-owned).
 
@@ -106,8 +110,11 @@ class QuotaBook:
         self.usage: dict[str, list[int]] = {}
         #: per tier: the tenants over their budget there
         self.over: tuple[set[str], set[str]] = (set(), set())
-        #: pages evicted to bring a tenant down to its budget, per tenant
+        #: pages evicted to bring a tenant down to its budget, per tenant (at most about
+        #: :data:`MAX_NAMED_EVICTIONS` names: see :meth:`count_evicted`)
         self.evictions: dict[str, int] = {}
+        #: those of tenants folded out of :attr:`evictions` (no page, no quota of their own)
+        self.evictions_folded = 0
         self.on_over: Callable[[], None] | None = None
 
     def quota(self, tenant: str) -> TenantQuota | None:
@@ -162,9 +169,19 @@ class QuotaBook:
         return {"device": u[DEVICE], "host": u[HOST]}
 
     def count_evicted(self, tenant: str, pages: int) -> None:
-        """``pages`` of ``tenant`` were evicted to bring it down to its budget."""
-        if pages:
-            self.evictions[tenant] = self.evictions.get(tenant, 0) + pages
+        """``pages`` of ``tenant`` were evicted to bring it down to its budget.
+
+        Tenant names come from requests, so the per-name counts are bounded: past
+        :data:`MAX_NAMED_EVICTIONS` names, the counts of every tenant that holds no page
+        and has no quota of its own move to :attr:`evictions_folded` (one pass, so it runs
+        again only once as many new names came); the sum of both never decreases."""
+        if not pages:
+            return
+        self.evictions[tenant] = self.evictions.get(tenant, 0) + pages
+        if len(self.evictions) > MAX_NAMED_EVICTIONS:
+            idle = [t for t in self.evictions if t not in self.usage and t not in self.overrides]
+            for t in idle:
+                self.evictions_folded += self.evictions.pop(t)
 
     def check(self, recount: Mapping[str, list[int]]) -> None:
         """The ledger equals ``recount`` (tenant -> pages per tier, from the tree) and the

@@ -147,4 +147,7 @@ class CacheStatistics:
     #: per-tenant quotas (empty when none is configured): pages evicted to bring a tenant
     #: down to its budget, per tenant; and pages per tenant per tier ("device", "host")
     quota_evictions: Mapping[str, int] = field(default_factory=dict)
+    #: quota evictions of tenants folded out of ``quota_evictions`` (past 1,024 names, those
+    #: that hold no page and have no quota of their own: names come from requests)
+    quota_evictions_folded: int = 0
     tenant_pages: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
