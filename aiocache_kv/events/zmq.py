@@ -33,18 +33,19 @@ current protocol (``"map"``, the default) and the one before vllm-project/vllm#4
   ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.  msgspec decoders of
   older vLLM schemas ignore trailing elements they do not know.
 * Replay (optional ROUTER socket): a request ``[identity, b"", start_seq]`` (what a REQ or
-  DEALER client sends, ``start_seq`` 8-byte big-endian) is answered with each buffered batch
-  with ``seq >= start_seq``, oldest first, then an end marker (``END_SEQ``: -1 as an 8-byte
-  signed big-endian int).  ``"map"`` answers as vLLM does today, each reply carrying the topic
-  like a published message: ``[identity, b"", topic, seq, payload]``, ending with
-  ``[identity, b"", b"", END_SEQ, b""]``.  ``"array"`` answers in the older framing without
-  the topic: ``[identity, b"", seq, payload]``, ending with ``[identity, b"", END_SEQ, b""]``.
-  An answer (replay or snapshot) is never cut short by ZeroMQ's high-water mark: the ROUTER
-  is ``ROUTER_MANDATORY`` and each peer's answer is sent from a cursor without blocking,
-  peers taking turns (:mod:`aiocache_kv.events.zmq_replay`).  It arrives whole and in order,
-  then its end marker; or, for a peer that disconnects (dropped quietly) or leaves its pipe
-  full for :data:`~aiocache_kv.events.zmq_replay.REPLAY_STALL_TIMEOUT` seconds (30), it is
-  abandoned for that peer alone, without its end marker.
+  DEALER client sends, ``start_seq`` 8-byte big-endian; any other body, an empty one too, is
+  refused unanswered) is answered with each buffered batch with ``seq >= start_seq``, oldest
+  first, then an end marker (``END_SEQ``: -1 as an 8-byte signed big-endian int).  ``"map"``
+  answers as vLLM does today, each reply carrying the topic like a published message:
+  ``[identity, b"", topic, seq, payload]``, ending with ``[identity, b"", b"", END_SEQ, b""]``.
+  ``"array"`` answers in the older framing without the topic: ``[identity, b"", seq,
+  payload]``, ending with ``[identity, b"", END_SEQ, b""]``.  An answer (replay or snapshot)
+  is sent from a cursor of its connection without blocking, peers taking turns, never cut
+  short by ZeroMQ's high-water mark (:mod:`aiocache_kv.events.zmq_replay`: how, and its
+  bounds).  It arrives whole and in order, then its end marker; or, for a peer that
+  disconnects (dropped quietly) or leaves its pipe full for
+  :data:`~aiocache_kv.events.zmq_replay.REPLAY_STALL_TIMEOUT` seconds (30), it is abandoned,
+  without its end marker, and not sent on to a new connection with the same routing id.
 * Snapshot (on the replay socket, for a consumer that joined late or lost more than the replay
   buffer): the request ``[identity, b"", SNAPSHOT_REQUEST]`` (the bytes
   ``b"aiocache_kv/snapshot"``, never an 8-byte sequence number) is answered with the cache's
@@ -55,10 +56,11 @@ current protocol (``"map"``, the default) and the one before vllm-project/vllm#4
   not reflected in the snapshot: apply the snapshot, then every batch with ``seq >= S`` (from
   the live stream, or a replay request for ``S``).  Stored events are idempotent, so a batch
   ``>= S`` whose effect the snapshot already holds changes nothing.  A publisher with no
-  snapshot source (:meth:`ZmqEventPublisher.run` sets the cache as one) answers the end marker
-  alone with an empty last frame.  Snapshots are built at most once per
-  ``snapshot_interval`` seconds (a request sooner waits, or reuses the last one when nothing
-  was published since), so a flood of requests cannot monopolize the loop.  Each
+  snapshot source (:meth:`ZmqEventPublisher.run` sets the cache as one), or whose source
+  raised (logged), answers the end marker alone with an empty last frame.  Snapshots are
+  built (or tried) at most once per ``snapshot_interval`` seconds (a request sooner waits,
+  reuses the last one when nothing was published since, or after a failed build gets the end
+  marker alone), so a flood of requests cannot monopolize the loop.  Each
   :meth:`ZmqEventPublisher.run` makes its cache the source (a publisher reused for a new
   cache snapshots the new one), unless :meth:`ZmqEventPublisher.serve_snapshots` chose one.
   A closed cache stays a source: its snapshot is then what the stream left claimed, its
@@ -83,7 +85,7 @@ from aiocache_kv.errors import (
     MissingDependencyError,
 )
 from aiocache_kv.events.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from aiocache_kv.events.zmq_replay import Answer, ReplayServer
+from aiocache_kv.events.zmq_replay import Answer, ReplayServer, cancel_and_wait
 from aiocache_kv.logs import get_logger
 from aiocache_kv.numeric import check_int, check_real
 
@@ -308,8 +310,11 @@ class ZmqEventPublisher:
         self._snapshot_source: SnapshotSource | None = None
         #: the source was chosen with :meth:`serve_snapshots`: ``run`` leaves it alone
         self._source_chosen = False
-        #: the last snapshot: (monotonic time built, S, encoded messages, its source)
-        self._last_snapshot: tuple[float, int, list[bytes], SnapshotSource] | None = None
+        #: the last snapshot (S, messages, source), the source whose last build failed, and
+        #: when the last build was tried (monotonic)
+        self._last_snapshot: tuple[int, list[bytes], SnapshotSource] | None = None
+        self._failed_source: SnapshotSource | None = None
+        self._built_at = float("-inf")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -339,8 +344,8 @@ class ZmqEventPublisher:
 
     @property
     def replays_abandoned(self) -> int:
-        """Replay and snapshot answers given up: the peer went away, or left its pipe full
-        for :data:`~aiocache_kv.events.zmq_replay.REPLAY_STALL_TIMEOUT` seconds."""
+        """Replay and snapshot answers begun and given up: the peer's connection went, or it
+        left its pipe full for :data:`~aiocache_kv.events.zmq_replay.REPLAY_STALL_TIMEOUT` s."""
         return 0 if self._replay_server is None else self._replay_server.abandoned
 
     async def start(self) -> None:
@@ -364,12 +369,7 @@ class ZmqEventPublisher:
             self._bind(self._pub, "endpoint", self._endpoint)
             if self._replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                # a full pipe fails a send (EAGAIN) instead of dropping it silently
-                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                self._bind(self._replay, "replay_endpoint", self._replay_endpoint)
-                # vLLM's current replies carry the topic like a published message; older
-                # ones do not
+                # vLLM's current replies carry the topic like a published message
                 topic: tuple[bytes, ...] = (
                     (self._topic_bytes,) if self.event_encoding == "map" else ()
                 )
@@ -379,7 +379,9 @@ class ZmqEventPublisher:
                     self._answer,
                     reply_prefix=topic,
                     end_prefix=(b"", END_SEQ) if topic else (END_SEQ,),
-                )
+                    snapshot_request=SNAPSHOT_REQUEST,
+                )  # sets the socket's options: before it binds
+                self._bind(self._replay, "replay_endpoint", self._replay_endpoint)
                 self._replay_task = asyncio.get_running_loop().create_task(
                     self._replay_server.serve(), name="zmq-kv-events-replay"
                 )
@@ -395,19 +397,22 @@ class ZmqEventPublisher:
             raise ConfigError(f"{name} {endpoint!r} could not be bound: {exc}") from exc
 
     async def aclose(self) -> None:
-        """Stop serving replay, end :meth:`run`, close the sockets.  Idempotent."""
+        """Stop serving replay, end :meth:`run`, close the sockets.  Idempotent.  A caller
+        cancelled meanwhile: the sockets still close, then its ``CancelledError`` propagates."""
         if self._closed.is_set():
             return
         self._closed.set()
-        if self._replay_task is not None:
-            self._replay_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._replay_task
-            self._replay_task = None
-        async with self._lock:  # a publish in progress finishes first
-            self._close_sockets()
+        task, self._replay_task = self._replay_task, None
+        try:
+            if task is not None:
+                await cancel_and_wait(task)  # a cancelled caller: still closes, then raises
+        finally:
+            async with self._lock:  # a publish in progress finishes first
+                self._close_sockets()
 
     def _close_sockets(self) -> None:
+        if self._replay_server is not None:
+            self._replay_server.close()  # its monitor, before the socket and the context
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
@@ -482,9 +487,8 @@ class ZmqEventPublisher:
                 nxt = asyncio.ensure_future(_next_event(stream))
                 await asyncio.wait((nxt, closed), return_when=asyncio.FIRST_COMPLETED)
                 if not nxt.done():
-                    nxt.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                        await nxt
+                    with contextlib.suppress(StopAsyncIteration):
+                        await cancel_and_wait(nxt)
                     return
                 try:
                     first = nxt.result()
@@ -497,9 +501,7 @@ class ZmqEventPublisher:
                     return
                 await self.publish(batch)
         finally:
-            closed.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await closed
+            await cancel_and_wait(closed)
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
@@ -513,25 +515,24 @@ class ZmqEventPublisher:
         self._snapshot_source = source
         self._source_chosen = source is not None
 
-    def _snapshot(self, source: SnapshotSource) -> tuple[int, list[bytes]]:
+    def _snapshot(self, source: SnapshotSource) -> tuple[int, list[bytes]] | None:
         """Build and encode a snapshot now (on the loop, no await: the state and ``S`` are
-        taken at one instant)."""
-        events = source.snapshot_events()
+        taken at one instant); ``None``: the source raised (logged)."""
+        self._built_at = time.monotonic()
+        try:
+            events = source.snapshot_events()
+        except Exception as exc:
+            self._failed_source = source
+            log.warning("kv_events_snapshot_failed", error=repr(exc))
+            return None
+        self._failed_source = None
         start = self._next_seq
         ts = time.time()
-        payloads = [
-            _pack(
-                self._msgpack,
-                events[i : i + SNAPSHOT_CHUNK],
-                ts,
-                self.data_parallel_rank,
-                self.event_encoding,
-                self.publish_cache_salt,
-            )
-            for i in range(0, len(events), SNAPSHOT_CHUNK)
-        ]
+        how = (self.data_parallel_rank, self.event_encoding, self.publish_cache_salt)
+        chunks = [events[i : i + SNAPSHOT_CHUNK] for i in range(0, len(events), SNAPSHOT_CHUNK)]
+        payloads = [_pack(self._msgpack, chunk, ts, *how) for chunk in chunks]
         self.snapshots_built += 1
-        self._last_snapshot = (time.monotonic(), start, payloads, source)
+        self._last_snapshot = (start, payloads, source)
         log.info("kv_events_snapshot", events=len(events), messages=len(payloads), seq=start)
         return start, payloads
 
@@ -547,14 +548,16 @@ class ZmqEventPublisher:
         if source is None:
             return [], b""  # the end marker alone
         last = self._last_snapshot
-        if last is not None and last[1] == self._next_seq and last[3] is source:
-            start, payloads = last[1], last[2]  # nothing published since: still exact
+        if last is not None and last[0] == self._next_seq and last[2] is source:
+            start, payloads = last[0], last[1]  # nothing published since: still exact
+        elif (wait := self._built_at + self.snapshot_interval - time.monotonic()) > 0:
+            # not due yet; after a failed build, no snapshot at all until it is
+            return wait if self._failed_source is not source else ([], b"")
         else:
-            if last is not None:
-                wait = last[0] + self.snapshot_interval - time.monotonic()
-                if wait > 0:
-                    return wait
-            start, payloads = self._snapshot(source)
+            built = self._snapshot(source)
+            if built is None:
+                return [], b""  # the source failed (logged): the end marker alone
+            start, payloads = built
         return [(start, payload) for payload in payloads], start.to_bytes(8, "big")
 
 
