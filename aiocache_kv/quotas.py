@@ -115,6 +115,7 @@ class QuotaBook:
         self.evictions: dict[str, int] = {}
         #: those of tenants folded out of :attr:`evictions` (no page, no quota of their own)
         self.evictions_folded = 0
+        self._fold_at = MAX_NAMED_EVICTIONS  # names past which the next fold pass runs
         self.on_over: Callable[[], None] | None = None
 
     def quota(self, tenant: str) -> TenantQuota | None:
@@ -173,15 +174,17 @@ class QuotaBook:
 
         Tenant names come from requests, so the per-name counts are bounded: past
         :data:`MAX_NAMED_EVICTIONS` names, the counts of every tenant that holds no page
-        and has no quota of its own move to :attr:`evictions_folded` (one pass, so it runs
-        again only once as many new names came); the sum of both never decreases."""
+        and has no quota of its own move to :attr:`evictions_folded` (one pass; the next
+        runs once the names left have doubled, so the passes cost O(1) a call even when
+        most names cannot be folded); the sum of both never decreases."""
         if not pages:
             return
         self.evictions[tenant] = self.evictions.get(tenant, 0) + pages
-        if len(self.evictions) > MAX_NAMED_EVICTIONS:
+        if len(self.evictions) > self._fold_at:
             idle = [t for t in self.evictions if t not in self.usage and t not in self.overrides]
             for t in idle:
                 self.evictions_folded += self.evictions.pop(t)
+            self._fold_at = max(MAX_NAMED_EVICTIONS, 2 * len(self.evictions))
 
     def check(self, recount: Mapping[str, list[int]]) -> None:
         """The ledger equals ``recount`` (tenant -> pages per tier, from the tree) and the
