@@ -485,7 +485,7 @@ class FileStorage(FileWrites):
         results = [False] * n
         names = [file_name(k) for k in keys]
         with self._lock:  # the entry each read is planned against (see _forget)
-            seen = {i: self._index.generation(name) for i, name in enumerate(names)}
+            seen = list(map(self._index.generation, names))
         todo = [i for i in range(n) if seen[i] is not None]
         misses = n - len(todo)
         hits = read_bytes = 0
