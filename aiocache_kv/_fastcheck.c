@@ -128,6 +128,68 @@ static PyObject *first_bad_token(PyObject *self, PyObject *const *args, Py_ssize
     return PyLong_FromSsize_t(scan_tokens(((PyListObject *)arg)->ob_item, i, n, 0, NULL));
 }
 
+/* exact_ints(tokens) -> tokens itself when no item is an int subclass (a bool, an IntEnum, a
+ * hostile subclass), else a new list in which each such item is an exact int of its value.
+ * No Python code runs: an int subclass's value is read from the object (no __index__,
+ * __hash__ or __eq__ is called), so a later tree walk cannot run a caller's code that changes
+ * the list under it.  Items that are not ints, and values out of a long long's range, stay as
+ * they are (the token check names them). */
+static PyObject *exact_ints(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    if (!PyList_CheckExact(arg)) {
+        PyErr_SetString(PyExc_TypeError, "exact_ints needs a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    PyObject **items = ((PyListObject *)arg)->ob_item;
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        if ((Py_TYPE(items[i]) != &PyLong_Type) | (Py_TYPE(items[i + 1]) != &PyLong_Type) |
+            (Py_TYPE(items[i + 2]) != &PyLong_Type) | (Py_TYPE(items[i + 3]) != &PyLong_Type)) {
+            break;
+        }
+    }
+    for (; i < n; i++) {
+        PyObject *item = items[i];
+        if (!PyLong_CheckExact(item) && PyLong_Check(item)) {
+            break;
+        }
+    }
+    if (i == n) {
+        Py_INCREF(arg);
+        return arg;
+    }
+    PyObject *out = PyList_GetSlice(arg, 0, n); /* new references to the same items */
+    if (out == NULL) {
+        return NULL;
+    }
+    items = ((PyListObject *)out)->ob_item;
+    for (; i < n; i++) {
+        PyObject *item = items[i];
+        if (PyLong_CheckExact(item) || !PyLong_Check(item)) {
+            continue;
+        }
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow != 0) {
+            continue;
+        }
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *exact = PyLong_FromLongLong(v);
+        if (exact == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        items[i] = exact; /* the list owned the old item's reference */
+        Py_DECREF(item);
+    }
+    return out;
+}
+
 /* checked_key(tokens, start, pos, n) -> first_bad_token(tokens, start) if it is >= 0, else a
  * new list tokens[pos:n], out of the cyclic collector's view when its items are exact ints
  * (see _gcfree.c; items before start are the caller's: a tree walk matched them as ints);
@@ -463,6 +525,7 @@ static PyObject *page_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
 static PyMethodDef methods[] = {
     {"first_bad_token", (PyCFunction)(void (*)(void))first_bad_token, METH_FASTCALL,
      "Index of the first non-token (from start), or -1."},
+    {"exact_ints", exact_ints, METH_O, "The list, or a copy with int subclasses made exact."},
     {"checked_key", (PyCFunction)(void (*)(void))checked_key, METH_FASTCALL,
      "first_bad_token(tokens, start) if >= 0, else tokens[pos:n], untracked."},
     {"slot_pages", slot_pages, METH_VARARGS, "Page ids of whole-page slot runs (status code)."},

@@ -20,6 +20,9 @@ from aiocache_kv.extensions import optional_extension
 from aiocache_kv.gcfree import keep
 from aiocache_kv.tree.hashing import MAX_TOKEN_ID
 
+#: the range of a C ``long long`` (:func:`py_exact_ints` leaves other values as they are)
+_LL_MIN, _LL_MAX = -(2**63), 2**63 - 1
+
 #: :func:`slot_pages` codes
 SLOTS_OK, SLOTS_OUT_OF_RANGE, SLOTS_NOT_PAGES = 0, 1, 2
 
@@ -49,6 +52,24 @@ def py_first_bad_token(tokens: list[Any], start: int = 0) -> int:
     return next(
         i for i, t in enumerate(tokens) if not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID
     )
+
+
+def py_exact_ints(tokens: list[Any]) -> list[Any]:
+    """``tokens`` itself when no item is an ``int`` subclass (a ``bool``, an ``IntEnum``, a
+    hostile subclass), else a new list in which each such item whose value fits a C
+    ``long long`` is an exact ``int`` of that value.  No code of the items runs
+    (``int.__int__`` copies the value; no ``__index__``, ``__hash__`` or ``__eq__``), so a
+    later tree walk cannot run a caller's code that changes the list under it.  Other items
+    stay as they are (the token check names them).
+    """
+    if all(type(t) is int or not issubclass(type(t), int) for t in tokens):
+        return tokens
+    return [
+        int.__int__(t)
+        if type(t) is not int and issubclass(type(t), int) and _LL_MIN <= int.__int__(t) <= _LL_MAX
+        else t
+        for t in tokens
+    ]
 
 
 def py_checked_key(tokens: list[Any], start: int, pos: int, n: int) -> int | list[int]:
@@ -173,6 +194,7 @@ FASTCHECK_IMPL = "python" if _EXT is None else "c"
 
 first_bad_token = py_first_bad_token if _EXT is None else _EXT.first_bad_token
 checked_key = py_checked_key if _EXT is None else _EXT.checked_key
+exact_ints = py_exact_ints if _EXT is None else _EXT.exact_ints
 slot_pages = py_slot_pages if _EXT is None else _EXT.slot_pages
 first_repeat = py_first_repeat if _EXT is None else _EXT.first_repeat
 held_check = py_held_check if _EXT is None else _EXT.held_check
@@ -188,6 +210,7 @@ __all__ = [
     "SLOTS_OK",
     "SLOTS_OUT_OF_RANGE",
     "checked_key",
+    "exact_ints",
     "first_bad_token",
     "first_repeat",
     "held_check",

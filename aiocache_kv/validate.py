@@ -14,7 +14,9 @@ from aiocache_kv.errors import InvalidInputError, InvalidTypeError
 
 def token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
     """``tokens`` as a non-empty list whose items are still to be checked
-    (:func:`check_token_ints`): the form and the container, not the values.
+    (:func:`check_token_ints`): the form and the container, not the values.  An item of an
+    ``int`` subclass is replaced by an exact ``int`` of its value (in a new list), so no code
+    of the caller's runs while the tree walks the tokens.
 
     Raises:
         InvalidTypeError: not a list/tuple/1-D integer tensor.
@@ -37,7 +39,8 @@ def token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
         raise InvalidTypeError(f"tokens must be a list of ints, got {type(tokens).__name__}")
     if not out:
         raise InvalidInputError("tokens must not be empty")
-    return out
+    # int subclasses (a bool, an IntEnum) become exact ints: no caller code runs in a walk
+    return fastcheck.exact_ints(out)
 
 
 def check_token_ints(tokens: list[Any], start: int = 0) -> None:

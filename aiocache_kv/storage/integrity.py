@@ -85,6 +85,7 @@ import torch
 from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.extensions import optional_extension
 from aiocache_kv.logs import get_logger
+from aiocache_kv.numeric import check_int
 from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.keys import MAX_KEY_LEN, check_keys
 
@@ -531,8 +532,8 @@ def verify_many(
     (``_pageio``): used instead of a second pass where ``bytes`` is the payload's length.
 
     Raises:
-        InvalidInputError: lengths differ, or an identity is not ``bytes`` of
-            :data:`IDENTITY_BYTES`.
+        InvalidInputError: lengths differ, a size is neither ``None`` nor an ``int``, or an
+            identity is not ``bytes`` of :data:`IDENTITY_BYTES`.
     """
     if nbytes_read is None:
         nbytes_read = [None] * len(buffers)
@@ -540,6 +541,9 @@ def verify_many(
         raise InvalidInputError(
             f"{len(keys)} keys, {len(buffers)} buffers, {len(nbytes_read)} sizes"
         )
+    odd = [i for i, size in enumerate(nbytes_read) if size is not None and type(size) is not int]
+    if odd:  # the C reads ints only; the reference alone would compare any number
+        check_int(f"nbytes_read[{odd[0]}]", nbytes_read[odd[0]])
     idents = identities_for(keys, identities)
     if sums is not None and len(sums) != len(buffers):
         raise InvalidInputError(f"{len(buffers)} buffers but {len(sums)} sums")
