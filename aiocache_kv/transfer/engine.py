@@ -32,6 +32,7 @@ import asyncio
 import enum
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -241,49 +242,23 @@ class ThreadCopyEngine:
         self._idle = idle
         self._queue: queue.SimpleQueue[tuple[_Job, Done] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the worker thread; completions go to ``loop``."""
-        self._loop = loop
-        self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+        # the thread holds neither the engine nor a finished job, so a cache dropped unclosed
+        # is collected (ending its claim on a storage backend), and with it the engine, whose
+        # finalizer stops the thread
+        setup = (self._name, self._threads, self._nice, self._idle)
+        self._thread = threading.Thread(
+            target=_work, args=(self._queue, loop, *setup), name=self._name, daemon=True
+        )
         self._thread.start()
+        weakref.finalize(self, self._queue.put, None)
 
     def submit(self, job: _Job, done: Done) -> None:
         """Queue ``job`` for the worker."""
         assert self._thread is not None, "engine not started"
         self._queue.put((job, done))
-
-    def _work(self) -> None:
-        loop = self._loop
-        assert loop is not None
-        # a setup that raises fails every job (none runs), rather than killing the worker
-        # and leaving each copy's completion, and whoever awaits it, waiting forever
-        broken: BaseException | None = None
-        try:
-            # first: the OpenMP threads started below inherit the priority
-            if not (self._idle and idle_current_thread()):
-                lower_current_thread(self._nice)
-            if self._threads is not None:
-                torch.set_num_threads(self._threads)
-        except Exception as exc:
-            log.error("copy_worker_setup_failed", worker=self._name, error=repr(exc))
-            broken = exc
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            job, done = item
-            err: BaseException | None = broken
-            if broken is None:
-                try:
-                    job.run()
-                except BaseException as exc:  # delivered to the loop, never swallowed
-                    err = exc
-            try:
-                loop.call_soon_threadsafe(done, err)
-            except RuntimeError:  # loop closed: nobody is waiting any more
-                log.warning("copy completion dropped: event loop closed")
 
     async def aclose(self) -> None:
         """Let queued jobs finish, then join the worker (off the loop)."""
@@ -292,6 +267,46 @@ class ThreadCopyEngine:
         self._queue.put(None)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+
+
+def _work(
+    jobs: queue.SimpleQueue[tuple[_Job, Done] | None],
+    loop: asyncio.AbstractEventLoop,
+    name: str,
+    threads: int | None,
+    nice: int,
+    idle: bool,
+) -> None:
+    """A :class:`ThreadCopyEngine`'s worker thread: run the jobs in order, each completion
+    handed to ``loop``; ``None`` stops it."""
+    # a setup that raises fails every job (none runs), rather than killing the worker
+    # and leaving each copy's completion, and whoever awaits it, waiting forever
+    broken: BaseException | None = None
+    try:
+        # first: the OpenMP threads started below inherit the priority
+        if not (idle and idle_current_thread()):
+            lower_current_thread(nice)
+        if threads is not None:
+            torch.set_num_threads(threads)
+    except Exception as exc:
+        log.error("copy_worker_setup_failed", worker=name, error=repr(exc))
+        broken = exc
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        job, done = item
+        err: BaseException | None = broken
+        if broken is None:
+            try:
+                job.run()
+            except BaseException as exc:  # delivered to the loop, never swallowed
+                err = exc
+        try:
+            loop.call_soon_threadsafe(done, err)
+        except RuntimeError:  # loop closed: nobody is waiting any more
+            log.warning("copy completion dropped: event loop closed")
+        del item, job, done, err  # nothing of a finished job stays alive while waiting
 
 
 class CudaCopyEngine:

@@ -11,7 +11,9 @@ changes.
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import threading
 import weakref
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from aiocache_kv.errors import ConfigError, HostMemoryError, StorageUnavailableE
 from aiocache_kv.storage import FileStorage, owners
 from aiocache_kv.testing.memory_storage import MemoryStorage
 from tests.conftest import small_config
+from tests.flaky_stores import FlakyFile
 from tests.test_split_ack import insert
 
 from .conftest import MasterProc, loopback_client
@@ -88,6 +91,36 @@ async def test_claim_of_a_cache_collected_unclosed_is_void(tmp_path: Path) -> No
     assert not owners.usable_by(store, Owner())
     owners.release(store, other)
     assert owners.usable_by(store, Owner())
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+async def test_a_started_cache_dropped_unclosed_is_collected(tmp_path: Path) -> None:
+    """Found by an adversarial round: the copy worker kept its last job (whose completion
+    leads to the cache) alive while it waited for the next, and the thread held the engine,
+    so a cache dropped unclosed after one insert was never collected and its claim never
+    ended: every new cache on the backend was refused, and the pools and the thread leaked."""
+    store = FileStorage(tmp_path / "s", capacity_bytes=None)
+    before = set(threading.enumerate())
+    first = akv.HiCache(cfg(store))
+    await first.start()
+    first.release(insert(first, [1, 2, 3, 4]))
+    await first.flush()
+    workers = {t for t in set(threading.enumerate()) - before if t.name == "aiocache-kv-copy"}
+    assert workers, "no copy worker running"
+    gone = weakref.ref(first)
+    del first
+    for _ in range(200):  # a worker may hold its last job for an instant after its hand-off
+        gc.collect()
+        if gone() is None:
+            break
+        await asyncio.sleep(0.01)
+    assert gone() is None, "a started cache dropped unclosed stays alive"
+    for t in workers:
+        await asyncio.to_thread(t.join, 10)
+        assert not t.is_alive(), "the collected cache's copy worker still runs"
+    async with akv.HiCache(cfg(store)) as second:  # the claim ended with the cache
+        res = await second.prefetch([1, 2, 3, 4], policy="wait_complete")
+        assert res.hit_tokens == 4
 
 
 @pytest.mark.mooncake
@@ -162,25 +195,11 @@ async def test_deferred_checksum_is_set_by_each_cache_that_opens_the_backend(
         await cache.aclose()
 
 
-class FlakyOpen(FileStorage):
-    """A ``FileStorage`` whose first ``open`` fails (a directory not mounted yet)."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path, capacity_bytes=None)
-        self.fails = 1
-
-    def open(self) -> None:
-        if self.fails:
-            self.fails -= 1
-            raise StorageUnavailableError("not mounted yet")
-        super().open()
-
-
 async def test_a_new_cache_may_retry_a_start_that_gave_up(tmp_path: Path) -> None:
     """``async with`` never closes a cache whose start raised: a retry is a new cache on the
     same backend, and the first one's claim must not refuse it (it used to, until a cyclic
     garbage collection happened to run)."""
-    store = FlakyOpen(tmp_path / "s")
+    store = FlakyFile(tmp_path / "s")
     gc.disable()  # the claim must end without the collector's help
     try:
         with pytest.raises(StorageUnavailableError):
