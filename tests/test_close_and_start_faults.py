@@ -28,6 +28,7 @@ from aiocache_kv.errors import InvalidTypeError, StorageUnavailableError
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.testing import MemoryStorage, RandomDelayEngine
 from tests.conftest import small_config
+from tests.flaky_stores import FlakyMemory
 from tests.test_split_ack import insert
 
 A = list(range(10, 42))
@@ -212,25 +213,11 @@ async def test_invariants_hold_after_closing_with_live_handles() -> None:
     del r
 
 
-class FlakyOpen(MemoryStorage):
-    """Its first ``open`` fails."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fail_next = True
-
-    def open(self) -> None:
-        if self.fail_next:
-            self.fail_next = False
-            raise StorageUnavailableError("injected: the first open fails")
-        super().open()
-
-
 async def test_a_retried_start_has_one_storage_tier_hooked() -> None:
     """The tier a failed start built is unhooked: a split of a node whose backup is in flight
     retargets that backup once (twice, its put landed on duplicated heads and the ack tripped
     an assertion, then ``flush`` hung)."""
-    store = FlakyOpen()
+    store = FlakyMemory()
     cache = akv.HiCache(small_config(storage=store, device_pages=32, host_pages=64))
     with pytest.raises(StorageUnavailableError):
         await cache.start()
@@ -282,7 +269,7 @@ async def test_a_file_storage_start_cancelled_then_retried(tmp_path: Path) -> No
 async def test_aclose_twice_on_a_cache_that_never_ran(started: str) -> None:
     """A second ``aclose`` of a cache closed before it ran returns at once (it started the
     close sequence of a cache with no pools)."""
-    store = FlakyOpen()
+    store = FlakyMemory()
     cache = akv.HiCache(small_config(storage=store))
     if started == "failed":
         with pytest.raises(StorageUnavailableError):

@@ -25,20 +25,7 @@ import aiocache_kv as akv
 from aiocache_kv.errors import AgreementError, StorageUnavailableError
 from aiocache_kv.testing import MemoryStorage, RandomDelayEngine
 from tests.distributed.tp_worker import PROMPT, config, fill, init_group, run_rank, shape
-
-
-class FlakyOpen(MemoryStorage):
-    """Its first ``open`` fails when ``fail`` is set."""
-
-    def __init__(self, fail: bool) -> None:
-        super().__init__()
-        self.fail = fail
-
-    def open(self) -> None:
-        if self.fail:
-            self.fail = False
-            raise StorageUnavailableError("injected: the first open fails")
-        super().open()
+from tests.flaky_stores import FlakyMemory
 
 
 def insert_prompt(cache: akv.HiCache) -> None:
@@ -49,7 +36,7 @@ def insert_prompt(cache: akv.HiCache) -> None:
 
 async def retry_start(args: argparse.Namespace, group: akv.TorchTPGroup) -> dict[str, Any]:
     """Rank 1's first start fails and it starts again: every rank agrees as one."""
-    store = FlakyOpen(fail=args.rank == 1)
+    store = FlakyMemory(fails=1 if args.rank == 1 else 0)
     cache = akv.HiCache(config(store, prefetch_policy="wait_complete"), tp_group=group)
     out: dict[str, Any] = {"retried": False}
     try:
