@@ -119,8 +119,8 @@ class HiCache(CacheControls, CacheReports):
 
         Raises:
             HostMemoryError: the host pools do not fit in available RAM minus the reserve.
-            ConfigError: the device pool does not fit (on cpu: in available RAM; on cuda: in
-                the device's free memory), or CUDA was asked for and is not available.
+            ConfigError: the device pool does not fit (in RAM on cpu, in free device memory on
+                cuda), CUDA is not available, or TP ranks are configured differently.
             CacheClosedError: the cache was already started.
             StorageUnavailableError / StorageTimeoutError: the storage cannot be opened.
         """
@@ -136,8 +136,8 @@ class HiCache(CacheControls, CacheReports):
             if cfg.storage is not None:
                 self._l3 = StorageTier(core, cfg.storage)
                 await self._l3.start()
+            await core.coordinator.start(loop)  # TP: checks every rank's layout first
             self._engine.start(loop)
-            core.coordinator.start(loop)
         except BaseException:
             abandon(self._l3, self._tier_closes)  # unhooked, its workers stop (shutdown.py)
             self._l3 = None

@@ -23,6 +23,7 @@ from aiocache_kv.components import usable_end
 from aiocache_kv.config import CacheConfig
 from aiocache_kv.distributed.coordinator import Coordinator, coordinator_for
 from aiocache_kv.distributed.group import TPGroup
+from aiocache_kv.distributed.layout import tp_layout
 from aiocache_kv.errors import CapacityError, InvalidInputError, OwnershipError
 from aiocache_kv.events import BlockRemoved, BlockStored, EventLog, KVEvent
 from aiocache_kv.events.kv_events import namespace_fields
@@ -78,7 +79,7 @@ class CacheCore:
         self.device = torch.device(config.device)
         self.tp_group = tp_group
         #: applies completions at once (one rank) or through agreements (TP)
-        self.coordinator: Coordinator = coordinator_for(tp_group)
+        self.coordinator: Coordinator = coordinator_for(tp_group, tp_layout(config))
         self.tree = RadixTree(config.page_size, on_split=self._on_split)
         self.events = EventLog(enabled=config.enable_kv_events)
         self.counters = CacheCounters()

@@ -58,8 +58,8 @@ def test_node_keys_and_hashes_stay_untracked_through_splits() -> None:
 @pytest.mark.parametrize("p", [1, 4])
 async def test_an_inserts_new_key_is_made_untracked_in_the_check(p: int) -> None:
     """Through ``HiCache.insert`` the new leaf's key comes from the walk's token check
-    (``fastcheck.checked_key``): untracked for exact ints, tracked when a token is a ``bool``
-    (an int subclass: valid, but its list is left to the collector)."""
+    (``fastcheck.checked_key``): untracked, also when a token was a ``bool`` (an int
+    subclass, made an exact int before the walk: ``fastcheck.exact_ints``)."""
     _c()
     from aiocache_kv import HiCache
     from tests.conftest import small_config
@@ -73,7 +73,8 @@ async def test_an_inserts_new_key_is_made_untracked_in_the_check(p: int) -> None
         more[8 * p + 1] = True  # a bool in the part after the cached prefix
         m = cache.match_prefix(toks)
         r2 = cache.insert(more, cache.alloc(4 * p), prefix=m)
-        assert r2.node.key == more[8 * p :] and gc.is_tracked(r2.node.key)
+        assert r2.node.key == more[8 * p :] and not gc.is_tracked(r2.node.key)
+        assert {type(t) for t in r2.node.key} == {int} and more[8 * p + 1] is True
         cache.release(r2)
         cache.release(m)
         cache.check_invariants()

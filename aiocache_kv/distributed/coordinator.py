@@ -16,17 +16,23 @@ The rest of the cache asks the coordinator instead of branching on the world siz
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from aiocache_kv.distributed.acks import AckQueue
 from aiocache_kv.distributed.agreement import Request, Sequencer
 from aiocache_kv.distributed.group import TPGroup
+from aiocache_kv.distributed.layout import digest
+from aiocache_kv.errors import ConfigError
 
 T = TypeVar("T")
 
 
 async def _nothing() -> None:
+    return None
+
+
+def _plan_nothing(agreed: list[int]) -> None:
     return None
 
 
@@ -69,8 +75,8 @@ class Coordinator(Protocol):
         """Agreements taken and not applied yet (0 with one rank)."""
         ...
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start agreeing in the background (TP)."""
+    async def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start agreeing in the background (TP), once every rank has the same layout."""
         ...
 
     async def aclose(self) -> None:
@@ -110,7 +116,7 @@ class LocalCoordinator:
         """No agreements exist."""
         return 0
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Nothing to start."""
 
     async def aclose(self) -> None:
@@ -122,8 +128,10 @@ class AgreedCoordinator:
 
     deferred = True
 
-    def __init__(self, group: TPGroup) -> None:
+    def __init__(self, group: TPGroup, layout: Mapping[str, str] | None = None) -> None:
         self.group = group
+        #: settings every rank must share (:mod:`.layout`), checked at :meth:`start`
+        self.layout = dict(layout or {})
         self._queues: list[AckQueue[Any]] = []
         self._seq: Sequencer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -143,11 +151,38 @@ class AgreedCoordinator:
         assert self._seq is None, "a queue unregistered after the agreements started"
         self._queues.remove(queue)
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the background agreement task."""
+    async def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the background agreement task; its first collective checks that every rank
+        has the same :attr:`layout` and agreement queues (:mod:`.layout`).
+
+        Raises:
+            ConfigError: the ranks differ (on every rank, naming the fields that differ and
+                this rank's values); the task is stopped again.
+            AgreementError: the collective failed.
+        """
         self._loop = loop
-        self._seq = Sequencer(self.group, loop)
-        self._seq.start()
+        seq = self._seq = Sequencer(self.group, loop)
+        seq.start()
+        fields = {**self.layout, "agreement queues": repr([q.name for q in self._queues])}
+        names = sorted(fields)
+        sums = [digest(fields[n]) for n in names]
+        differ: list[str] = []
+
+        def pack() -> list[int]:
+            return [v for x in sums for v in (x, -x)]
+
+        def compare(agreed: list[int]) -> None:  # MIN of x and of -x: the same iff all equal
+            differ.extend(n for i, n in enumerate(names) if agreed[2 * i] != -agreed[2 * i + 1])
+
+        try:
+            await seq.settle(seq.submit(Request(_nothing, pack, _plan_nothing, compare)))
+            if differ:
+                shown = ", ".join(f"{n} (this rank: {fields[n]})" for n in differ)
+                raise ConfigError(f"tensor-parallel ranks are configured differently: {shown}")
+        except BaseException:
+            self._seq = None  # (a start that gave up may unregister its queues)
+            await seq.aclose()
+            raise
 
     def track(self, queue: AckQueue[T], op: T) -> None:
         """Queue ``op`` for agreement."""
@@ -249,9 +284,20 @@ class AgreedCoordinator:
             await self._seq.aclose()
 
 
-def coordinator_for(group: TPGroup) -> LocalCoordinator | AgreedCoordinator:
-    """The coordinator for ``group``'s world size."""
-    return AgreedCoordinator(group) if group.world_size > 1 else LocalCoordinator()
+def coordinator_for(
+    group: TPGroup, layout: Mapping[str, str] | None = None
+) -> LocalCoordinator | AgreedCoordinator:
+    """The coordinator for ``group``'s world size (``layout``: what its ranks must share).
+
+    Raises:
+        ConfigError: the group's rank or world size is out of range.
+    """
+    rank, world = group.rank, group.world_size
+    if not (type(world) is int and type(rank) is int and 0 <= rank < world):
+        raise ConfigError(
+            f"a TP group needs 0 <= rank < world_size, got rank={rank!r} world_size={world!r}"
+        )
+    return AgreedCoordinator(group, layout) if world > 1 else LocalCoordinator()
 
 
 __all__ = ["AgreedCoordinator", "Coordinator", "LocalCoordinator", "coordinator_for"]

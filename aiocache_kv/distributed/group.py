@@ -47,7 +47,8 @@ class TorchTPGroup:
     """A ``torch.distributed`` process group (gloo on CPU for the control plane).
 
     Raises:
-        ConfigError: ``torch.distributed`` is not initialized.
+        ConfigError: ``torch.distributed`` is not initialized, or this process is not a
+            member of ``group``.
     """
 
     def __init__(self, group: Any = None) -> None:
@@ -59,6 +60,11 @@ class TorchTPGroup:
         self._group = group
         self._rank = dist.get_rank(group)
         self._world = dist.get_world_size(group)
+        if not 0 <= self._rank < self._world:  # (-1 and -1 for a group without this process)
+            raise ConfigError(
+                f"this process is not a member of the group {group!r}: rank {self._rank}, "
+                f"world size {self._world}"
+            )
         self.calls = 0  #: collectives issued (one per agreement)
 
     @property

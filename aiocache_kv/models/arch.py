@@ -216,12 +216,13 @@ def check_token_ids(model: Any, tokens: Sequence[int] | torch.Tensor) -> list[in
         InvalidInputError: empty, or an id outside ``[0, vocab_size)`` (the message names the
             first one, its position and the vocabulary size).
     """
-    toks = list(check_tokens(tokens))  # ints in [0, 2**63): only the top needs checking
-    if bool in set(map(type, toks)):  # an int to check_tokens, not a token to a model
-        at = next(i for i, t in enumerate(toks) if type(t) is bool)
+    # a bool is an int to check_tokens (which makes it one), not a token to a model
+    if isinstance(tokens, (list, tuple)) and bool in set(map(type, tokens)):
+        at = next(i for i, t in enumerate(tokens) if type(t) is bool)
         raise InvalidTypeError(
-            f"tokens must be ints, not bools; found {toks[at]!r} at position {at}"
+            f"tokens must be ints, not bools; found {tokens[at]!r} at position {at}"
         )
+    toks = list(check_tokens(tokens))  # ints in [0, 2**63): only the top needs checking
     vocab = vocab_size(model)
     if max(toks) >= vocab:
         at = next(i for i, t in enumerate(toks) if t >= vocab)

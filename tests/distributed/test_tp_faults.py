@@ -1,6 +1,7 @@
 """What one tensor-parallel rank does alone must not part the ranks (real gloo ranks on
 127.0.0.1).
 
+* Ranks configured differently are refused at start, on every rank, naming what differs.
 * A rank whose first ``start`` failed and which started again registered the abandoned
   storage tier's agreement queue too: its vectors were wider than its peers' and gloo aborted
   the process at the first agreement.
@@ -30,6 +31,24 @@ async def test_a_rank_that_retried_its_start_agrees_with_the_others(tmp_path: Pa
     assert results[0]["shape"] == results[1]["shape"]
     assert results[0]["collectives"] == results[1]["collectives"]
     assert results[0]["backup_ok"] == results[1]["backup_ok"] > 0
+
+
+async def test_ranks_configured_differently_are_refused_at_start(tmp_path: Path) -> None:
+    """Found by an adversarial round: a rank with a storage tier and one without issued
+    agreement vectors of different lengths; gloo answered garbage on the shorter rank (its
+    first agreement "succeeded") and both failed only at the group's timeout, naming nothing.
+    The first collective of a start now compares the ranks' layouts."""
+    results = await run_ranks(2, tmp_path, "--scenario", "misconfigured", worker=WORKER)
+    for r in results:
+        assert "configured differently" in r["refused"], r
+        for name in ("storage", "host_pages", "agreement queues"):
+            assert name in r["refused"], (name, r["refused"])
+        assert "page_size" not in r["refused"]
+        assert r["threads"] == [], r["threads"]
+    assert "host_pages (this rank: 48)" in results[0]["refused"]
+    assert "host_pages (this rank: 40)" in results[1]["refused"]
+    assert results[0]["shape"] == results[1]["shape"]
+    assert results[0]["collectives"] == results[1]["collectives"]
 
 
 async def test_a_close_after_the_group_broke_still_closes_every_part(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """One rank of ``test_tp_faults``: what one rank does alone must not part the ranks.
 
-``--scenario``: ``retry_start`` (one rank's first start fails), ``peer_gone`` (a peer closes
+``--scenario``: ``misconfigured`` (ranks configured differently), ``retry_start`` (one rank's
+first start fails), ``peer_gone`` (a peer closes
 and leaves), ``cancel`` (one rank's caller cancels ``--call``: prefetch, load_back, flush or
 warm, after its ticket was taken), ``leaked_handle`` (a handle dropped unreleased while one
 rank's flush yields to its loop and the other's does not).
@@ -22,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 import aiocache_kv as akv
-from aiocache_kv.errors import AgreementError, StorageUnavailableError
+from aiocache_kv.errors import AgreementError, ConfigError, StorageUnavailableError
 from aiocache_kv.testing import MemoryStorage, RandomDelayEngine
 from tests.distributed.tp_worker import PROMPT, config, fill, init_group, run_rank, shape
 from tests.flaky_stores import FlakyMemory
@@ -83,6 +84,37 @@ async def peer_gone(args: argparse.Namespace, group: akv.TorchTPGroup) -> dict[s
     out["threads"] = sorted(
         t.name for t in threading.enumerate() if t.name.startswith(("aiocache-kv", "akv"))
     )
+    return out
+
+
+async def misconfigured(args: argparse.Namespace, group: akv.TorchTPGroup) -> dict[str, Any]:
+    """Rank 1 has no storage tier and another host pool size: every rank's start is refused,
+    naming what differs, and leaves nothing running; started again alike, the ranks agree."""
+    store = MemoryStorage()
+    wrong = config(store) if args.rank == 0 else config(None, host_pages=40)  # type: ignore[arg-type]
+    cache = akv.HiCache(wrong, tp_group=group)
+    out: dict[str, Any] = {"refused": ""}
+    try:
+        await asyncio.wait_for(cache.start(), 60)
+    except ConfigError as exc:
+        out["refused"] = str(exc)
+    await asyncio.wait_for(cache.aclose(), 60)
+    for _ in range(50):  # the abandoned tier's workers stop once their calls return
+        out["threads"] = sorted(
+            t.name for t in threading.enumerate() if t.name.startswith(("aiocache-kv", "akv"))
+        )
+        if not out["threads"]:
+            break
+        await asyncio.sleep(0.1)
+    cache = akv.HiCache(config(store, prefetch_policy="wait_complete"), tp_group=group)
+    await asyncio.wait_for(cache.start(), 60)
+    insert_prompt(cache)
+    await asyncio.wait_for(cache.flush(), 60)
+    await asyncio.wait_for(cache.sync(), 60)
+    cache.check_invariants()
+    out["shape"] = shape(cache)
+    await asyncio.wait_for(cache.aclose(), 60)
+    out["collectives"] = group.calls
     return out
 
 
@@ -177,6 +209,7 @@ SCENARIOS = {
     "peer_gone": peer_gone,
     "cancel": cancel,
     "leaked_handle": leaked_handle,
+    "misconfigured": misconfigured,
 }
 
 
