@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from aiocache_kv.errors import ConfigError
-from aiocache_kv.numeric import check_real, shown
+from aiocache_kv.numeric import MAX_THREADS, check_real, shown
 from aiocache_kv.quotas import TenantQuota
 
 
@@ -33,10 +33,6 @@ class PrefetchPolicy(str, enum.Enum):
 
 GiB = 1 << 30
 
-#: the most torch intra-op threads a worker may ask for (``copy_threads``; the serving
-#: engine's ``model_threads``): far above any core count, far below what
-#: ``torch.set_num_threads`` overflows on (a C ``int``)
-MAX_THREADS = 1024
 
 
 @dataclass(frozen=True)
@@ -150,10 +146,11 @@ class CacheConfig:
             raise ConfigError(f"worker_nice must be an int in [0, 19], got {self.worker_nice!r}")
         if type(self.worker_idle) is not bool:
             raise ConfigError(f"worker_idle must be a bool, got {self.worker_idle!r}")
-        for name in ("storage_workers", "prefetch_batch_pages"):
+        for name, most in (("storage_workers", MAX_THREADS), ("prefetch_batch_pages", None)):
             value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+            if type(value) is not int or value < 1 or (most is not None and value > most):
+                bound = "a positive int" if most is None else f"an int in [1, {most}]"
+                raise ConfigError(f"{name} must be {bound}, got {shown(value)}")
         if type(self.prefetch_threshold_tokens) is not int or self.prefetch_threshold_tokens < 0:
             raise ConfigError(
                 f"prefetch_threshold_tokens must be an int >= 0, "

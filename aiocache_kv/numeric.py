@@ -20,6 +20,13 @@ from aiocache_kv.errors import InvalidInputError
 MAX_SECONDS = threading.TIMEOUT_MAX
 
 
+#: the most threads a worker pool or a worker's torch may be asked for (``copy_threads``,
+#: ``storage_workers``, an ``EmbeddingCache``'s ``workers``, the serving engine's
+#: ``model_threads``): far above any core count, far below what ``torch.set_num_threads``
+#: overflows on (a C ``int``) or a process can start
+MAX_THREADS = 1024
+
+
 def check_real(
     name: str,
     value: object,
@@ -83,4 +90,4 @@ def check_int(
     return value
 
 
-__all__ = ["MAX_SECONDS", "check_int", "check_real", "shown"]
+__all__ = ["MAX_SECONDS", "MAX_THREADS", "check_int", "check_real", "shown"]

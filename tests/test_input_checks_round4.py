@@ -16,15 +16,17 @@ import torch
 import aiocache_kv as akv
 from aiocache_kv import page_hashes
 from aiocache_kv.blocks import MAX_PAGE_SIZE
-from aiocache_kv.config import MAX_THREADS
+from aiocache_kv.embedding import EmbeddingCache
 from aiocache_kv.errors import (
     ConfigError,
     InvalidInputError,
     InvalidTypeError,
 )
-from aiocache_kv.numeric import check_int, check_real
+from aiocache_kv.numeric import MAX_THREADS, check_int, check_real
 from aiocache_kv.storage import FileStorage, MooncakeStorage
+from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.mooncake_options import MAX_RPC_TIMEOUT_MS, MAX_SIZE_BYTES
+from aiocache_kv.testing import MemoryStorage
 from aiocache_kv.transfer.engine import ThreadCopyEngine
 from tests.conftest import small_config
 
@@ -100,6 +102,21 @@ def test_config_components_bad_entry_named() -> None:
 def test_config_copy_threads_bounded(value: int) -> None:
     with pytest.raises(ConfigError, match=f"copy_threads.*{value}"):
         small_config(copy_threads=value)
+
+
+@pytest.mark.parametrize("value", [MAX_THREADS + 1, 2**40, 10**12])
+def test_worker_pool_sizes_are_bounded(value: int) -> None:
+    """``storage_workers`` and an ``EmbeddingCache``'s ``workers`` took any size: a pool of
+    10**12 threads was accepted until enough concurrent calls tried to start them."""
+    with pytest.raises(
+        ConfigError, match=f"storage_workers must be an int in \\[1, {MAX_THREADS}\\]"
+    ):
+        small_config(storage_workers=value)
+    with pytest.raises(ConfigError, match=f"workers.*{MAX_THREADS}.*{value}"):
+        StorageIO(MemoryStorage(), workers=value)
+    with pytest.raises(ConfigError, match=f"workers.*{MAX_THREADS}.*{value}"):
+        EmbeddingCache(pool_bytes=1 << 20, workers=value)
+    assert small_config(storage_workers=MAX_THREADS).storage_workers == MAX_THREADS
 
 
 async def test_config_copy_threads_at_bound_still_copies() -> None:

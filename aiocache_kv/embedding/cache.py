@@ -64,7 +64,7 @@ from aiocache_kv.errors import (
 )
 from aiocache_kv.lifecycle import Lifecycle
 from aiocache_kv.logs import get_logger
-from aiocache_kv.numeric import check_int, check_real
+from aiocache_kv.numeric import MAX_THREADS, check_int, check_real
 from aiocache_kv.outlast import Once
 from aiocache_kv.pools.admission import available_host_bytes
 from aiocache_kv.storage import owners
@@ -148,7 +148,7 @@ class EmbeddingCache:
         except StorageKeyError as exc:
             raise ConfigError(f"namespace {namespace!r} is not a valid storage tag: {exc}") from exc
         check_real("timeout", timeout, exclusive=True, error=ConfigError)
-        check_int("workers", workers, minimum=1, error=ConfigError)
+        check_int("workers", workers, minimum=1, maximum=MAX_THREADS, error=ConfigError)
         self.pool_bytes = pool_bytes
         self.dtype = dtype
         self.namespace = namespace

@@ -51,7 +51,6 @@ import torch
 from anyio.abc import TaskGroup
 
 from aiocache_kv.cache import HiCache
-from aiocache_kv.config import MAX_THREADS
 from aiocache_kv.errors import (
     CapacityError,
     ConfigError,
@@ -65,7 +64,7 @@ from aiocache_kv.handles import InsertResult
 from aiocache_kv.logs import get_logger
 from aiocache_kv.models.arch import check_layout, check_request, is_hybrid
 from aiocache_kv.models.batched import PagedBatch, SeqChunk
-from aiocache_kv.numeric import check_int, check_real
+from aiocache_kv.numeric import MAX_THREADS, check_int, check_real
 from aiocache_kv.serving.admission import ROOM_POLL, Admissions, ModelView
 from aiocache_kv.serving.queues import Queues
 from aiocache_kv.serving.request import ENDED, GenerationResult, Request, RequestState

@@ -21,10 +21,9 @@ import anyio
 import anyio.to_thread
 import torch
 
-from aiocache_kv.config import MAX_THREADS
 from aiocache_kv.errors import ConfigError
 from aiocache_kv.models.batched import PagedBatch, SeqChunk
-from aiocache_kv.numeric import check_int
+from aiocache_kv.numeric import MAX_THREADS, check_int
 
 __all__ = ["ModelRunner", "Picked"]
 

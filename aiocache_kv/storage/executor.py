@@ -59,7 +59,7 @@ from aiocache_kv.errors import (
     StorageUnavailableError,
 )
 from aiocache_kv.logs import get_logger
-from aiocache_kv.numeric import check_int, check_real
+from aiocache_kv.numeric import MAX_THREADS, check_int, check_real
 from aiocache_kv.storage.base import ChainAwareStorage, PageBuffer, StorageBackend, StorageStats
 from aiocache_kv.storage.batch_reports import BatchReports
 from aiocache_kv.storage.io_records import IOCall, StorageIOStats, consume, init_worker, settled
@@ -87,11 +87,11 @@ class StorageIO:
         intra_op_threads: int | None = 1,
     ) -> None:
         """Raises:
-        ConfigError: ``workers`` < 1, ``max_pending`` < ``workers``, ``intra_op_threads`` < 1
-            (``None`` keeps torch's default in the workers), one of them not an int, or
-            ``default_timeout`` not a finite number > 0.
+        ConfigError: ``workers`` not in ``[1, MAX_THREADS]``, ``max_pending`` < ``workers``,
+            ``intra_op_threads`` < 1 (``None`` keeps torch's default in the workers), one of
+            them not an int, or ``default_timeout`` not a finite number > 0.
         """
-        check_int("workers", workers, minimum=1, error=ConfigError)
+        check_int("workers", workers, minimum=1, maximum=MAX_THREADS, error=ConfigError)
         max_pending = 4 * workers if max_pending is None else max_pending
         check_int("max_pending (at least workers)", max_pending, minimum=workers, error=ConfigError)
         check_real("default_timeout", default_timeout, exclusive=True, error=ConfigError)

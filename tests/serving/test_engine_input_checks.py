@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 import aiocache_kv as akv
-from aiocache_kv.config import MAX_THREADS
 from aiocache_kv.errors import ConfigError, InvalidTypeError
 from aiocache_kv.models import GPT2Spec, build_gpt2, cache_config_for, check_token_ids
+from aiocache_kv.numeric import MAX_THREADS
 from aiocache_kv.serving import Engine
 from aiocache_kv.serving.runner import ModelRunner
 
