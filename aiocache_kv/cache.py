@@ -25,7 +25,6 @@ from aiocache_kv.core import CacheCore
 from aiocache_kv.distributed import SingleRank, TPGroup
 from aiocache_kv.errors import CacheClosedError, CapacityError, InvalidInputError, InvalidTypeError
 from aiocache_kv.events import KVEvent
-from aiocache_kv.fastcheck import exact_ints
 from aiocache_kv.flush import settle_work
 from aiocache_kv.handles import (
     HANDLE_TYPES,
@@ -248,7 +247,7 @@ class HiCache(CacheControls, CacheReports):
         """
         if self._state is not _RUNNING or _get_ident() != self._core.owner:
             self._check()  # raises; the test inline: every request passes here
-        toks = exact_ints(tokens) if type(tokens) is list and tokens else token_list(tokens)
+        toks = tokens if type(tokens) is list and tokens else token_list(tokens)  # (inline)
         ns = self._default_ns if tenant is lora is None else self._walk_ns(toks, tenant, lora)
         p = self.config.page_size
         core = self._core
@@ -504,7 +503,7 @@ class HiCache(CacheControls, CacheReports):
         """
         if self._state is not _RUNNING or _get_ident() != self._core.owner:
             self._check()  # raises; the test inline: every request passes here
-        toks = exact_ints(tokens) if type(tokens) is list and tokens else token_list(tokens)
+        toks = tokens if type(tokens) is list and tokens else token_list(tokens)  # (inline)
         ns = self._default_ns if tenant is lora is None else self._walk_ns(toks, tenant, lora)
         use = (self._core, self._transfers, self._handles, self.release)
         return insert_tokens(*use, toks, kv_indices, prefix, ns, (priority, retention))

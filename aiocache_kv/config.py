@@ -34,7 +34,6 @@ class PrefetchPolicy(str, enum.Enum):
 GiB = 1 << 30
 
 
-
 @dataclass(frozen=True)
 class CacheConfig:
     """Shape of the KV, sizes of the tiers and policies.

@@ -27,7 +27,7 @@ from aiocache_kv.distributed.layout import tp_layout
 from aiocache_kv.errors import CapacityError, InvalidInputError, OwnershipError
 from aiocache_kv.events import BlockRemoved, BlockStored, EventLog, KVEvent
 from aiocache_kv.events.kv_events import namespace_fields
-from aiocache_kv.fastcheck import INSERT_NOT_HELD
+from aiocache_kv.fastcheck import INSERT_NOT_HELD, exact_ints
 from aiocache_kv.hardpins import HardPins
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
@@ -292,7 +292,10 @@ class CacheCore:
                         self.emit_stored(leaf, _DEVICE)
                     return leaf, skip * p, n, inherit
         # validate ownership before changing anything (not even a new namespace's root)
-        # the walk, once; it checks the items of ``tokens`` before anything changes
+        # the walk, once; it checks the items of ``tokens`` before anything changes.  Int
+        # subclasses (which ``grow`` declines) become exact ints first: no code of the
+        # caller's runs in the walk or the new leaf's keys (``fastcheck.exact_ints``)
+        tokens = exact_ints(tokens)
         plan = tree.plan_insert(ns, tokens, n, skip=skip, unchecked=True)
         if plan.existing_pages < skip or (skip and not _on_path(plan, skip * p, anchor)):
             raise InvalidInputError(

@@ -199,8 +199,11 @@ class RadixTree(Evictor):
                 self.host_protected += host
             return node, pos
         walk = pathwalk.descend(node, p, tokens, n, False)
-        if walk is None:  # an item the C walk does not compare: the checking walk
-            walk = pathwalk.py_descend(node, p, tokens, n, False)
+        if walk is None:  # an int subclass the C walk does not compare: walk exact ints
+            tokens = fastcheck.exact_ints(tokens)  # (no code of the caller's runs)
+            walk = pathwalk.descend(node, p, tokens, n, False)
+            if walk is None:  # (anything else it refuses: the checking walk)
+                walk = pathwalk.py_descend(node, p, tokens, n, False)
         node, pos, split, same, _ = walk
         # what the walk matched are ints equal to cached keys; the rest: check_token_ints,
         # whose passing case (one C pass) is inline
@@ -245,8 +248,11 @@ class RadixTree(Evictor):
                 plan.key = _checked_key(tokens, 0, 0, n)
             return plan
         walk = pathwalk.descend(node, p, tokens, n, True)
-        if walk is None:  # an item the C walk does not compare: the checking walk
-            walk = pathwalk.py_descend(node, p, tokens, n, True)
+        if walk is None:  # an int subclass the C walk does not compare: walk exact ints
+            tokens = fastcheck.exact_ints(tokens)  # (the new key is made of them too)
+            walk = pathwalk.descend(node, p, tokens, n, True)
+            if walk is None:  # (anything else it refuses: the checking walk)
+                walk = pathwalk.py_descend(node, p, tokens, n, True)
         _, pos, split, same, steps = walk
         assert steps is not None, "a plan's walk lists its steps"
         plan.steps = steps
