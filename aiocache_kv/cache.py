@@ -209,7 +209,7 @@ class HiCache(CacheControls, CacheReports):
             return self._default_ns
         try:
             return self._ns(tenant, lora)
-        except InvalidTypeError:
+        except (InvalidInputError, InvalidTypeError):
             check_token_ints(toks)
             raise
 

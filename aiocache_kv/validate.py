@@ -80,12 +80,22 @@ def check_names(tenant: object, lora: object) -> tuple[str, str]:
 
     Raises:
         InvalidTypeError: either is neither ``str`` nor ``None``.
+        InvalidInputError: either is not text UTF-8 can encode (a lone surrogate): the
+            names travel in KV events and storage tags.
     """
     for name, value in (("tenant", tenant), ("lora", lora)):
         if value is not None and type(value) is not str:
             raise InvalidTypeError(
                 f"{name} must be a str or None, got {type(value).__name__} {value!r}"
             )
+        if value and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidInputError(
+                    f"{name} must be text UTF-8 can encode, got {value!r} ({exc.reason} at "
+                    f"{exc.start})"
+                ) from None
     return tenant or "", lora or ""  # type: ignore[return-value]
 
 

@@ -322,3 +322,25 @@ async def test_zmq_publisher_bounds_still_accepted(publisher_cls: Any) -> None:
         "tcp://127.0.0.1:*", hwm=top, buffer_steps=top, data_parallel_rank=top
     ) as pub:
         assert await pub.publish([]) == 0
+
+
+@pytest.mark.parametrize("field", ["tenant", "lora"])
+async def test_names_utf8_cannot_encode_are_refused_with_nothing_changed(field: str) -> None:
+    """A lone surrogate in a tenant or LoRA name: refused where the name is given (the
+    names travel in KV events and storage tags), after the tokens' own errors."""
+    async with akv.HiCache(small_config()) as cache:
+        before = cache.snapshot()
+        bad = {field: "x\ud800y"}
+        with pytest.raises(akv.InvalidInputError, match=f"{field} must be text UTF-8 can"):
+            cache.match_prefix([1, 2, 3, 4], **bad)  # type: ignore[arg-type]
+        slots = cache.alloc(4)
+        with pytest.raises(akv.InvalidInputError, match=f"{field} must be text UTF-8 can"):
+            cache.insert([1, 2, 3, 4], slots, **bad)  # type: ignore[arg-type]
+        with pytest.raises(akv.InvalidTypeError, match="tokens must be ints"):
+            cache.insert([1, 2, 3, "4"], slots, **bad)  # type: ignore[arg-type, list-item]
+        with pytest.raises(akv.InvalidInputError, match=f"{field} must be text UTF-8 can"):
+            await cache.prefetch([1, 2, 3, 4], **bad)  # type: ignore[arg-type]
+        assert cache.snapshot() == before
+        cache.free(slots)
+        cache.release(cache.insert([1, 2, 3, 4], cache.alloc(4), **{field: "ünïcode"}))
+        cache.check_invariants()

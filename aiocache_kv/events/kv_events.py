@@ -36,7 +36,8 @@ def lora_id_of(lora_name: str) -> int | None:
     """
     if not lora_name:
         return None
-    digest = hashlib.blake2b(lora_name.encode("utf-8"), digest_size=8, person=b"aiocache-lora")
+    raw = lora_name.encode("utf-8", "surrogatepass")  # (the namespace's own encoding)
+    digest = hashlib.blake2b(raw, digest_size=8, person=b"aiocache-lora")
     return (int.from_bytes(digest.digest(), "big") >> 1) or 1
 
 

@@ -102,3 +102,28 @@ async def test_bool_prompt_fails_alone_at_submit(model: Any) -> None:
         assert after.submitted == before.submitted + 1  # the bad call was never admitted
         assert after.failed == before.failed
         eng.check_invariants()
+
+
+@pytest.mark.parametrize("field", ["tenant", "lora"])
+async def test_a_name_utf8_cannot_encode_fails_alone_at_submit(model: Any, field: str) -> None:
+    """Found by an adversarial round: a ``lora`` with a lone surrogate passed submit, then
+    the insert's ``BlockStored`` encoded it strictly and raised ``UnicodeEncodeError`` after
+    the tree had pinned the new leaf: the step loop failed every request in the batch, the
+    pin leaked and the task that entered the engine was cancelled."""
+    async with (
+        akv.HiCache(config(model)) as cache,
+        Engine(model, cache, max_batch_tokens=64, max_running=4) as eng,
+    ):
+        alone = await eng.generate(GOOD, max_new_tokens=4)
+        good, bad = await asyncio.gather(
+            eng.generate(GOOD, max_new_tokens=4),
+            eng.generate([9, 8, 7, 6, 5, 4], max_new_tokens=4, **{field: "a\udcff"}),
+            return_exceptions=True,
+        )
+        assert isinstance(bad, akv.InvalidInputError), bad
+        assert f"{field} must be text UTF-8 can encode" in str(bad) and "udcff" in str(bad)
+        assert not isinstance(good, BaseException) and good.tokens == alone.tokens
+        ok = await eng.generate([9, 8, 7, 6, 5, 4], max_new_tokens=2, **{field: "é-ok"})
+        assert len(ok.tokens) == 2
+        eng.check_invariants()
+    cache.check_invariants()
