@@ -68,6 +68,9 @@ class Admissions:
         self._short: set[int] = set()
         #: admitting requests turned back by that rule on their last try (they hold nothing)
         self._gated: set[int] = set()
+        #: requests whose admission task runs, by id (one that ended while its task still
+        #: gives back pins and reads is an orphan: see :meth:`orphans`)
+        self._entering: dict[int, Request] = {}
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -113,7 +116,8 @@ class Admissions:
                     continue
             q.move(req, RequestState.ADMITTING)
             busy += 1
-            self._spawn(self._admit(req), f"aiocache_kv.engine.admit-{req.id}")
+            req.admission = self._spawn(self._admit(req), f"aiocache_kv.engine.admit-{req.id}")
+            self._entering[req.id] = req
 
     def _match_tokens(self, req: Request) -> list[int]:
         seq = req.seq
@@ -137,6 +141,8 @@ class Admissions:
         finally:
             self._short.discard(req.id)
             self._gated.discard(req.id)
+            self._entering.pop(req.id, None)
+            req.admission = None
 
     def _behind(self, req: Request) -> bool:
         """Whether a request ahead of ``req`` in the admission line is waiting for rows: then
@@ -149,15 +155,22 @@ class Admissions:
                 return True
         return False
 
+    def orphans(self) -> bool:
+        """Whether the admission task of a request that ended meanwhile (aborted, failed)
+        still runs: cancelled, it may hold pins until its storage call returns (a bounded
+        wait), so a request short of rows now may fit once it ends."""
+        return any(r.state is not RequestState.ADMITTING for r in self._entering.values())
+
     def _stuck(self, req: Request) -> bool:
         """Whether waiting cannot help ``req``: nothing runs, no other admitting request
         could join the batch and give rows back (those turned back behind a short one hold
         nothing and wait), no copy in flight will make pages evictable, and no worker holds
-        freed pages (a drop's zeroing) that will come back."""
+        freed pages (a drop's zeroing) that will come back, and no ended request's admission
+        still gives back what it held."""
         q = self.queues
         alone = not q.running and all(r is req or r.id in self._gated for r in q.admitting)
         cache = self.cache
-        if not alone or self._arrivals:  # (a read on arrival pins its path for a while)
+        if not alone or self._arrivals or self.orphans():  # (their reads pin paths a while)
             return False
         return not (cache.copies_in_flight() or cache.device_pages_returning())
 

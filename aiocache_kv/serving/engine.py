@@ -60,7 +60,7 @@ from aiocache_kv.errors import (
     KVCacheError,
     PrefixDroppedError,
 )
-from aiocache_kv.handles import InsertResult
+from aiocache_kv.handles import InsertResult, MatchResult
 from aiocache_kv.logs import get_logger
 from aiocache_kv.models.arch import check_layout, check_request, is_hybrid
 from aiocache_kv.models.batched import PagedBatch, SeqChunk
@@ -477,6 +477,15 @@ class Engine:
         # incremental: only the new pages' rows, after the pages the handle pins already
         start = r.inserted
         h = r.handle
+        if isinstance(h, MatchResult):  # the first insert: the match may pin pages past
+            # what admission reused (a prompt of whole pages, all cached: its last page is
+            # recomputed for the logits).  Read the tree's copy from now on and give the
+            # duplicate back, or the request would hold that page twice to its end
+            dup = min(h.device_len, aligned) - start
+            if dup > 0:
+                mine = r.rows[start : start + dup].clone()
+                r.rows[start : start + dup] = h.device_indices[start : start + dup]
+                cache.free(mine)
         if isinstance(h, InsertResult) and h.inserted_len < start:
             # the last insert stopped below a node still loading back: the rows after it are
             # retained by ``h`` (not the tree's yet), and are passed again
@@ -520,9 +529,13 @@ class Engine:
             try:
                 pages = cache.alloc(need)
             except CapacityError:
-                if cache.copies_in_flight() or cache.device_pages_returning():
-                    self._short = True
-                    return False  # copies land soon (pages evictable), zeroing ends (free)
+                if (
+                    cache.copies_in_flight()
+                    or cache.device_pages_returning()
+                    or (self._admissions is not None and self._admissions.orphans())
+                ):  # copies land soon (pages evictable), zeroing ends (free), and an ended
+                    self._short = True  # request's admission gives back its pins
+                    return False
                 victim = q.running[-1]  # the newest request yields (vLLM's order)
                 if victim is r and len(q.running) == 1:
                     q.fail(r, CapacityError(f"the device pool cannot hold {r} alone"))

@@ -81,6 +81,7 @@ class Request:
     """A generation request inside the engine (see the module doc)."""
 
     __slots__ = (
+        "admission",
         "admitted_at",
         "arrival",
         "attribution",
@@ -134,6 +135,8 @@ class Request:
         self.sends = sends  #: the caller's token stream (``Engine.stream``), if any
         self.arrival = time.perf_counter()
         self.admitted_at: float | None = None
+        #: its admission task while it enters the batch (cancelled if it ends meanwhile)
+        self.admission: asyncio.Task[None] | None = None
         self.state = RequestState.WAITING
         self.generated: list[int] = []
         self.token_times: list[float] = []

@@ -7,7 +7,10 @@
 * a request that fits alone failed with ``CapacityError`` while a zeroizing drop's pages were
   held by the zeroing worker for a few milliseconds;
 * requests of other tenants (or LoRAs) with the same tokens waited for each other's prefill,
-  though namespaces never share pages.
+  though namespaces never share pages;
+* a request that fits alone failed with ``CapacityError`` while an aborted request's
+  admission still held its prefetch's pins, or when its prompt of whole pages was cached
+  (the last page held twice).
 
 Every reply is checked against the model's own uncached greedy generation.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 from typing import Any
 
 import pytest
@@ -23,6 +27,7 @@ import pytest
 import aiocache_kv as akv
 from aiocache_kv.models import GPT2Spec, build_gpt2
 from aiocache_kv.serving import Engine
+from aiocache_kv.testing import MemoryStorage
 from tests.serving.test_engine import VOCAB, assert_nothing_held, config, reference, toks
 
 
@@ -128,3 +133,71 @@ async def test_other_namespaces_with_the_same_tokens_prefill_together(gpt2: Any)
     assert [r.tokens for r in rs] == [want] * 3
     assert [r.attribution.cached for r in rs] == [0, 0, 0]  # never each other's pages
     assert st.steps == 2, f"prefills queued behind each other: {st.steps} steps"
+
+
+class StallOneExists(MemoryStorage):
+    """``exists`` call number ``stall_at`` waits for ``release`` (a slow store, well inside
+    ``storage_timeout``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exists_calls = 0
+        self.stall_at = -1
+        self.stalled = threading.Event()
+        self.release = threading.Event()
+
+    def exists(self, keys: Any) -> Any:
+        self.exists_calls += 1
+        if self.exists_calls == self.stall_at:
+            self.stalled.set()
+            self.release.wait(5.0)
+        return super().exists(keys)
+
+
+async def test_an_aborted_admissions_pins_are_waited_for_not_a_capacity_error(gpt2: Any) -> None:
+    """Found by an adversarial round: a request aborted while its admission's prefetch waited
+    on a slow store left the admitting line at once, but its task kept that prefetch's pins
+    until the store answered; the next request, which fits the pool alone, was judged alone
+    and failed with ``CapacityError``.  Now the ended request's admission is cancelled, and
+    while it still gives back what it held nobody is judged alone."""
+    store = StallOneExists()
+    cfg = config(gpt2, device_pages=16, host_pages=16, storage=store, storage_timeout=8.0)
+    async with akv.HiCache(cfg) as cache:
+        async with Engine(gpt2, cache, max_batch_tokens=64, max_running=4) as eng:
+            p = toks(1, 40)
+            await eng.generate(p, max_new_tokens=1)  # 10 pages cached on device
+            await cache.flush()
+            store.stall_at = store.exists_calls + 2  # its arrival read passes, admission's stalls
+            y = asyncio.ensure_future(eng.generate(p + toks(2, 8), max_new_tokens=1))
+            assert await asyncio.to_thread(store.stalled.wait, 10)
+            y.cancel()  # the client went away
+            with pytest.raises(asyncio.CancelledError):
+                await y
+            x = toks(3, 60)  # 60 + 4 rows: the whole pool
+            try:
+                res = await asyncio.wait_for(eng.generate(x, max_new_tokens=4), 30)
+            finally:
+                store.release.set()
+            assert res.tokens == reference(gpt2, x, 4)
+            assert eng.statistics().failed == 0
+        await cache.flush()
+        assert_nothing_held(cache)
+
+
+async def test_a_cached_prompt_of_whole_pages_fits_as_it_did_cold(gpt2: Any) -> None:
+    """Found by an adversarial round: a prompt of whole pages, all cached, has its last page
+    recomputed (for the logits) into a row of its own while its match pinned the tree's copy;
+    the insert kept the tree's copy and retained the duplicate, so the request held that page
+    twice and a request that fit the pool cold failed with ``CapacityError`` once cached.
+    The engine now reads the tree's copy after the recompute and gives the duplicate back."""
+    async with akv.HiCache(config(gpt2, device_pages=8, host_pages=0)) as cache:
+        async with Engine(gpt2, cache, max_batch_tokens=64, max_running=4) as eng:
+            p = toks(5, 28)  # 28 + 4 rows = 8 pages of 4: the whole pool
+            cold = await eng.generate(p, max_new_tokens=4)
+            assert cold.tokens == reference(gpt2, p, 4)
+            for _ in range(2):
+                warm = await asyncio.wait_for(eng.generate(p, max_new_tokens=4), 30)
+                assert warm.tokens == cold.tokens
+            assert eng.statistics().failed == 0
+            eng.check_invariants()
+        assert_nothing_held(cache)
