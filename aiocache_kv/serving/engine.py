@@ -58,6 +58,7 @@ from aiocache_kv.errors import (
     InvalidInputError,
     InvalidTypeError,
     KVCacheError,
+    OwnershipError,
     PrefixDroppedError,
 )
 from aiocache_kv.handles import InsertResult, MatchResult
@@ -168,6 +169,7 @@ class Engine:
         self.queues = Queues(cache, self.counters)
         self._ids = 0
         self._tg: TaskGroup | None = None
+        self._entered_by: asyncio.Task[Any] | None = None  #: the task that entered it
         self._closing = False
         self._runner: ModelRunner | None = None
         self._short = False  #: a request waits for copies in flight to make room
@@ -187,6 +189,7 @@ class Engine:
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
+        self._entered_by = asyncio.current_task()  # its task group exits in that task
         if self.switch_interval is not None:  # set only once nothing above can fail
             self._saved_switch = sys.getswitchinterval()
             sys.setswitchinterval(self.switch_interval)
@@ -198,9 +201,22 @@ class Engine:
 
     async def aclose(self) -> None:
         """Stop: every request not finished fails with ``EngineClosedError``; the forward pass
-        in progress ends first, then every row and pin is given back.  Idempotent."""
+        in progress ends first, then every row and pin is given back.  Idempotent.
+
+        Raises:
+            OwnershipError: called from another task than the one that entered the engine
+                (its task group can only exit there); nothing changed.
+        """
         if self._tg is None or self._closing:
             return
+        here, entered = asyncio.current_task(), self._entered_by
+        if here is not entered:
+            raise OwnershipError(
+                "Engine.aclose must run in the task that entered the engine "
+                f"({entered.get_name() if entered else None!r}), not "
+                f"{here.get_name() if here else None!r}: its task group exits there (close "
+                "it where it was entered, e.g. the app's lifespan task)"
+            )
         self._closing = True
         q = self.queues
         for r in [*q.waiting, *q.admitting, *q.running]:

@@ -127,3 +127,21 @@ async def test_a_name_utf8_cannot_encode_fails_alone_at_submit(model: Any, field
         assert len(ok.tokens) == 2
         eng.check_invariants()
     cache.check_invariants()
+
+
+async def test_aclose_from_another_task_is_refused_with_nothing_changed(model: Any) -> None:
+    """The engine's task group exits only in the task that entered it: ``aclose`` from
+    another task raised anyio's bare ``RuntimeError`` and left the engine half closed (its
+    admissions never closed, a second ``aclose`` silently did nothing)."""
+    async with akv.HiCache(config(model)) as cache:
+        eng = Engine(model, cache)
+        await eng.__aenter__()
+        with pytest.raises(akv.OwnershipError, match="the task that entered the engine"):
+            await asyncio.create_task(eng.aclose(), name="other")
+        r = await eng.generate(GOOD, max_new_tokens=2)  # still serving
+        assert len(r.tokens) == 2
+        await eng.aclose()  # where it was entered: closes
+        with pytest.raises(akv.EngineClosedError):
+            await eng.generate(GOOD, max_new_tokens=2)
+        eng.check_invariants()
+    cache.check_invariants()
