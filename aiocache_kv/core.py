@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,12 +33,12 @@ from aiocache_kv.namespace import Namespace
 from aiocache_kv.pools import DeviceKVPool, HostKVPool, PageAllocator, PageState
 from aiocache_kv.pools.allocator import PageIds
 from aiocache_kv.pools.sidecar import SidecarPools
-from aiocache_kv.quotas import DEVICE, HOST, QuotaBook
+from aiocache_kv.quotas import DEVICE, HOST, QuotaBook, tenant_of
 from aiocache_kv.stats import CacheCounters
 from aiocache_kv.telemetry import Latencies
 from aiocache_kv.tree import Node, RadixTree, Tier
 from aiocache_kv.tree.node import RESIDENT, lacking
-from aiocache_kv.tree.results import InsertPlan
+from aiocache_kv.tree.results import Eviction, InsertPlan
 from aiocache_kv.validate import raise_for_insert
 
 SplitHook = Callable[[Node, Node], None]
@@ -99,6 +99,10 @@ class CacheCore:
         ]
         #: write-back: starts staging an eviction victim to host (set by the transfers)
         self.stager: Callable[[Node], bool] | None = None
+        #: device pages of victims being staged (write-back): freed when their copies land;
+        #: and by tenant (:meth:`count_staging`)
+        self.staging = 0
+        self.staging_of: dict[str, int] = {}
         #: called on the loop when device pages may have become free or evictable (set by
         #: the capacity waiters; see :meth:`capacity_changed`)
         self.on_capacity: Callable[[], None] | None = None
@@ -366,16 +370,49 @@ class CacheCore:
 
     def evict_device(self, num_pages: int, tenant: str | None = None) -> int:
         """Evict at least ``num_pages`` device pages (``tenant``'s alone if given) if
-        possible; return pages freed now."""
-        ev = self.tree.evict_device(num_pages, self.stager, tenant)
+        possible; return pages freed now.  Write-back: pages staged to host count (they are
+        freed when their copy lands), those of earlier evictions too (``staging``, or the
+        tenant's share of it)."""
+        coming = self.staging if tenant is None else self.staging_of.get(tenant, 0)
+        if coming:  # (an alloc retried, or a tenant still over, while those copies fly)
+            num_pages -= coming
+            if num_pages <= 0:
+                return 0
+        ev = Eviction()
+        stager = self.stager
+        told = 0  # victims whose device removal is published
+
+        def stage(node: Node) -> bool:
+            # staging may evict host copies (a victim demoted in this very walk among them):
+            # the device removals so far are published first, so a block's GPU removal
+            # never follows its CPU one
+            nonlocal told
+            assert stager is not None
+            self.emit_removed(ev.nodes[told:], Tier.DEVICE)
+            told = len(ev.nodes)
+            return stager(node)
+
+        self.tree.evict_device(num_pages, stage if stager is not None else None, tenant, ev)
         self.free_device(ev.pages)
         self.counters.evicted_pages_device += ev.num_pages
         if ev.host_pages:
             self.free_host(ev.host_pages)
             self.counters.evicted_pages_host += sum(p.numel() for p in ev.host_pages)
-        self.emit_removed(ev.nodes, Tier.DEVICE)
+        self.emit_removed(ev.nodes[told:], Tier.DEVICE)
         self.emit_removed(ev.host_nodes, Tier.HOST)
         return ev.num_pages
+
+    def count_staging(self, ns: Hashable, pages: int) -> None:
+        """Device pages of a write-back victim of namespace ``ns`` staged (``pages`` > 0), or
+        whose copy ended (< 0): they are counted as coming free meanwhile."""
+        tenant = tenant_of(ns)
+        left = self.staging_of.get(tenant, 0) + pages
+        self.staging += pages
+        assert self.staging >= 0 and left >= 0, f"staging went negative: {self.staging}"
+        if left:
+            self.staging_of[tenant] = left
+        else:
+            self.staging_of.pop(tenant, None)
 
     def evict_host(self, num_pages: int, tenant: str | None = None) -> int:
         """Delete host-only leaves (``tenant``'s alone if given) for at least ``num_pages``

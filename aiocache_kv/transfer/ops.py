@@ -60,6 +60,7 @@ class TransferOp:
         "job",
         "kind",
         "nbytes",
+        "staged",
         "started",
         "targets",
     )
@@ -71,6 +72,7 @@ class TransferOp:
         self.nbytes = 0
         self.started = time.monotonic()
         self.evict_after: Node | None = None  # write-back: the victim to demote on ack
+        self.staged = 0  # write-back: its device pages, counted in ``core.staging`` till then
         self.error: BaseException | None = None  # local copy failure, if any
         self.job: CopyJob | None = None  # the copy (a load's ``bad`` is read from it)
 
@@ -138,6 +140,8 @@ class Transfers:
         if op is None:
             return False
         op.evict_after = node
+        op.staged = len(node.key) // self.core.page_size
+        self.core.count_staging(node.ns, op.staged)
         return True
 
     def load(self, nodes: list[Node]) -> TransferOp:
@@ -315,6 +319,8 @@ class Transfers:
             c.bytes_device_to_host += op.nbytes if ok else 0
             if ok and self.on_host_resident is not None:
                 self.on_host_resident(op.targets)  # every fragment, including split heads
+            if op.evict_after is not None:
+                core.count_staging(op.evict_after.ns, -op.staged)
             if ok and op.evict_after is not None and op.evict_after.alive:
                 core.demote(op.evict_after)
         err = op.error if op.error is not None else "failed on another rank"

@@ -22,23 +22,31 @@ class Evictor(Detacher):
     """Eviction of a tree's pages (owned by one thread, like the rest of it)."""
 
     def evict_device(
-        self, num_pages: int, stage: Callable[[Node], bool] | None = None, tenant: str | None = None
+        self,
+        num_pages: int,
+        stage: Callable[[Node], bool] | None = None,
+        tenant: str | None = None,
+        out: Eviction | None = None,
     ) -> Eviction:
         """Free at least ``num_pages`` device pages (of ``tenant`` alone if given), lowest
-        retention priority then least recently used first, if possible.
+        retention priority then least recently used first, if possible; the victims go to
+        ``out`` (a new :class:`Eviction` by default), which ``stage`` may read meanwhile.
 
         A victim with a host copy is demoted (stays matchable from host); one without is
         deleted, unless ``stage(node)`` takes it (write-back: it starts a copy to host and the
-        device pages are freed when that lands).
+        device pages are freed when that lands; they count toward ``num_pages``, in
+        ``staged_pages``: staging every idle page for one page's room demoted them all, past
+        retention priorities and tenants' budgets).
         """
         self._check_owner()
-        out = Eviction()
+        out = Eviction() if out is None else out
         pop = self._victims(self._dev_heap, tenant)
-        while out.num_pages < num_pages:
+        while out.num_pages + out.staged_pages < num_pages:
             node = pop()
             if node is None:
                 break
             if node.host is ABSENT and stage is not None and stage(node):
+                out.staged_pages += self._npages(node)
                 continue
             if node.host is not RESIDENT and node.children and not self._subtree_idle(node):
                 continue  # a host-only descendant is being backed up: offered again later

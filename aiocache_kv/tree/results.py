@@ -62,3 +62,5 @@ class Eviction:
     #: host copies dropped with a deleted device victim's host-only subtree
     host_pages: list[torch.Tensor] = field(default_factory=list)
     host_nodes: list[Node] = field(default_factory=list)
+    #: device pages of victims handed to ``stage`` (write-back): freed when their copy lands
+    staged_pages: int = 0
