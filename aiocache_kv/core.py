@@ -342,13 +342,14 @@ class CacheCore:
                 self.emit_stored(node, _DEVICE)
         return out.node, out.prefix_tokens, out.inserted_tokens, retained
 
-    def alloc_host(self, n: int) -> torch.Tensor | None:
-        """``n`` host pages (evicting host-only leaves if that can succeed), else ``None``."""
+    def alloc_host(self, n: int, evict: bool = True) -> torch.Tensor | None:
+        """``n`` host pages (evicting host-only leaves if that can succeed and ``evict``),
+        else ``None``."""
         alloc = self.host_alloc
         if alloc is None:
             return None
         if alloc.num_free < n:
-            if n > alloc.num_free + self.tree.host_evictable:
+            if not evict or n > alloc.num_free + self.tree.host_evictable:
                 return None
             self.evict_host(n - alloc.num_free)
             if alloc.num_free < n:

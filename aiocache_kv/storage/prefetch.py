@@ -16,8 +16,7 @@ import asyncio
 import functools
 import itertools
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +29,13 @@ from aiocache_kv.events import BlockRemoved
 from aiocache_kv.logs import get_logger
 from aiocache_kv.storage.base import StorageBackend
 from aiocache_kv.storage.executor import BatchReports
+from aiocache_kv.storage.prefetch_job import (
+    PrefetchJob,
+    last_true,
+    leading_run,
+    report_batch,
+    span_of,
+)
 from aiocache_kv.storage.prefetch_result import PrefetchResult, PrefetchStatus, prefetch_timeout
 from aiocache_kv.storage.tier_base import StorageTierBase
 from aiocache_kv.storage.worker_pages import WorkerPages
@@ -55,78 +61,13 @@ REPORT_GAP = 0.05
 Parts = list[list[tuple[int, int]]]
 
 
-@dataclass(eq=False)
-class _Prefetch:
-    """One prefetch: its reservation, what storage had, what arrived, what was committed."""
-
-    rid: int
-    ns: Namespace
-    tokens: list[int]
-    cached: int  #: tokens already in the tree (the anchor's path)
-    anchor: Node
-    pages: torch.Tensor  #: reserved host pages (their slots in every pool)
-    keys: list[list[str]]  #: per pool, one key per page after ``cached``
-    hashes: list[bytes]
-    deadline: float
-    #: per trailing component: pages before ``cached`` that count for its window, and how
-    #: many of those the tree holds (consecutive, ending at ``cached``)
-    before: list[tuple[int, int]] = field(default_factory=list)
-    hits: int = 0  #: leading pages present for the KV and every ALL_PAGES component
-    loaded: list[list[bool]] = field(default_factory=list)  #: per pool, page arrived intact
-    committed: int = 0  #: pages attached to the tree
-    error: str | None = None
-    failed: bool = False
-    #: pages storage listed but could not deliver intact (gone or corrupt: the backend drops
-    #: a corrupt page), reported as STORAGE ``BlockRemoved``
-    vanished: list[int] = field(default_factory=list)
-    #: hashes of pages storage does not have that an earlier ``BlockStored(STORAGE)`` of a node
-    #: no longer in the tree claimed (evicted silently, e.g. by a Mooncake master)
-    unclaimed: list[bytes] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
-    #: a drop of its namespace or of a page it reads ran meanwhile: commit nothing
-    dropped: bool = False
-    #: the reserved pages each read worker writes (leased once the wait for it ends)
-    holds: list[WorkerPages] = field(default_factory=list)
-
-
-def _span(part: list[tuple[int, int]]) -> tuple[int, int, int] | None:
-    """``(pool, first, end)`` when ``part`` is the consecutive pages ``first..end-1`` of one
-    pool (plans list pools in order, pages ascending), else ``None``."""
-    pool, a = part[0]
-    last_pool, z = part[-1]
-    return (pool, a, z + 1) if last_pool == pool and z + 1 - a == len(part) else None
-
-
-def _leading_run(flags: Sequence[bool]) -> int:
-    """Length of the leading run of true flags (bools), in one C-level scan."""
-    try:
-        return (flags if isinstance(flags, list) else list(flags)).index(False)
-    except ValueError:
-        return len(flags)
-
-
-def _last_true(flags: list[bool]) -> int:
-    """The index of the last true flag (-1: none), without a step per flag."""
-    return len(flags) - 1 - flags[::-1].index(True) if True in flags else -1
-
-
-def _report(
-    landed: Callable[[list[tuple[int, int]], list[bool] | BaseException], None],
-    parts: list[list[tuple[int, int]]],
-    i: int,
-    res: list[bool] | BaseException,
-) -> None:
-    """``on_batch`` of a worker's batches: batch ``i`` is ``parts[i]``."""
-    landed(parts[i], res)
-
-
 class PrefetchingTier(StorageTierBase):
     """The prefetch half of the storage tier (reservations, reads, commits)."""
 
     def __init__(self, core: CacheCore, backend: StorageBackend) -> None:
         super().__init__(core, backend)
         self.reserved: dict[int, torch.Tensor] = {}  # prefetch id -> host pages not yet in tree
-        self._jobs: dict[int, _Prefetch] = {}  # prefetches whose anchor is pinned
+        self._jobs: dict[int, PrefetchJob] = {}  # prefetches whose anchor is pinned
         self._ids = 0
         #: drops in progress (``purge.py``): (namespace, page hash or None: all of it)
         self._fences: list[tuple[Namespace, bytes | None]] = []
@@ -169,8 +110,11 @@ class PrefetchingTier(StorageTierBase):
     ) -> PrefetchResult:
         """See :meth:`prefetch`.
 
-        Everything that shapes the tree happens synchronously here (pin, host reservation)
-        or when the agreed end is committed, never at a moment chosen by I/O timing.
+        With tensor parallelism everything that shapes the tree happens synchronously here
+        (pin, host reservation) or when the agreed end is committed, never at a moment chosen
+        by I/O timing.  With one rank the reservation takes free host pages only, and host
+        pages are evicted for more only once storage said which pages it has (a miss, and
+        the cold prompt of every arrival is one, flushed half the host pool for nothing).
         """
         core = self.core
         cfg = core.config
@@ -184,7 +128,12 @@ class PrefetchingTier(StorageTierBase):
             return PrefetchResult(PrefetchStatus.BELOW_THRESHOLD, cached, 0, 0)
         assert core.host_pool is not None
         want = min((n - cached) // p, core.host_pool.num_pages // 2 - self.reserved_pages)
-        pages = core.alloc_host(want) if want > 0 else None
+        pages = None
+        if want > 0 and core.coordinator.deferred:  # TP: every rank reserves the same now
+            pages = core.alloc_host(want)
+        elif want > 0:  # free pages now; evicting for more waits until storage has them
+            free = core.host_alloc.num_free if core.host_alloc is not None else 0
+            pages = core.alloc_host(min(want, free), evict=False)
         if pages is None:
             tree.unpin(anchor)
             return PrefetchResult(PrefetchStatus.PARTIAL, cached, 0, 0, "host pool full")
@@ -200,7 +149,7 @@ class PrefetchingTier(StorageTierBase):
                 cfg.prefetch_timeout_max,
             )
         self._ids += 1
-        job = _Prefetch(
+        job = PrefetchJob(
             rid=self._ids,
             ns=ns,
             tokens=tokens,
@@ -211,6 +160,7 @@ class PrefetchingTier(StorageTierBase):
             hashes=hashes,
             deadline=time.monotonic() + timeout,
             before=self._valid_before(anchor, cached // p),
+            want=want,
         )
         job.dropped = any(self._fence_hits(job, f) for f in self._fences)
         self.reserved[job.rid] = pages
@@ -276,37 +226,37 @@ class PrefetchingTier(StorageTierBase):
             out.append((need, min(have, need)))
         return out
 
-    def _feasible(self, job: _Prefetch) -> list[bool]:
+    def _feasible(self, job: PrefetchJob) -> list[bool]:
         """Per end (pages after ``cached``): could this rank commit a prefix ending there?"""
         if not job.loaded:
             return []
         limit = len(job.loaded[0])
         if not self._trailing:  # feasible_ends without trailing components, in two list ops
-            run = min(min(_leading_run(flags) for flags in job.loaded), limit)
+            run = min(min(leading_run(flags) for flags in job.loaded), limit)
             return [True] * run + [False] * (limit - run)
         all_pools = [0] + [
             i + 1
             for i, c in enumerate(self.core.config.components)
             if not c.window_pages(self.core.config.page_size)
         ]
-        all_run = min(_leading_run(job.loaded[i]) for i in all_pools)
+        all_run = min(leading_run(job.loaded[i]) for i in all_pools)
         trailing = []
         for (pool, _, window), (need, have) in zip(self._trailing, job.before, strict=True):
             valid = [False] * (need - have) + [True] * have + job.loaded[pool]
             trailing.append((window, valid, need))
         return feasible_ends(all_run, trailing, limit)
 
-    async def _fetch_and_finish(self, job: _Prefetch) -> None:
+    async def _fetch_and_finish(self, job: PrefetchJob) -> None:
         try:
             await self._fetch(job)
         finally:  # cancelled too: commit what is known good, free the rest when released
             if job.loaded and not self._trailing:  # the leading run every pool has
                 limit = len(job.loaded[0])
-                self._finish(job, min(min(_leading_run(f) for f in job.loaded), limit))
+                self._finish(job, min(min(leading_run(f) for f in job.loaded), limit))
             else:
-                self._finish(job, _last_true(self._feasible(job)) + 1)
+                self._finish(job, last_true(self._feasible(job)) + 1)
 
-    def _result(self, job: _Prefetch) -> PrefetchResult:
+    def _result(self, job: PrefetchJob) -> PrefetchResult:
         p = self.core.config.page_size
         if job.failed and job.committed == 0:
             status = PrefetchStatus.FAILED
@@ -318,7 +268,7 @@ class PrefetchingTier(StorageTierBase):
             status = PrefetchStatus.PARTIAL
         return PrefetchResult(status, job.cached, job.hits * p, job.committed * p, job.error)
 
-    async def _fetch(self, job: _Prefetch) -> None:
+    async def _fetch(self, job: PrefetchJob) -> None:
         """One existence check over every pool's keys, then chunked reads until the deadline;
         record per pool which pages arrived intact (no tree change).
 
@@ -350,7 +300,7 @@ class PrefetchingTier(StorageTierBase):
                     self.counters.storage_errors += 1
                     job.failed, job.error = True, repr(res)
                 return
-            run = _span(part)
+            run = span_of(part)
             if run is not None and run[2] <= end and len(res) == run[2] - run[1]:
                 # a whole run of one pool, every page inside the leading run: one slice
                 pool, a, b = run
@@ -365,13 +315,14 @@ class PrefetchingTier(StorageTierBase):
                         job.vanished.append(j)
 
         reads: tuple[list[asyncio.Future[None]], list[BatchReports], list[Parts]] | None = None
+        ahead = min(total, fits)
         if (
             pools == 1
+            and ahead
             and self.io.workers > 1
             and not self.core.coordinator.deferred
             and getattr(self.io.backend, "read_ahead", False)
         ):
-            ahead = min(total, fits)
             plan = list(zip(itertools.repeat(0, ahead), range(ahead), strict=True))
             reads = self._start_reads(job, plan, landed)
         try:
@@ -387,10 +338,12 @@ class PrefetchingTier(StorageTierBase):
             all_pools = [0] + [
                 i + 1 for i, c in enumerate(comps) if c.hit_policy is HitPolicy.ALL_PAGES
             ]
-            job.hits = min(_leading_run(by_pool[i]) for i in all_pools)
+            job.hits = min(leading_run(by_pool[i]) for i in all_pools)
             if not self.core.coordinator.deferred:  # (with TP a rank's store is not published)
                 job.unclaimed = self._stored.take_missing(job.hashes, by_pool[0])
             self.counters.prefetch_storage_hit_tokens += job.hits * self.core.config.page_size
+            if fits < min(job.hits, job.want):  # one rank: evict for what storage has
+                fits = self._reserve_more(job, min(job.hits, job.want))
             limit[0] = end = min(job.hits, fits)
             if reads is None:
                 # what to read: the leading run for KV/ALL pools, present pages inside it
@@ -409,6 +362,9 @@ class PrefetchingTier(StorageTierBase):
                 for part, res in early:
                     landed(part, res)
                 early.clear()
+                if end > ahead:  # pages reserved after the check: read them now
+                    more = self._start_reads(job, [(0, j) for j in range(ahead, end)], landed)
+                    reads = (reads[0] + more[0], reads[1] + more[1], reads[2] + more[2])
             tasks = reads[0]
             if tasks:
                 await asyncio.wait(tasks, timeout=max(job.deadline - time.monotonic(), 0.0))
@@ -431,9 +387,29 @@ class PrefetchingTier(StorageTierBase):
                     elif not t.cancelled():
                         t.exception()  # retrieved: counted above
 
+    def _reserve_more(self, job: PrefetchJob, upto: int) -> int:
+        """Grow ``job``'s reservation toward ``upto`` pages, evicting host-only leaves (one
+        rank, once storage said it has them); returns the pages now reserved."""
+        core = self.core
+        have = job.pages.numel()
+        alloc, pool = core.host_alloc, core.host_pool
+        assert alloc is not None and pool is not None
+        cap = pool.num_pages // 2 - (self.reserved_pages - have)  # half the pool in flight
+        k = min(upto, cap) - have
+        k = min(k, alloc.num_free + core.tree.host_evictable)
+        more = core.alloc_host(k) if k > 0 else None
+        if more is not None:
+            job.pages = torch.cat([job.pages, more])
+            self.reserved[job.rid] = job.pages
+            for flags in job.loaded:
+                flags.extend([False] * more.numel())
+        elif not have:
+            job.error = "host pool full"
+        return job.pages.numel()
+
     def _start_reads(
         self,
-        job: _Prefetch,
+        job: PrefetchJob,
         plan: list[tuple[int, int]],
         landed: Callable[[list[tuple[int, int]], list[bool] | BaseException], None],
     ) -> tuple[list[asyncio.Future[None]], list[BatchReports], list[Parts]]:
@@ -459,7 +435,7 @@ class PrefetchingTier(StorageTierBase):
             batches = []
             index: list[int] = []  # the prefetch page of every buffer read, in order
             for part in mine:
-                run = _span(part)
+                run = span_of(part)
                 if run is not None:  # consecutive pages of one pool (the usual): slices
                     pool, a, b = run
                     keys = job.keys[pool][a:b]
@@ -477,7 +453,7 @@ class PrefetchingTier(StorageTierBase):
             hold = WorkerPages(alloc, torch.from_numpy(reserved[index]))
             job.holds.append(hold)
             remaining = max(job.deadline - time.monotonic(), 0.001)
-            reports.append(BatchReports(functools.partial(_report, landed, mine)))
+            reports.append(BatchReports(functools.partial(report_batch, landed, mine)))
             spread_parts.append(mine)
             task = asyncio.ensure_future(
                 self.io.get_into_batches(
@@ -491,7 +467,7 @@ class PrefetchingTier(StorageTierBase):
             tasks.append(task)
         return tasks, reports, spread_parts
 
-    def _finish(self, job: _Prefetch, end: int) -> None:
+    def _finish(self, job: PrefetchJob, end: int) -> None:
         """Commit the first ``end`` pages (agreed across ranks), unpin, free the rest."""
         try:
             job.committed = self._commit(job, end)
@@ -524,11 +500,11 @@ class PrefetchingTier(StorageTierBase):
             self._fences.remove(fence)
 
     @staticmethod
-    def _fence_hits(job: _Prefetch, fence: tuple[Namespace, bytes | None]) -> bool:
+    def _fence_hits(job: PrefetchJob, fence: tuple[Namespace, bytes | None]) -> bool:
         ns, page_hash = fence
         return job.ns == ns and (page_hash is None or page_hash in job.hashes)
 
-    def _commit(self, job: _Prefetch, end: int) -> int:
+    def _commit(self, job: PrefetchJob, end: int) -> int:
         """Attach the first ``end`` loaded pages below the cached prefix; return pages used.
 
         A trailing component's pages that did not arrive make the nodes that lack them
@@ -565,7 +541,7 @@ class PrefetchingTier(StorageTierBase):
         return used
 
     def _segments(
-        self, node: Node, first: int, end: int, job: _Prefetch
+        self, node: Node, first: int, end: int, job: PrefetchJob
     ) -> list[tuple[Node, int, int]]:
         """Split ``node`` (pages ``first..end`` of the prefetch) where any trailing
         component's loaded flags change; return ``(piece, lo, hi)`` root-most first."""
