@@ -579,7 +579,7 @@ class HiCache(CacheControls, CacheReports):
             else tier
         )
         if t is Tier.DEVICE:
-            return self._core.evict_device(num_pages)
+            return self._core.evict_device(num_pages, coming=False)
         if t is Tier.HOST:
             return self._core.evict_host(num_pages)
         raise InvalidInputError(f"tier must be 'device' or 'host', got {tier!r}")

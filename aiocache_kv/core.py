@@ -348,11 +348,12 @@ class CacheCore:
         alloc = self.host_alloc
         if alloc is None:
             return None
-        if alloc.num_free < n:
-            if not evict or n > alloc.num_free + self.tree.host_evictable:
+        short = n - alloc.num_free  # (host copies of device pages are not evict_host's)
+        if short > 0:
+            if not evict or short > self.tree.host_evictable or not self.tree.can_free(short):
                 return None
-            self.evict_host(n - alloc.num_free)
-            if alloc.num_free < n:
+            self.evict_host(short)
+            if alloc.num_free < n:  # (freed pages a worker still holds wait in quarantine)
                 return None
         pages = alloc.alloc(n)
         if self.host_pool is not None:  # new bytes will land there: no checksum from before
@@ -369,14 +370,14 @@ class CacheCore:
         assert self.host_alloc is not None
         self.host_alloc.free(pages)
 
-    def evict_device(self, num_pages: int, tenant: str | None = None) -> int:
+    def evict_device(self, num_pages: int, tenant: str | None = None, coming: bool = True) -> int:
         """Evict at least ``num_pages`` device pages (``tenant``'s alone if given) if
         possible; return pages freed now.  Write-back: pages staged to host count (they are
-        freed when their copy lands), those of earlier evictions too (``staging``, or the
-        tenant's share of it)."""
-        coming = self.staging if tenant is None else self.staging_of.get(tenant, 0)
-        if coming:  # (an alloc retried, or a tenant still over, while those copies fly)
-            num_pages -= coming
+        freed when their copy lands), with ``coming`` those of earlier evictions too
+        (``staging``, or the tenant's share of it: an operator's ``evict`` does not)."""
+        flying = self.staging if tenant is None else self.staging_of.get(tenant, 0)
+        if coming and flying:  # (an alloc retried, or a tenant still over, while they fly)
+            num_pages -= flying
             if num_pages <= 0:
                 return 0
         ev = Eviction()

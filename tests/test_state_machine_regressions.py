@@ -59,6 +59,9 @@ def test_machine_seed7_shrunk() -> None:
             ("insert", dict(keep=False, tenant=None, toks=[0, 0, 0, 0])),
             ("match", dict(tenant=None, toks=[0])),
             ("release", dict(i=0)),
+            # (the insert above staged one victim; it used to stage every idle page, tenant-b's
+            # [1, 0] too: stage it by hand, so [1] is host-only as when this was found)
+            ("evict", dict(tier="device", n=2)),
             ("finish_copy", dict(i=1, ok=True)),
             ("match", dict(tenant="tenant-b", toks=[1])),
             ("same_tokens_both_tenants", dict(base=0)),

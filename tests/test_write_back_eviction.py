@@ -106,3 +106,47 @@ async def test_a_blocks_device_removal_precedes_its_host_removal() -> None:
         both = [media for media in seen.values() if len(media) == 2]
         assert both == [["GPU", "CPU"]], seen
         cache.check_invariants()
+
+
+async def test_a_host_allocation_that_cannot_succeed_evicts_nothing() -> None:
+    """Host copies of device-resident pages count as host-evictable, but host eviction takes
+    host-only leaves alone: a write-through trusting that count deleted the host-only page
+    and was skipped anyway."""
+    cfg = small_config(write_policy="write_through", host_pages=3, device_pages=8)
+    async with akv.HiCache(cfg) as cache:
+        insert(cache, [9, 9])
+        await asyncio.wait_for(cache.flush(), 10)
+        cache.evict(1)  # [9, 9] is host-only now: 1 page
+        insert(cache, [1, 2, 3, 4])  # on device and host: 2 pages
+        await asyncio.wait_for(cache.flush(), 10)
+        insert(cache, [5, 6, 7, 8, 10, 11])  # its 3-page write-through cannot fit
+        await asyncio.wait_for(cache.flush(), 10)
+        st = cache.statistics()
+        assert st.write_through_skipped_pages == 3 and st.evicted_pages_host == 0, st
+        assert cache.cached_len([9, 9]) == 2
+        insert(cache, [20, 21, 22, 23])  # a 2-page one would not fit either: nothing goes
+        await asyncio.wait_for(cache.flush(), 10)
+        assert cache.statistics().evicted_pages_host == 0
+        insert(cache, [30, 31])  # a 1-page one fits by deleting the host-only page
+        await asyncio.wait_for(cache.flush(), 10)
+        assert cache.statistics().evicted_pages_host == 1
+        assert cache.cached_len([9, 9]) == 0
+        cache.check_invariants()
+
+
+async def test_a_host_eviction_counts_the_parents_its_victims_leave() -> None:
+    """A host-only chain (a split left two nodes): the dry run counts the parent, which
+    becomes a victim once its child goes, so an allocation of both pages succeeds."""
+    cfg = small_config(write_policy="write_through", host_pages=2, device_pages=8)
+    async with akv.HiCache(cfg) as cache:
+        insert(cache, [1, 2, 3, 4])
+        await asyncio.wait_for(cache.flush(), 10)
+        m = cache.match_prefix([1, 2, 5, 6])  # splits [1, 2] | [3, 4]
+        cache.release(m)
+        cache.evict(1 << 30)  # both host-only now, [3, 4] the only leaf
+        assert cache.statistics().host.free_pages == 0
+        insert(cache, [7, 8, 9, 10])  # 2 pages: [3, 4], then [1, 2]
+        await asyncio.wait_for(cache.flush(), 10)
+        st = cache.statistics()
+        assert st.write_through_skipped_pages == 0 and st.evicted_pages_host == 2, st
+        cache.check_invariants()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from aiocache_kv.tree.detach import Detacher
-from aiocache_kv.tree.node import ABSENT, RESIDENT, Node
+from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node
 from aiocache_kv.tree.results import Eviction
 
 __all__ = ["Evictor"]
@@ -80,6 +80,35 @@ class Evictor(Detacher):
             self._remove(node)
         return out
 
+    def can_free(self, num_pages: int) -> bool:
+        """Whether :meth:`evict_host` can free ``num_pages`` host pages now: a dry run of its
+        walk, counting the parents its victims would leave as victims too; nothing changes.
+        (``host_evictable`` also counts host copies of device-resident nodes, which it never
+        takes: an eviction trusted to it deleted host-only pages and still came up short.)"""
+        self._check_owner()
+        pop = self._victims(self._host_heap, None)
+        popped: list[Node] = []
+        gone: dict[int, int] = {}  # node id -> its children the walk would delete
+        total = 0
+        try:
+            while total < num_pages:
+                node = pop()
+                if node is None:
+                    return False
+                popped.append(node)
+                total += self._npages(node)
+                up = node.parent
+                while up is not None and up.parent is not None and _would_go(up):
+                    done = gone[id(up)] = gone.get(id(up), 0) + 1
+                    if done < len(up.children):
+                        break
+                    total += self._npages(up)  # a leaf once its children went: next in turn
+                    up = up.parent
+            return True
+        finally:
+            for node in popped:  # (they were live victims: the same keys again)
+                self._host_heap.offer(node)
+
     @staticmethod
     def _subtree_idle(node: Node) -> bool:
         stack = list(node.children.values())
@@ -132,3 +161,15 @@ class Evictor(Detacher):
         dev = self.evict_device(1 << 62)
         host = self.evict_host(1 << 62)
         return dev, host
+
+
+def _would_go(node: Node) -> bool:
+    """Whether ``node`` is a host victim once it has no children (``is_host_candidate``)."""
+    return (
+        node.alive
+        and node.host is RESIDENT
+        and node.storage is not FILLING
+        and node.device is ABSENT
+        and node.pins == 0
+        and node.host_pins == 0
+    )
