@@ -138,7 +138,7 @@ class HiCache(CacheControls, CacheReports):
             await core.coordinator.start(loop)  # TP: checks every rank's layout first
             self._engine.start(loop)
         except BaseException:
-            abandon(self._l3, self._tier_closes)  # unhooked, its workers stop (shutdown.py)
+            abandon(self._l3, self._tier_closes, self._core.coordinator)  # (shutdown.py)
             self._l3 = None
             self._state = Lifecycle.NEW
             raise

@@ -28,6 +28,7 @@ from aiocache_kv.storage.executor import StorageIO
 if TYPE_CHECKING:
     from aiocache_kv.config import CacheConfig
     from aiocache_kv.core import CacheCore
+    from aiocache_kv.distributed.coordinator import Coordinator
     from aiocache_kv.pins import HandleTable
     from aiocache_kv.storage.tier import StorageTier
     from aiocache_kv.transfer.engine import CopyEngine
@@ -86,14 +87,20 @@ async def close_parts(
         raise errors[0]
 
 
-def abandon(l3: StorageTier | None, closes: set[asyncio.Task[None]]) -> None:
+def abandon(
+    l3: StorageTier | None, closes: set[asyncio.Task[None]], coordinator: Coordinator
+) -> None:
     """A ``start`` gave up on ``l3``: unhook it and stop its workers in the background (a
     task added to ``closes``; bounded: an ``open`` still stuck in a worker is waited for up
     to ``storage_timeout``).  Its backend stays open for a retry, and unclaimed: the retry
-    may be a new cache (:mod:`.storage.owners`)."""
+    may be a new cache (:mod:`.storage.owners`).  A ``coordinator`` it started (TP: the
+    copy engine's start failed after it) is stopped the same way."""
+    loop = asyncio.get_running_loop()
     if l3 is not None:
         owners.release(l3.io.backend, l3.core)  # a retry (a new cache too) may claim it
-        closes.add(asyncio.get_running_loop().create_task(l3.abandon()))
+        closes.add(loop.create_task(l3.abandon()))
+    if coordinator.started:
+        closes.add(loop.create_task(coordinator.aclose()))
 
 
 async def close_abandoned(

@@ -150,3 +150,32 @@ async def test_a_host_eviction_counts_the_parents_its_victims_leave() -> None:
         st = cache.statistics()
         assert st.write_through_skipped_pages == 0 and st.evicted_pages_host == 2, st
         cache.check_invariants()
+
+
+async def test_the_dry_run_counts_an_over_budget_tenants_victims_once() -> None:
+    """Found by a review: with per-tenant heaps an over-budget tenant's victims come first
+    and then again from the main heap (the dry run removes none): counted twice, an
+    allocation that could not succeed was let through and evicted another tenant's page."""
+    quota = {"a": akv.TenantQuota(host_pages=3)}
+    cfg = small_config(
+        write_policy="write_through", host_pages=10, device_pages=16, tenant_quotas=quota
+    )
+    async with akv.HiCache(cfg) as cache:
+        core = cache._core
+        insert(cache, [1, 2, 3, 4], tenant="a")
+        await asyncio.wait_for(cache.flush(), 10)
+        cache.evict(2)  # a host-only leaf of tenant a: 2 pages
+        insert(cache, [7, 8], tenant="d")
+        await asyncio.wait_for(cache.flush(), 10)
+        cache.evict(1)  # a host-only leaf of tenant d: 1 page
+        insert(cache, [9, 10, 11, 12, 13, 14, 15, 16], tenant="b")  # on device and host
+        await asyncio.wait_for(cache.flush(), 10)
+        insert(cache, [20, 21, 22, 23], tenant="a")  # a is over its host budget now
+        assert core.host_alloc is not None and core.host_alloc.num_free == 1
+        assert not core.tree.can_free(4)  # 3 host-only pages exist, a's counted once
+        before = cache.statistics().evicted_pages_host
+        assert core.alloc_host(5) is None
+        assert cache.statistics().evicted_pages_host == before
+        assert cache.cached_len([7, 8], tenant="d") == 2
+        await asyncio.wait_for(cache.flush(), 10)
+        cache.check_invariants()

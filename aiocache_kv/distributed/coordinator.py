@@ -42,6 +42,11 @@ class Coordinator(Protocol):
     #: completions wait for an agreement (more than one rank)
     deferred: bool
 
+    @property
+    def started(self) -> bool:
+        """Its agreement task runs (TP, between ``start`` and ``aclose``)."""
+        ...
+
     def register(self, queue: AckQueue[Any]) -> None:
         """Add a queue whose operations this coordinator applies."""
         ...
@@ -116,6 +121,11 @@ class LocalCoordinator:
         """No agreements exist."""
         return 0
 
+    @property
+    def started(self) -> bool:
+        """Nothing runs."""
+        return False
+
     async def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Nothing to start."""
 
@@ -134,7 +144,13 @@ class AgreedCoordinator:
         self.layout = dict(layout or {})
         self._queues: list[AckQueue[Any]] = []
         self._seq: Sequencer | None = None
+        self._closed = False  # (aclose ran on the sequencer of the last start)
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def started(self) -> bool:
+        """Its agreement task runs (between ``start`` and ``aclose``)."""
+        return self._seq is not None and not self._closed
 
     @property
     def collectives(self) -> int:
@@ -161,6 +177,7 @@ class AgreedCoordinator:
             AgreementError: the collective failed.
         """
         self._loop = loop
+        self._closed = False
         seq = self._seq = Sequencer(self.group, loop)
         seq.start()
         fields = {**self.layout, "agreement queues": repr([q.name for q in self._queues])}
@@ -281,6 +298,7 @@ class AgreedCoordinator:
     async def aclose(self) -> None:
         """Agree and apply what is queued, then stop."""
         if self._seq is not None:
+            self._closed = True
             await self._seq.aclose()
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
@@ -117,6 +118,8 @@ class Admissions:
             q.move(req, RequestState.ADMITTING)
             busy += 1
             req.admission = self._spawn(self._admit(req), f"aiocache_kv.engine.admit-{req.id}")
+            # (also for a task cancelled before its first step, whose finally never runs)
+            req.admission.add_done_callback(functools.partial(self._left, req))
             self._entering[req.id] = req
 
     def _match_tokens(self, req: Request) -> list[int]:
@@ -139,10 +142,14 @@ class Admissions:
         except KVCacheError as exc:
             q.fail(req, exc)
         finally:
-            self._short.discard(req.id)
-            self._gated.discard(req.id)
-            self._entering.pop(req.id, None)
-            req.admission = None
+            self._left(req)
+
+    def _left(self, req: Request, task: object = None) -> None:
+        """``req``'s admission task ended (or is ending): nothing of it is waited for."""
+        self._short.discard(req.id)
+        self._gated.discard(req.id)
+        self._entering.pop(req.id, None)
+        req.admission = None
 
     def _behind(self, req: Request) -> bool:
         """Whether a request ahead of ``req`` in the admission line is waiting for rows: then

@@ -493,33 +493,48 @@ class Engine:
         # incremental: only the new pages' rows, after the pages the handle pins already
         start = r.inserted
         h = r.handle
-        if isinstance(h, MatchResult):  # the first insert: the match may pin pages past
-            # what admission reused (a prompt of whole pages, all cached: its last page is
-            # recomputed for the logits).  Read the tree's copy from now on and give the
-            # duplicate back, or the request would hold that page twice to its end
-            dup = min(h.device_len, aligned) - start
-            if dup > 0:
-                mine = r.rows[start : start + dup].clone()
-                r.rows[start : start + dup] = h.device_indices[start : start + dup]
-                cache.free(mine)
         if isinstance(h, InsertResult) and h.inserted_len < start:
             # the last insert stopped below a node still loading back: the rows after it are
             # retained by ``h`` (not the tree's yet), and are passed again
             start = h.inserted_len
-        res = cache.insert(
-            r.tokens(0, aligned),
-            r.rows[start:aligned],
-            prefix=h,
-            tenant=r.tenant,
-            lora=r.lora,
-            priority=r.priority,
-            retention=r.retention,
-        )
+        mine, dup = None, 0
+        if isinstance(h, MatchResult):  # the first insert: the match may pin pages past what
+            # admission reused (a prompt of whole pages, all cached: its last page is
+            # recomputed for the logits).  Read the tree's copy from now on and give the
+            # duplicate back once the insert took it, or the request would hold that page
+            # twice to its end
+            dup = min(h.device_len, aligned) - start
+            if dup > 0:
+                mine = r.rows[start : start + dup].clone()
+                r.rows[start : start + dup] = h.device_indices[start : start + dup]
+        try:
+            res = self._insert_rows(r, start, aligned)
+        except KVCacheError:
+            if mine is None:
+                raise
+            r.rows[start : start + dup] = mine  # (the tree's copy was dropped meanwhile):
+            mine = None  # its own rows, as when nothing was switched
+            res = self._insert_rows(r, start, aligned)
+        if mine is not None:
+            cache.free(mine)
         old, r.handle = r.handle, res
         if old is not None:
             cache.release(old)
         self.counters.inserted_pages += (aligned - r.inserted) // p
         r.inserted = aligned
+
+    def _insert_rows(self, r: Request, start: int, aligned: int) -> InsertResult:
+        """``insert`` of ``r``'s first ``aligned`` tokens, its rows from ``start`` on, onto
+        its handle."""
+        return self.cache.insert(
+            r.tokens(0, aligned),
+            r.rows[start:aligned],
+            prefix=r.handle,
+            tenant=r.tenant,
+            lora=r.lora,
+            priority=r.priority,
+            retention=r.retention,
+        )
 
     # ------------------------------------------------------------------ rows and room
 

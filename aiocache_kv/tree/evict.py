@@ -88,6 +88,7 @@ class Evictor(Detacher):
         self._check_owner()
         pop = self._victims(self._host_heap, None)
         popped: list[Node] = []
+        seen: set[int] = set()  # (an over-budget tenant's victims come first, then again)
         gone: dict[int, int] = {}  # node id -> its children the walk would delete
         total = 0
         try:
@@ -96,6 +97,9 @@ class Evictor(Detacher):
                 if node is None:
                     return False
                 popped.append(node)
+                if id(node) in seen:
+                    continue
+                seen.add(id(node))
                 total += self._npages(node)
                 up = node.parent
                 while up is not None and up.parent is not None and _would_go(up):

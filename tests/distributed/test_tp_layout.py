@@ -94,3 +94,29 @@ def test_the_layout_leaves_out_what_may_differ_per_rank() -> None:
         small_config(write_policy=akv.WritePolicy.WRITE_THROUGH)
     )
     assert 0 <= digest("x") < 2**62
+
+
+class BrokenStart:
+    """A copy engine whose ``start`` fails (no thread, no CUDA stream)."""
+
+    def start(self, loop: Any) -> None:
+        raise RuntimeError("injected: the copy engine cannot start")
+
+    def submit(self, job: Any, done: Any) -> None:
+        raise AssertionError("never started")
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_start_whose_engine_fails_stops_the_agreement_thread() -> None:
+    """Found by a review: the coordinator now starts before the copy engine, and a start
+    that failed there left the TP agreement task and its thread running (a retry made a
+    second one)."""
+    before = {t for t in threading.enumerate()}
+    cache = akv.HiCache(small_config(), tp_group=Group(), copy_engine=BrokenStart())
+    with pytest.raises(RuntimeError, match="cannot start"):
+        await cache.start()
+    await cache.aclose()
+    left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("akv-tp")]
+    assert left == [], left

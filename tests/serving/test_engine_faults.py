@@ -201,3 +201,65 @@ async def test_a_cached_prompt_of_whole_pages_fits_as_it_did_cold(gpt2: Any) -> 
             assert eng.statistics().failed == 0
             eng.check_invariants()
         assert_nothing_held(cache)
+
+
+async def test_a_recomputed_cached_page_dropped_during_the_pass_is_inserted_as_its_own(
+    gpt2: Any,
+) -> None:
+    """Found by a review: the switch to the tree's copy of a recomputed cached last page
+    freed the request's own rows before the insert; a drop during the forward pass made that
+    insert fail, and giving the rows back then freed the tree's pinned pages: the step loop
+    died with a double free.  Now the request keeps its own rows if the insert fails."""
+    async with akv.HiCache(config(gpt2, device_pages=32, host_pages=0)) as cache:
+        async with Engine(gpt2, cache, max_batch_tokens=64, max_running=4) as eng:
+            p = toks(5, 8)  # 2 whole pages of 4
+            cold = await eng.generate(p, max_new_tokens=2)
+            runner = eng._runner
+            assert runner is not None
+            orig = runner.step
+            fired: list[bool] = []
+
+            async def step(*args: Any) -> Any:
+                res = await orig(*args)
+                if not fired:
+                    fired.append(True)
+                    await cache.drop(p)  # the cached pages go while the pass reads them
+                return res
+
+            runner.step = step  # type: ignore[method-assign]
+            warm = await asyncio.wait_for(eng.generate(p, max_new_tokens=2), 20)
+            assert fired and warm.tokens == cold.tokens
+            assert eng.statistics().failed == 0
+            eng.check_invariants()
+        await cache.flush()
+        assert_nothing_held(cache)
+
+
+async def test_an_admission_cancelled_before_its_first_step_is_not_waited_for(
+    gpt2: Any,
+) -> None:
+    """Found by a review: an admission task cancelled (its caller went away) before its first
+    step never ran its ``finally``, so it counted for ever as an ended request's admission
+    still giving back pins: no running request was preempted, and two that must take turns
+    waited for each other for good."""
+    async with akv.HiCache(config(gpt2, device_pages=8, host_pages=0)) as cache:
+        async with Engine(gpt2, cache, max_batch_tokens=64, max_running=4) as eng:
+            await eng.generate(toks(9, 5), max_new_tokens=1)  # the step loop is running
+            g = asyncio.ensure_future(eng.generate(toks(1, 6), max_new_tokens=1))
+            await asyncio.sleep(0)  # submitted: the step loop spawns its admission
+            g.cancel()  # aborted in the same turn
+            with pytest.raises(asyncio.CancelledError):
+                await g
+            await asyncio.sleep(0.05)
+            adm = eng._admissions
+            assert adm is not None and not adm.orphans()
+            a, b = toks(2, 12), toks(3, 12)
+            ra, rb = await asyncio.wait_for(
+                asyncio.gather(
+                    eng.generate(a, max_new_tokens=12), eng.generate(b, max_new_tokens=12)
+                ),
+                30,
+            )
+            assert ra.tokens == reference(gpt2, a, 12) and rb.tokens == reference(gpt2, b, 12)
+            eng.check_invariants()
+        assert_nothing_held(cache)
