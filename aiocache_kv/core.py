@@ -376,10 +376,7 @@ class CacheCore:
         freed when their copy lands), with ``coming`` those of earlier evictions too
         (``staging``, or the tenant's share of it: an operator's ``evict`` does not)."""
         flying = self.staging if tenant is None else self.staging_of.get(tenant, 0)
-        if coming and flying:  # (an alloc retried, or a tenant still over, while they fly)
-            num_pages -= flying
-            if num_pages <= 0:
-                return 0
+        flying = flying if coming else 0  # (an alloc retried, or a tenant still over)
         ev = Eviction()
         stager = self.stager
         told = 0  # victims whose device removal is published
@@ -394,7 +391,7 @@ class CacheCore:
             told = len(ev.nodes)
             return stager(node)
 
-        self.tree.evict_device(num_pages, stage if stager is not None else None, tenant, ev)
+        self.tree.evict_device(num_pages, stage if stager else None, tenant, ev, flying)
         self.free_device(ev.pages)
         self.counters.evicted_pages_device += ev.num_pages
         if ev.host_pages:

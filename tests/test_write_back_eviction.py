@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
 import aiocache_kv as akv
 from aiocache_kv.events import BlockRemoved
 from tests.conftest import small_config
@@ -178,4 +180,28 @@ async def test_the_dry_run_counts_an_over_budget_tenants_victims_once() -> None:
         assert cache.statistics().evicted_pages_host == before
         assert cache.cached_len([7, 8], tenant="d") == 2
         await asyncio.wait_for(cache.flush(), 10)
+        cache.check_invariants()
+
+
+async def test_copies_in_flight_do_not_hold_back_a_page_free_now() -> None:
+    """While staging copies cover an allocation, a victim with a host copy is still demoted
+    (its pages are free at once) instead of the allocation waiting for the copies: with
+    tensor parallelism those land only at the serving loop's next agreement."""
+    async with akv.HiCache(small_config(write_policy="write_back", host_pages=32)) as cache:
+        insert(cache, [100, 100])
+        cache.evict(1)  # staged, then demoted: host-only
+        await asyncio.wait_for(cache.flush(), 10)
+        for i in range(15):  # device-only fillers, older than what follows
+            insert(cache, [i, i])
+        m = cache.match_prefix([100, 100])
+        await asyncio.wait_for(cache.load_back(m), 10)  # on device and host, the newest
+        cache.release(m)
+        assert cache.statistics().device.free_pages == 0
+        with pytest.raises(akv.CapacityError):
+            cache.alloc(2)  # stages the oldest filler; nothing free yet
+        slots = cache.alloc(2)  # the copy covers it: [100, 100] is demoted, free now
+        assert on_device(cache, [100, 100]) == 0 and on_device(cache, [1, 1]) == 2
+        cache.free(slots)
+        await asyncio.wait_for(cache.flush(), 10)
+        assert cache.statistics().evicted_pages_device == 1 + 2  # [100, 100] twice, a filler
         cache.check_invariants()

@@ -395,9 +395,12 @@ class PrefetchingTier(StorageTierBase):
         alloc, pool = core.host_alloc, core.host_pool
         assert alloc is not None and pool is not None
         cap = pool.num_pages // 2 - (self.reserved_pages - have)  # half the pool in flight
-        k = min(upto, cap) - have
-        k = min(k, alloc.num_free + core.tree.host_evictable)
+        k = min(min(upto, cap) - have, alloc.num_free + core.tree.host_evictable)
+        if job.dropped:  # (a drop ran meanwhile: nothing of it is committed)
+            return have
         more = core.alloc_host(k) if k > 0 else None
+        if more is None and k > 0 and alloc.num_free:  # what eviction cannot make, free may
+            more = core.alloc_host(min(k, alloc.num_free), evict=False)
         if more is not None:
             job.pages = torch.cat([job.pages, more])
             self.reserved[job.rid] = job.pages

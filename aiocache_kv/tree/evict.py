@@ -15,7 +15,11 @@ from aiocache_kv.tree.detach import Detacher
 from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node
 from aiocache_kv.tree.results import Eviction
 
-__all__ = ["Evictor"]
+__all__ = ["SKIP_SCAN", "Evictor"]
+
+#: staging candidates a device eviction passes over (copies in flight cover them) while it
+#: looks for victims that free pages now, at most
+SKIP_SCAN = 64
 
 
 class Evictor(Detacher):
@@ -27,6 +31,7 @@ class Evictor(Detacher):
         stage: Callable[[Node], bool] | None = None,
         tenant: str | None = None,
         out: Eviction | None = None,
+        coming: int = 0,
     ) -> Eviction:
         """Free at least ``num_pages`` device pages (of ``tenant`` alone if given), lowest
         retention priority then least recently used first, if possible; the victims go to
@@ -36,18 +41,28 @@ class Evictor(Detacher):
         deleted, unless ``stage(node)`` takes it (write-back: it starts a copy to host and the
         device pages are freed when that lands; they count toward ``num_pages``, in
         ``staged_pages``: staging every idle page for one page's room demoted them all, past
-        retention priorities and tenants' budgets).
+        retention priorities and tenants' budgets).  ``coming``: pages that copies already
+        in flight will free; no victim is staged for what they cover (victims that free
+        pages now still go, up to ``SKIP_SCAN`` staging candidates passed over looking for
+        them).
         """
         self._check_owner()
         out = Eviction() if out is None else out
         pop = self._victims(self._dev_heap, tenant)
+        passed: dict[int, Node] = {}  # staging candidates left for the copies in flight
         while out.num_pages + out.staged_pages < num_pages:
             node = pop()
             if node is None:
                 break
-            if node.host is ABSENT and stage is not None and stage(node):
-                out.staged_pages += self._npages(node)
-                continue
+            if node.host is ABSENT and stage is not None:
+                if out.num_pages + out.staged_pages + coming >= num_pages:
+                    passed[id(node)] = node
+                    if len(passed) >= SKIP_SCAN:
+                        break
+                    continue
+                if stage(node):
+                    out.staged_pages += self._npages(node)
+                    continue
             if node.host is not RESIDENT and node.children and not self._subtree_idle(node):
                 continue  # a host-only descendant is being backed up: offered again later
             pages = node.device_pages
@@ -61,6 +76,8 @@ class Evictor(Detacher):
                 if node.children:
                     self._drop_subtree(node, out)
                 self._remove(node)
+        for node in passed.values():  # victims still: offered again, as they were
+            self._offer(node)
         return out
 
     def evict_host(self, num_pages: int, tenant: str | None = None) -> Eviction:
