@@ -145,7 +145,11 @@ class Admissions:
             self._left(req)
 
     def _left(self, req: Request, task: object = None) -> None:
-        """``req``'s admission task ended (or is ending): nothing of it is waited for."""
+        """``req``'s admission task ended (or is ending): nothing of it is waited for.  From
+        the done callback of ``task``: not if a newer admission of ``req`` runs (re-admitted
+        after a preemption or a restart)."""
+        if task is not None and req.admission is not None and req.admission is not task:
+            return
         self._short.discard(req.id)
         self._gated.discard(req.id)
         self._entering.pop(req.id, None)
