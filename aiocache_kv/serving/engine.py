@@ -509,12 +509,14 @@ class Engine:
                 r.rows[start : start + dup] = h.device_indices[start : start + dup]
         try:
             res = self._insert_rows(r, start, aligned)
-        except KVCacheError:
+        except BaseException as exc:
             if mine is None:
                 raise
-            r.rows[start : start + dup] = mine  # (the tree's copy was dropped meanwhile):
-            mine = None  # its own rows, as when nothing was switched
-            res = self._insert_rows(r, start, aligned)
+            r.rows[start : start + dup] = mine  # its own rows again, as when nothing was
+            mine = None  # switched (they are its to give back, whatever happens next)
+            if not isinstance(exc, KVCacheError):
+                raise
+            res = self._insert_rows(r, start, aligned)  # (the tree's copy was dropped)
         if mine is not None:
             cache.free(mine)
         old, r.handle = r.handle, res

@@ -263,3 +263,35 @@ async def test_an_admission_cancelled_before_its_first_step_is_not_waited_for(
             assert ra.tokens == reference(gpt2, a, 12) and rb.tokens == reference(gpt2, b, 12)
             eng.check_invariants()
         assert_nothing_held(cache)
+
+
+async def test_an_insert_that_fails_otherwise_leaves_no_page_switched(gpt2: Any) -> None:
+    """Found by a review: an insert onto the tree's copy of a recomputed cached page that
+    failed with anything but a cache error (a bug) left the request's rows on the tree's
+    page: the step loop's clean-up then freed the tree's pinned page (a double free) and
+    leaked the request's own copy and its handle's pins."""
+    async with akv.HiCache(config(gpt2, device_pages=32, host_pages=0)) as cache:
+        p = toks(5, 8)  # 2 whole pages of 4
+        seen: list[BaseException] = []
+
+        async def serve() -> None:  # the engine's own task: its step loop's failure ends it
+            async with Engine(gpt2, cache, max_batch_tokens=64, max_running=4) as eng:
+                await eng.generate(p, max_new_tokens=2)
+                orig = cache.insert
+
+                def broken(*args: Any, **kw: Any) -> Any:
+                    raise RuntimeError("injected: a bug in insert")
+
+                cache.insert = broken  # type: ignore[method-assign]
+                try:
+                    await eng.generate(p, max_new_tokens=2)
+                except akv.EngineClosedError as exc:
+                    seen.append(exc)
+                finally:
+                    cache.insert = orig  # type: ignore[method-assign]
+
+        (ended,) = await asyncio.gather(serve(), return_exceptions=True)
+        assert seen and "injected" in str(seen[0]), (seen, ended)
+        st = cache.statistics()
+        assert st.device.held_pages == 0 and st.device.protected_pages == 0, st.device
+        cache.check_invariants()
