@@ -72,6 +72,11 @@ class Admissions:
         #: requests whose admission task runs, by id (one that ended while its task still
         #: gives back pins and reads is an orphan: see :meth:`orphans`)
         self._entering: dict[int, Request] = {}
+        #: admitting requests inside their storage read (pins held until the store answers)
+        self._reading: set[int] = set()
+        #: a running request is short of rows (set by the step loop each step): admissions
+        #: turn back before pinning anything, so the running batch's rows come first
+        self.yield_to_running = False
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -83,7 +88,7 @@ class Admissions:
     def on_arrival(self, req: Request) -> None:
         """Start the prompt's storage read now (only with a storage tier)."""
         if self.cache.config.storage is not None:
-            self._arrivals[req.id] = self._spawn(
+            req.reading = self._arrivals[req.id] = self._spawn(
                 self._prefetch_on_arrival(req), f"aiocache_kv.engine.prefetch-{req.id}"
             )
 
@@ -96,6 +101,7 @@ class Admissions:
                 req.prefetch += res.hit_tokens
         finally:
             self._arrivals.pop(req.id, None)
+            req.reading = None
             self.queues.wake.set()  # what it committed may unblock a request waiting for it
 
     def admit_waiting(self) -> None:
@@ -166,6 +172,13 @@ class Admissions:
                 return True
         return False
 
+    def holding(self) -> bool:
+        """Whether pins that come back within a storage deadline are held: an ended request's
+        admission (:meth:`orphans`), a storage read started on arrival, or an admitting
+        request's read (a running request short of rows waits for them instead of failing
+        as alone in the pool)."""
+        return bool(self._arrivals or self._reading) or self.orphans()
+
     def orphans(self) -> bool:
         """Whether the admission task of a request that ended meanwhile (aborted, failed)
         still runs: cancelled, it may hold pins until its storage call returns (a bounded
@@ -198,15 +211,19 @@ class Admissions:
         toks = self._match_tokens(req)
         seq_len = req.length
         reusable = (seq_len - 1) // p * p
-        if self._behind(req):  # (before its prefetch: one turned back holds no pin)
-            self._gated.add(req.id)
+        if self._behind(req) or self.yield_to_running:  # (before its prefetch: one turned
+            self._gated.add(req.id)  # back holds no pin)
             return False
         self._gated.discard(req.id)  # (holds pins from here: not counted as holding none)
         if cache.config.storage is not None:
             arrival = self._arrivals.get(req.id)
             if arrival is not None:  # the read it started on arrival: one read, not two
                 await asyncio.shield(arrival)
-            res = await cache.prefetch(toks, tenant=req.tenant, lora=req.lora)
+            self._reading.add(req.id)
+            try:
+                res = await cache.prefetch(toks, tenant=req.tenant, lora=req.lora)
+            finally:
+                self._reading.discard(req.id)
             req.prefetch += res.hit_tokens
             if req.state is not RequestState.ADMITTING:
                 return True

@@ -386,7 +386,7 @@ class Engine:
                 q.settle()
                 self._admissions.admit_waiting()
                 slots = plan_step(q.running, self.max_batch_tokens)
-                self._short = False
+                self._short = self._admissions.yield_to_running = False
                 slots = self._with_rows(slots)
                 if not slots:
                     q.wake.clear()
@@ -562,12 +562,12 @@ class Engine:
             try:
                 pages = cache.alloc(need)
             except CapacityError:
-                if (
-                    cache.copies_in_flight()
-                    or cache.device_pages_returning()
-                    or (self._admissions is not None and self._admissions.orphans())
-                ):  # copies land soon (pages evictable), zeroing ends (free), and an ended
-                    self._short = True  # request's admission gives back its pins
+                adm = self._admissions
+                assert adm is not None
+                if cache.copies_in_flight() or cache.device_pages_returning() or adm.holding():
+                    # copies land soon (pages evictable), zeroing ends (free), storage reads
+                    # end and give back their pins; admissions wait meanwhile (no new pins)
+                    self._short = adm.yield_to_running = True
                     return False
                 victim = q.running[-1]  # the newest request yields (vLLM's order)
                 if victim is r and len(q.running) == 1:

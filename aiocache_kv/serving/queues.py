@@ -94,7 +94,7 @@ class Queues:
         req.error = exc
         if queue is self.admitting and queue is not None:
             queue.remove(req)  # the admission task gives back what it held
-            task = req.admission  # and stops waiting for storage or room now
+        for task in (req.admission, req.reading):  # and they stop waiting for storage now
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
         if state is RequestState.FAILED:

@@ -100,6 +100,7 @@ class Request:
         "prefetch",
         "priority",
         "prompt",
+        "reading",
         "restarts",
         "retention",
         "reusable_at_admission",
@@ -135,8 +136,10 @@ class Request:
         self.sends = sends  #: the caller's token stream (``Engine.stream``), if any
         self.arrival = time.perf_counter()
         self.admitted_at: float | None = None
-        #: its admission task while it enters the batch (cancelled if it ends meanwhile)
+        #: its admission task while it enters the batch, and the storage read it started on
+        #: arrival while that runs (both cancelled if it ends meanwhile)
         self.admission: asyncio.Task[None] | None = None
+        self.reading: asyncio.Task[None] | None = None
         self.state = RequestState.WAITING
         self.generated: list[int] = []
         self.token_times: list[float] = []

@@ -295,3 +295,45 @@ async def test_an_insert_that_fails_otherwise_leaves_no_page_switched(gpt2: Any)
         st = cache.statistics()
         assert st.device.held_pages == 0 and st.device.protected_pages == 0, st.device
         cache.check_invariants()
+
+
+@pytest.mark.parametrize("variant", ["waiting", "admitting", "aborted"])
+async def test_a_running_request_waits_for_storage_reads_instead_of_failing_alone(
+    gpt2: Any, variant: str
+) -> None:
+    """Found by an adversarial round: the only running request, needing one more page while
+    another request's storage read pinned a cached prefix (a slow store), was judged alone in
+    the pool and failed with ``CapacityError`` mid-reply; an aborted request's read on
+    arrival went on pinning until the store answered.  Now a running request short of rows
+    waits for storage reads (bounded by their deadlines) while admissions turn back, and an
+    ended request's read on arrival is cancelled."""
+    store = MemoryStorage()
+    cfg = config(gpt2, device_pages=16, host_pages=32, storage=store, storage_timeout=8.0)
+    running = 4 if variant == "admitting" else 1
+    async with akv.HiCache(cfg) as cache:
+        async with Engine(gpt2, cache, max_batch_tokens=64, max_running=running) as eng:
+            p = toks(1, 40)  # 10 pages cached on device
+            await eng.generate(p, max_new_tokens=1)
+            await cache.flush()
+            r = toks(2, 20)  # 20 + 40 rows: 15 of 16 pages, fits alone
+            ts = eng.open_stream(r, max_new_tokens=40)
+            it = ts.tokens()
+            first = await asyncio.wait_for(it.__anext__(), 20)
+            store.gates["exists"].clear()  # the store stalls from here
+            w = asyncio.ensure_future(eng.generate(p + toks(3, 8), max_new_tokens=1))
+            try:
+                assert await asyncio.to_thread(store.entered["exists"].wait, 10)
+                if variant == "aborted":
+                    w.cancel()
+                    await asyncio.gather(w, return_exceptions=True)
+                got = [first] + [t async for t in it]
+                res = await asyncio.wait_for(ts.result(), 30)
+            finally:
+                store.gates["exists"].set()
+            assert got == res.tokens == reference(gpt2, r, 40)
+            if variant != "aborted":
+                assert (await asyncio.wait_for(w, 30)).tokens == reference(gpt2, p + toks(3, 8), 1)
+            assert eng.statistics().failed == 0
+            eng.check_invariants()
+        await cache.flush()
+        assert_nothing_held(cache)
