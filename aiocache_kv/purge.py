@@ -333,7 +333,8 @@ class Purger:
             # error (a key left unclaimed is only a miss; ``drop`` again removes it)
             claimed = list(dict.fromkeys(claimed + claims))
             if claimed and l3 is not None:
-                l3.forget_claims(claimed)
+                claimed = l3.forget_claims(claimed)  # (those still claimed: once each)
+            if claimed and l3 is not None:
                 core.emit(BlockRemoved(claimed, Tier.STORAGE.medium))
         zeroed = 0
         if task is not None:

@@ -478,6 +478,8 @@ class PrefetchingTier(StorageTierBase):
             core.latencies.prefetch.observe(time.monotonic() - job.started)
             # per-rank facts about a rank's own store: not published where ranks must agree
             if (job.vanished or job.unclaimed) and not core.coordinator.deferred:
+                # published whether or not the stream claims them: a consumer that kept its
+                # index across a restart learns the store lost them (documented)
                 vanished = [job.hashes[j] for j in sorted(job.vanished)]
                 for h in vanished:  # no claim of it is left to announce again
                     self.lose_stored(h)
@@ -538,7 +540,7 @@ class PrefetchingTier(StorageTierBase):
                 piece.invalid = frozenset(
                     name for pool, name, _ in self._trailing if not all(job.loaded[pool][lo:hi])
                 )
-                self.remember_fetched(piece)  # it came from storage (announced there)
+                self.remember_announced(piece)  # it came from storage (announced there)
                 core.emit_stored(piece, Tier.HOST)
         self.counters.prefetch_hit_tokens += used * p
         return used

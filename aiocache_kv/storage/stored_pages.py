@@ -85,6 +85,8 @@ class StoredPages:
         ref = weakref.ref(node, self._dead.append)  # deque.append: safe from any thread
         self._given[id(ref)] = StoredRun(ref, hashes, node.key, parent, node.ns, start)
         self._by_hash.update(dict.fromkeys(hashes, ref))
+        if self._orphans:  # claimed by this node now: not orphaned any more (in C, a page)
+            collections.deque(map(self._orphans.pop, hashes, itertools.repeat(None)), maxlen=0)
 
     @property
     def orphans(self) -> int:
@@ -117,14 +119,14 @@ class StoredPages:
         for h, there in zip(hashes, present, strict=True):
             if there:
                 continue
-            if h in orphans:  # (once: a hash may repeat)
-                del orphans[h]
-                out.append(h)
-                continue
             ref = by_hash.get(h)
             node = None if ref is None else ref()
             if ref is not None and (node is None or not node.alive):
-                del by_hash[h]
+                del by_hash[h]  # (a node of the same pages that left the tree claims it)
+                orphans.pop(h, None)
+                out.append(h)
+            elif h in orphans:  # (once: a hash may repeat)
+                del orphans[h]
                 out.append(h)
         return out
 

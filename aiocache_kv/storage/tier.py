@@ -464,8 +464,7 @@ class StorageTier(PrefetchingTier):
             tree.end_backup(node, node_ok)
             if node_ok and node.alive:  # a dropped node's pages are removed, not claimed
                 ok_pages += k
-                self.remember_stored(node)
-                core.emit_stored(node, Tier.STORAGE)
+                self.remember_announced(node)
         assert i == pages, f"backup covers {pages} pages but targets {i}"
         failed = pages - ok_pages
         core.latencies.backup.observe(time.monotonic() - op.started)

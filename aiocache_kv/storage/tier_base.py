@@ -143,11 +143,13 @@ class StorageTierBase:
             start // self.core.config.page_size,
         )
 
-    def remember_fetched(self, node: Node) -> None:
-        """``node``'s pages came from storage (a prefetch committed them): remembered as
-        stored, and announced in STORAGE unless the stream claims each of them already (a
-        restart over the store, or a backup whose failed page announced none of its node,
-        left them unannounced: snapshot + stream must equal the cache's claims)."""
+    def remember_announced(self, node: Node) -> None:
+        """``node``'s pages are in storage (a backup landed, or a prefetch committed them):
+        remembered as stored, and announced in STORAGE unless the stream claims each of them
+        already (a node of the same pages that left the tree announced them, and its claims
+        live on; or, for a fetched node, a restart over the store or a backup whose failed
+        page announced none of its node left them unannounced: snapshot + stream must equal
+        the cache's claims, and a block is not stored twice without a removal between)."""
         events = self.core.events.enabled
         stored = self._stored
         new = events and not all(map(stored.claims_page, self.core.tree.block_hashes(node)))
@@ -193,11 +195,14 @@ class StorageTierBase:
                     out.append(h)
         return out
 
-    def forget_claims(self, hashes: list[bytes]) -> None:
-        """The pages ``hashes`` were removed from storage on purpose (``drop``): their claims
-        are forgotten (the caller publishes the ``BlockRemoved``)."""
-        for h in hashes:
+    def forget_claims(self, hashes: list[bytes]) -> list[bytes]:
+        """The pages ``hashes`` were removed from storage on purpose (``drop``): of those this
+        cache claims, each claim is forgotten; returns them (the caller publishes their
+        ``BlockRemoved``: two drops that overlapped retract a page once)."""
+        claimed = [h for h in hashes if self._stored.claims_page(h)]
+        for h in claimed:
             self._stored.pop(h)
+        return claimed
 
     def retract_claims(self, hashes: list[bytes]) -> list[bytes]:
         """Storage is losing the pages ``hashes`` (a removal): of those this cache claims,

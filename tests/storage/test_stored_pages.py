@@ -84,6 +84,7 @@ def test_seeded_churn_matches_a_plain_model(limit: int) -> None:
             hashes = [rng.randrange(300) for _ in range(rng.randrange(1, 6))]
             table.remember(live[tag], hashes)
             model.update(dict.fromkeys(hashes, tag))
+            orphans.difference_update(hashes)  # claimed by a live node again
         elif op < 0.6:
             h = rng.randrange(300)
             tag = model.pop(h, None)
@@ -159,3 +160,22 @@ def test_a_node_that_left_the_tree_counts_before_it_is_collected() -> None:
     gc.collect()
     assert table.orphans == 1  # 2 only: 1 was retracted already
     assert table.take_missing([1, 2], [False, False]) == [2]
+
+
+def test_a_claim_taken_back_as_missing_leaves_no_entry_of_a_node_out_of_the_tree() -> None:
+    """Found by an adversarial round: a page claimed by a node that died (an orphan) and then
+    by a second node of the same tokens that left the tree but was not collected yet was
+    taken back once from the orphans only; the second node's entry kept claiming it, so
+    every later snapshot announced it in STORAGE again."""
+    table = StoredPages(orphan_limit=8)
+    first = Node([1], None, "ns")
+    table.remember(first, [7, 8])
+    del first  # collected: 7 and 8 are orphaned claims
+    assert table.orphans == 2
+    second = Node([1], None, "ns")
+    table.remember(second, [7, 8])  # the same pages claimed again
+    assert table.orphans == 0
+    second.alive = False  # left the tree, still referenced (a handle the caller keeps)
+    assert table.take_missing([7, 8], [False, True]) == [7]
+    assert not table.claims_page(7) and table.claims_page(8)
+    assert [run.hashes[i] for run, idx in table.claims() for i in idx] == [8]

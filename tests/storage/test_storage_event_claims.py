@@ -1,0 +1,110 @@
+"""A consumer of the STORAGE events holds exactly what the cache claims, each block once.
+
+(A page a prefetch finds missing or corrupt is published as removed whether or not this
+stream stored it: a consumer that kept its index across a restart learns the store lost it;
+see ``test_chain_eviction.py``.)
+
+Found by an adversarial round, each a sequence a consumer keeping a set per medium (or
+counting stores against removals) got wrong:
+
+* two drops that overlapped retracted the same pages twice;
+* after a prefetch retracted a page whose second node (same tokens, left the tree, not yet
+  collected) still held its claim, ``snapshot_events()`` kept announcing it for good;
+* the backup of tokens recomputed after their node left the tree announced pages whose
+  claims lived on: ``BlockStored(STORAGE)`` twice with no removal between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import aiocache_kv as akv
+from aiocache_kv.events import BlockRemoved, BlockStored, KVEvent
+from aiocache_kv.testing import ManualCopyEngine, MemoryStorage
+from tests.conftest import small_config
+
+TOKS = [1, 2, 3, 4]
+
+
+class StorageView:
+    """What a consumer of the STORAGE events holds; every store and removal checked."""
+
+    def __init__(self) -> None:
+        self.held: set[bytes] = set()
+
+    def apply(self, events: list[KVEvent]) -> None:
+        for e in events:
+            if not isinstance(e, (BlockStored, BlockRemoved)) or e.medium != "STORAGE":
+                continue
+            for h in e.block_hashes:
+                if isinstance(e, BlockStored):
+                    assert h not in self.held, f"stored twice, no removal between: {h.hex()}"
+                    self.held.add(h)
+                else:
+                    assert h in self.held, f"removed, never stored (or removed twice): {h.hex()}"
+                    self.held.discard(h)
+
+
+def claimed(cache: akv.HiCache) -> set[bytes]:
+    return {
+        h
+        for e in cache.snapshot_events()
+        if isinstance(e, BlockStored) and e.medium == "STORAGE"
+        for h in e.block_hashes
+    }
+
+
+async def back_up(cache: akv.HiCache, engine: ManualCopyEngine) -> None:
+    r = cache.insert(TOKS, cache.alloc(len(TOKS)))
+    engine.complete_all()
+    await asyncio.wait_for(cache.flush(), 10)
+    cache.release(r)
+
+
+def evict_all(cache: akv.HiCache) -> None:
+    cache.evict(1 << 30, "device")
+    cache.evict(1 << 30, "host")
+
+
+async def test_two_overlapping_drops_retract_a_page_once() -> None:
+    store = MemoryStorage()
+    engine = ManualCopyEngine()
+    view = StorageView()
+    async with akv.HiCache(small_config(storage=store), copy_engine=engine) as cache:
+        await back_up(cache, engine)
+        view.apply(cache.take_events())
+        store.gates["remove_tag"].clear()  # the first drop's removal is slow
+        first = asyncio.create_task(cache.drop(tiers=("device", "host", "storage")))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(cache.drop(tiers=("storage",)))
+        await asyncio.sleep(0.05)
+        store.gates["remove_tag"].set()
+        await asyncio.wait_for(asyncio.gather(first, second), 10)
+        view.apply(cache.take_events())
+        assert view.held == claimed(cache) == set()
+        cache.check_invariants()
+
+
+async def test_a_retracted_page_leaves_the_snapshot_too() -> None:
+    store = MemoryStorage()
+    engine = ManualCopyEngine()
+    cfg = small_config(storage=store, prefetch_threshold_tokens=0)
+    h2 = akv.page_hashes(TOKS, page_size=2, model=cfg.namespace)[1]
+    view = StorageView()
+    async with akv.HiCache(cfg, copy_engine=engine) as cache:
+        await back_up(cache, engine)
+        evict_all(cache)
+        gc.collect()  # the first node is gone: its claims are orphaned
+        await back_up(cache, engine)  # the same tokens again, backed up again
+        keep = cache.match_prefix(TOKS)
+        cache.release(keep)  # a released handle the caller still holds keeps the node
+        evict_all(cache)
+        store.drop(next(k for k in store.contents() if h2.hex() in k))  # the store loses it
+        await cache.prefetch(TOKS, policy="wait_complete")
+        view.apply(cache.take_events())
+        assert h2 not in view.held and view.held == claimed(cache)
+        del keep
+        gc.collect()
+        assert view.held == claimed(cache)
+        cache.check_invariants()
