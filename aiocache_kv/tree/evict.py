@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from aiocache_kv.tree.detach import Detacher
-from aiocache_kv.tree.node import ABSENT, FILLING, RESIDENT, Node
+from aiocache_kv.tree.node import ABSENT, RESIDENT, Node
 from aiocache_kv.tree.results import Eviction
+from aiocache_kv.tree.tiers import host_victim_when_leaf
 
 __all__ = ["SKIP_SCAN", "Evictor"]
 
@@ -119,7 +120,7 @@ class Evictor(Detacher):
                 seen.add(id(node))
                 total += self._npages(node)
                 up = node.parent
-                while up is not None and up.parent is not None and _would_go(up):
+                while up is not None and up.parent is not None and host_victim_when_leaf(up):
                     done = gone[id(up)] = gone.get(id(up), 0) + 1
                     if done < len(up.children):
                         break
@@ -182,15 +183,3 @@ class Evictor(Detacher):
         dev = self.evict_device(1 << 62)
         host = self.evict_host(1 << 62)
         return dev, host
-
-
-def _would_go(node: Node) -> bool:
-    """Whether ``node`` is a host victim once it has no children (``is_host_candidate``)."""
-    return (
-        node.alive
-        and node.host is RESIDENT
-        and node.storage is not FILLING
-        and node.device is ABSENT
-        and node.pins == 0
-        and node.host_pins == 0
-    )

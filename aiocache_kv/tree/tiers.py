@@ -410,6 +410,12 @@ def is_device_candidate(node: Node) -> bool:
 
 def is_host_candidate(node: Node) -> bool:
     """Whether ``node`` may be chosen as a host victim now."""
+    return not node.children and node.parent is not None and host_victim_when_leaf(node)
+
+
+def host_victim_when_leaf(node: Node) -> bool:
+    """Whether ``node`` is a host victim once it has no children (``Evictor.can_free``
+    counts the parents its victims would leave)."""
     return (
         node.alive
         and node.host is RESIDENT
@@ -417,8 +423,6 @@ def is_host_candidate(node: Node) -> bool:
         and node.device is ABSENT
         and node.pins == 0
         and node.host_pins == 0
-        and not node.children
-        and node.parent is not None
     )
 
 
@@ -463,4 +467,10 @@ _HOST_OK = {
     ]
 }
 
-__all__ = ["TierBook", "check_host_pins", "is_device_candidate", "is_host_candidate"]
+__all__ = [
+    "TierBook",
+    "check_host_pins",
+    "host_victim_when_leaf",
+    "is_device_candidate",
+    "is_host_candidate",
+]
