@@ -334,8 +334,8 @@ class Purger:
             claimed = list(dict.fromkeys(claimed + claims))
             if claimed and l3 is not None:
                 claimed = l3.forget_claims(claimed)  # (those still claimed: once each)
-            if claimed and l3 is not None:
-                core.emit(BlockRemoved(claimed, Tier.STORAGE.medium))
+                if claimed:
+                    core.emit(BlockRemoved(claimed, Tier.STORAGE.medium))
         zeroed = 0
         if task is not None:
             done, _ = await asyncio.wait([task], timeout=timeout)

@@ -194,7 +194,7 @@ class Admissions:
         q = self.queues
         alone = not q.running and all(r is req or r.id in self._gated for r in q.admitting)
         cache = self.cache
-        if not alone or self._arrivals or self.orphans():  # (their reads pin paths a while)
+        if not alone or self.holding():  # (reads pin paths for a while, each bounded)
             return False
         return not (cache.copies_in_flight() or cache.device_pages_returning())
 
