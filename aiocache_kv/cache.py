@@ -574,7 +574,7 @@ class HiCache(CacheControls, CacheReports):
         if type(num_pages) is not int or num_pages < 0:
             raise InvalidInputError(f"num_pages must be an int >= 0, got {num_pages!r}")
         t = (
-            {"device": Tier.DEVICE, "host": Tier.HOST}.get(tier, tier)
+            {"device": Tier.DEVICE, "host": Tier.HOST}.get(str.__str__(tier), str.__str__(tier))
             if isinstance(tier, str)
             else tier
         )

@@ -113,6 +113,7 @@ def check_pin_tier(tier: object) -> Tier:
         if tier in (Tier.DEVICE, Tier.HOST):
             return tier
     elif isinstance(tier, str):
+        tier = str.__str__(tier)  # the name itself: a str subclass's own hash is not asked
         found = _TIERS.get(tier)
         if found is not None:
             return found

@@ -426,3 +426,31 @@ async def test_release_if_ends_the_pins_over_given_nodes() -> None:
         assert hard.release_if(lambda node: False) == 0
         cache.unpin(pa)
         cache.check_invariants()
+
+
+class _HashRaises(str):
+    """A tier name whose own ``__hash__`` raises (a hostile ``str`` subclass)."""
+
+    def __hash__(self) -> int:
+        raise RuntimeError("the subclass's own hash was asked")
+
+    __eq__ = str.__eq__
+
+
+async def test_tier_given_as_a_str_subclass_is_read_as_its_name() -> None:
+    """pin, warm and evict look a tier name up by its characters, as drop does: the
+    subclass's own hash never runs (before, its exception escaped untyped)."""
+    async with akv.HiCache(small_config(max_pin_ttl=100.0)) as cache:
+        a = toks(100, 2)
+        await cached(cache, a)
+        pin = cache.pin(a, ttl=1, tier=_HashRaises("device"))
+        assert pin.tier is akv.Tier.DEVICE
+        cache.unpin(pin)
+        res = await cache.warm(a, tier=_HashRaises("host"))
+        assert res.tokens == len(a)
+        assert cache.evict(0, tier=_HashRaises("device")) == 0
+        with pytest.raises(akv.InvalidInputError, match="'gpu'"):
+            cache.pin(a, ttl=1, tier=_HashRaises("gpu"))
+        with pytest.raises(akv.InvalidInputError):
+            cache.evict(1, tier=_HashRaises("storage"))
+        cache.check_invariants()
