@@ -238,3 +238,78 @@ async def test_a_cuda_job_failing_midway_reports_only_after_what_it_enqueued(
     err = await asyncio.wait_for(fut, 5)
     assert isinstance(err, RuntimeError) and "out of memory" in str(err)
     await engine.aclose()
+
+
+def _slotted(pages: int, layers: int, elems: int, tail: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A host pool's shape: uint8 slots of a page plus ``tail`` trailer bytes, and the typed
+    page-first view of their payloads."""
+    page = layers * 2 * elems * 4
+    raw = torch.full((pages, page + tail), 0xA5, dtype=torch.uint8)
+    return raw, raw[:, :page].view(torch.float32).view(pages, layers, 2, elems)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scattered_pages_take_the_c_copy_and_match_torch(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages in runs of about one go through the C copy on the CPU (one call, no GIL); its
+    result equals torch's run-by-run copy byte for byte, slot trailers untouched."""
+    from aiocache_kv.transfer import copy as copy_mod
+
+    taken: list[str] = []
+    for name in ("copy_to_host", "copy_to_device"):
+        real = getattr(copy_mod, name)
+        monkeypatch.setattr(copy_mod, name, lambda *a, _r=real, _n=name: taken.append(_n) or _r(*a))
+    g = torch.Generator().manual_seed(seed)
+    layers, pages, elems = 3, 40, 24
+    dev = torch.randn(layers, 2, pages, elems, generator=g)
+    raw, host = _slotted(48, layers, elems, tail=72)
+    want_raw, want = _slotted(48, layers, elems, tail=72)
+    n = 17
+    src = torch.randperm(pages, generator=g)[:n]
+    dst = torch.randperm(48, generator=g)[:n]
+    for s, d, r in page_runs(src, dst):  # the reference: torch, run by run
+        want[d : d + r].copy_(dev[:, :, s : s + r].permute(2, 0, 1, 3))
+    assert device_to_host(dev, host, src, dst) == n * layers * 2 * elems * 4
+    assert torch.equal(raw, want_raw)  # payloads equal, every trailer byte still 0xA5
+    back = torch.zeros_like(dev)
+    assert host_to_device(host, back, dst, src) == n * layers * 2 * elems * 4
+    assert torch.equal(back[:, :, src], dev[:, :, src])
+    untouched = torch.ones(pages, dtype=torch.bool)
+    untouched[src] = False
+    assert not back[:, :, untouched].any()
+    assert taken == ["copy_to_host", "copy_to_device"]
+
+
+def test_c_copy_refuses_an_out_of_range_page_and_copies_nothing() -> None:
+    from aiocache_kv.storage.presum import FUSED
+
+    assert FUSED, "the C extension (aiocache_kv.storage._blocksum) is not built"
+    layers, elems = 2, 8
+    dev = torch.randn(layers, 2, 10, elems)
+    raw, host = _slotted(10, layers, elems, tail=8)
+    before = raw.clone()
+    for src, dst in (([3, 0, 7], [1, 5, 10]), ([3, 10, 7], [1, 5, 2]), ([-1, 0, 4], [2, 6, 8])):
+        with pytest.raises(IndexError, match="out of range"):
+            device_to_host(dev, host, torch.tensor(src), torch.tensor(dst))
+        assert torch.equal(raw, before)
+        back = dev.clone()
+        with pytest.raises(IndexError, match="out of range"):
+            host_to_device(host, back, torch.tensor(dst), torch.tensor(src))
+        assert torch.equal(back, dev)
+
+
+def test_copies_the_c_path_does_not_take_go_the_torch_way() -> None:
+    """Another dtype (copy_ converts), a non-page-first host and long runs: torch's copy."""
+    layers, pages, elems = 2, 12, 4
+    dev = torch.randn(layers, 2, pages, elems)
+    src, dst = torch.tensor([5, 1, 9, 3]), torch.tensor([0, 7, 2, 11])
+    half = torch.zeros(pages, layers, 2, elems, dtype=torch.float64)
+    device_to_host(dev, half, src, dst)
+    assert torch.equal(half[dst], dev[:, :, src].permute(2, 0, 1, 3).double())
+    strided = torch.zeros(pages, layers, 2, elems * 2)[..., ::2]  # pages not contiguous
+    device_to_host(dev, strided, src, dst)
+    assert torch.equal(strided[dst], dev[:, :, src].permute(2, 0, 1, 3))
+    runs_host = torch.zeros(pages, layers, 2, elems)
+    device_to_host(dev, runs_host, torch.arange(2, 10), torch.arange(4, 12))
+    assert torch.equal(runs_host[4:12], dev[:, :, 2:10].permute(2, 0, 1, 3))

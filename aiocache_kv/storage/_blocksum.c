@@ -662,7 +662,8 @@ static void put_sum(Py_buffer *table, int64_t row, uint64_t s1, uint64_t s2, uin
  * contiguous payload of ``nseg * seg_bytes`` at ``dst + d * slot_bytes`` (a host pool slot).
  * Each 16 KiB block of the payload is gathered and then summed at once, while it is still in
  * the L1 cache, so the checksum costs no second read of memory.  ``table`` (None, or a buffer
- * of rows x 3 uint64) gets (S1, S2, payload bytes) in row d.  Runs without the GIL. */
+ * of rows x 3 uint64) gets (S1, S2, payload bytes) in row d; without one no sum is taken (a
+ * plain gather).  Runs without the GIL. */
 typedef struct {
     const uint8_t *src;
     uint8_t *dst;
@@ -675,6 +676,16 @@ static void *gather_range(void *arg)
 {
     gather_part *g = (gather_part *)arg;
     Py_ssize_t seg = g->seg, n = g->seg * g->nseg;
+    if (g->table->buf == NULL) { /* no table: a plain gather, one memcpy per segment */
+        for (Py_ssize_t i = g->first; i < g->last; i++) {
+            const uint8_t *from = g->src + g->si[i] * seg;
+            uint8_t *to = g->dst + g->di[i] * g->slot;
+            for (Py_ssize_t j = 0; j < g->nseg; j++) {
+                memcpy(to + j * seg, from + j * g->seg_stride, (size_t)seg);
+            }
+        }
+        return NULL;
+    }
     for (Py_ssize_t i = g->first; i < g->last; i++) {
         const uint8_t *from = g->src + g->si[i] * seg;
         uint8_t *to = g->dst + g->di[i] * g->slot;

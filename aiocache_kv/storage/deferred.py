@@ -105,15 +105,15 @@ def copy_to_device(
     device: torch.Tensor,
     src: torch.Tensor,
     dst: torch.Tensor,
-    expect: np.ndarray[Any, Any],
+    expect: np.ndarray[Any, Any] | None,
 ) -> int | None:
     """Copy host slots ``src`` (``raw``: ``[pages, slot_bytes]`` uint8, the payload first) into
     device pages ``dst`` (``device``: ``[layers, 2, pages, elems]`` on the CPU), checking each
     page whose ``expect`` row (``(S1, S2, bytes)``, by position; ``bytes`` 0: not to check) is
-    set, block by block in the same pass (``_blocksum.scatter_check``).  Returns the position
-    of the first page that failed (it and what follows may be partly copied: their device
-    pages must be freed unread) or -1; ``None``: nothing was done (no C extension, or layouts
-    it does not take).
+    set, block by block in the same pass (``_blocksum.scatter_check``; ``expect`` ``None``: a
+    plain copy).  Returns the position of the first page that failed (it and what follows may
+    be partly copied: their device pages must be freed unread) or -1; ``None``: nothing was
+    done (no C extension, or layouts it does not take).
 
     Raises:
         IndexError: a page id out of range (nothing was copied).
@@ -132,7 +132,7 @@ def copy_to_device(
         layers * two,
         pages * seg,
         np.ascontiguousarray(dst.numpy(), dtype=np.int64),
-        np.ascontiguousarray(expect, dtype=np.uint64),
+        None if expect is None else np.ascontiguousarray(expect, dtype=np.uint64),
         torch.get_num_threads(),  # the copy worker's setting (``copy_threads``)
     )
     return bad
