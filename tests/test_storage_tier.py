@@ -16,6 +16,7 @@ import torch
 
 import aiocache_kv as akv
 from aiocache_kv.storage import FileStorage, PageBuffer, parse_storage_key
+from aiocache_kv.storage.key_layout import key_components
 from aiocache_kv.storage.keys import storage_key
 from aiocache_kv.storage.tier import PrefetchStatus
 from aiocache_kv.testing import ManualCopyEngine, MemoryStorage
@@ -301,7 +302,7 @@ async def test_prefetch_timeout_commits_the_batches_that_landed(tmp_path: Path) 
     async with akv.HiCache(cfg(tmp_path, **opts)) as cache:
         ns = cache._ns(None, None)
         hashes = chain_hashes(_seed(ns.tag), PROMPT, 2)
-        store.stalled_key = storage_key(ns.tag, hashes[2])
+        store.stalled_key = storage_key(ns.tag, hashes[2], key_components(cache.config)[0])
         store.stall.clear()
         res = await cache.prefetch(PROMPT)
         assert res.status is PrefetchStatus.PARTIAL and res.hit_tokens == 4

@@ -15,6 +15,7 @@ import torch
 import aiocache_kv as akv
 from aiocache_kv.errors import CapacityError, TransferError
 from aiocache_kv.namespace import Namespace
+from aiocache_kv.storage.key_layout import key_components
 from aiocache_kv.storage.keys import storage_key
 from aiocache_kv.testing import ManualCopyEngine, MemoryStorage
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
@@ -40,7 +41,8 @@ def config(storage: MemoryStorage | None = None, **kw: object) -> akv.CacheConfi
 
 def keys_of(tokens: list[int], page_size: int = 2) -> list[str]:
     tag = Namespace("stress").tag
-    return [storage_key(tag, h, "kv") for h in chain_hashes(namespace_seed(tag), tokens, page_size)]
+    kv = key_components(config())[0]  # the KV pool's component, with its layout digest
+    return [storage_key(tag, h, kv) for h in chain_hashes(namespace_seed(tag), tokens, page_size)]
 
 
 def insert_kv(cache: akv.HiCache, tokens: list[int]) -> akv.InsertResult:

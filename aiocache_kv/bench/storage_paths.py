@@ -29,6 +29,7 @@ from aiocache_kv.namespace import Namespace
 from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, MooncakeStorage, PageBuffer
 from aiocache_kv.storage.base import StorageBackend
 from aiocache_kv.storage.integrity import checksums, seal
+from aiocache_kv.storage.key_layout import key_components
 from aiocache_kv.storage.keys import storage_key
 from aiocache_kv.transfer import CopyJob, ThreadCopyEngine
 from aiocache_kv.transfer.engine import Done
@@ -358,10 +359,13 @@ def _config(plan: Plan, storage: StorageBackend, namespace: str) -> CacheConfig:
     )
 
 
-def storage_keys(namespace: str, tenant: str, tokens: Sequence[int], page_size: int) -> list[str]:
-    """The storage keys the cache uses for ``tokens`` in ``Namespace(namespace, tenant)``."""
-    tag = Namespace(namespace, tenant).tag
-    return [storage_key(tag, h) for h in chain_hashes(namespace_seed(tag), tokens, page_size)]
+def storage_keys(config: CacheConfig, tenant: str, tokens: Sequence[int]) -> list[str]:
+    """The storage keys of the KV pages a cache with ``config`` stores for ``tokens`` of
+    ``tenant`` (one rank alone)."""
+    tag = Namespace(config.namespace, tenant).tag
+    kv = key_components(config)[0]
+    hashes = chain_hashes(namespace_seed(tag), tokens, config.page_size)
+    return [storage_key(tag, h, kv) for h in hashes]
 
 
 async def _cache_round(
@@ -481,7 +485,7 @@ async def measure_config(ctx: Context, plan: Plan, repeats: int) -> dict[str, li
                 t_backup, t_prefetch, cpu_backup, cpu_prefetch = await _cache_round(
                     cache, engine, tokens, tenant, plan.batch
                 )
-                keys = storage_keys(namespace, tenant, tokens, p)
+                keys = storage_keys(cache.config, tenant, tokens)
                 present = await asyncio.to_thread(storage.exists, keys)
                 if not all(present):
                     raise StorageError(

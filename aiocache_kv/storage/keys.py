@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 MAX_TAG_LEN = 64
-MAX_COMPONENT_LEN = 32
+MAX_COMPONENT_LEN = 48
 #: Bytes of the page hash a key carries (64 hex digits).
 KEY_HASH_BYTES = 32
 #: Longest key a backend accepts (bytes of UTF-8); formatted keys are far shorter.

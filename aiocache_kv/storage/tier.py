@@ -63,13 +63,13 @@ from aiocache_kv.storage.base import (
 )
 from aiocache_kv.storage.fences import FenceHold
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
+from aiocache_kv.storage.key_layout import COMPONENT
 from aiocache_kv.storage.prefetch import (
     PrefetchingTier,
     PrefetchResult,
     PrefetchStatus,
     prefetch_timeout,
 )
-from aiocache_kv.storage.tier_base import COMPONENT
 from aiocache_kv.storage.worker_pages import WorkerPages
 from aiocache_kv.tracing import SpanLike, span
 from aiocache_kv.tree.node import ABSENT, RESIDENT, Node, Tier, continues

@@ -28,6 +28,7 @@ from aiocache_kv.storage.base import (
 from aiocache_kv.storage.executor import StorageIO
 from aiocache_kv.storage.file_quota import TenantQuotaStorage
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD
+from aiocache_kv.storage.key_layout import key_components
 from aiocache_kv.storage.keys import parse_storage_key, storage_keys
 from aiocache_kv.storage.stored_pages import StoredPages, StoredRun
 from aiocache_kv.tree.node import RESIDENT, Node, Tier
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
     from aiocache_kv.quotas import QuotaBook
 
 log = get_logger(__name__)
-
-COMPONENT = "kv"
 
 
 #: STORAGE claims of pages whose nodes left the tree kept for retraction and snapshots (the
@@ -59,10 +58,9 @@ class StorageTierBase:
         #: per pool (KV first, then each sidecar component): one buffer view per host page
         self._buffers: list[list[PageBuffer]] = []
         group = core.tp_group
-        #: each tensor-parallel rank stores its own shard of a page under its own keys
-        shard = "" if group.world_size == 1 else f"-tp{group.rank}-{group.world_size}"
-        names = [COMPONENT, *(c.name for c in cfg.components)]
-        self._suffixes = [name + shard for name in names]
+        #: per pool: its name, this rank's shard (each TP rank stores its own shard of a page
+        #: under its own keys) and a digest of its layout (key_layout.py)
+        self._suffixes = key_components(cfg, group.rank, group.world_size)
         page_size = cfg.page_size
         #: trailing-window components: (pool index, name, window pages)
         self._trailing = [

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import aiocache_kv as akv
 from aiocache_kv.storage import storage_key
+from aiocache_kv.storage.key_layout import key_components
 from aiocache_kv.testing import RandomDelayEngine
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
 
@@ -71,12 +72,11 @@ async def seed_storage(
     """Write PROMPT to this rank's store under its TP-shard keys, keep the first ``keep``
     KV pages, and (hybrid) drop SWA page ``swa_hole``."""
     store = akv.FileStorage(root)
-    component = f"kv-tp{rank}-{world}"
+    components = key_components(config(store, hybrid), rank, world)
     async with akv.HiCache(config(store, hybrid)) as cache:
         assert cache._l3 is not None
         # write as rank `rank` of `world` would
-        names = ("kv", "swa", "mamba")[: cache._l3.pools]
-        cache._l3._suffixes = [f"{n}-tp{rank}-{world}" for n in names]
+        cache._l3._suffixes = components
         if hybrid:
             for comp in COMPONENTS:
                 buf = cache.sidecar(comp.name)
@@ -87,9 +87,9 @@ async def seed_storage(
         await cache.flush()
     ns = akv.Namespace("default")
     hashes = chain_hashes(namespace_seed(ns.tag), PROMPT, PAGE)
-    drop = [storage_key(ns.tag, h, component) for h in hashes[keep:]]
+    drop = [storage_key(ns.tag, h, components[0]) for h in hashes[keep:]]
     if swa_hole is not None:
-        drop.append(storage_key(ns.tag, hashes[swa_hole], f"swa-tp{rank}-{world}"))
+        drop.append(storage_key(ns.tag, hashes[swa_hole], components[1]))
     fresh = akv.FileStorage(root)  # the cache closed the first handle
     removed = await asyncio.to_thread(fresh.remove, drop)
     assert all(removed), removed

@@ -280,7 +280,7 @@ async def test_page_hashes_are_taken_while_the_write_through_copies(storage: boo
             await cache.flush()
         assert calls == []  # the backup hashed nothing
         if storage:
-            want = storage_keys(cfg.namespace, "", PROMPTS[0], cfg.page_size)
+            want = storage_keys(cfg, "", PROMPTS[0])
             assert sorted(client.objects) == sorted(want)
         cache.release(h)
         cache.check_invariants()

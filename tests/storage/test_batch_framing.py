@@ -29,6 +29,7 @@ from aiocache_kv.storage.integrity import (
     seal_many,
     verify_many,
 )
+from aiocache_kv.storage.key_layout import key_components
 from aiocache_kv.storage.keys import MAX_KEY_LEN, storage_key
 from aiocache_kv.storage.prefetch import PrefetchStatus
 from aiocache_kv.testing.fake_mooncake import FakeMooncakeClient, FakeMooncakeStorage
@@ -394,7 +395,7 @@ async def test_prefetch_commits_batches_whose_report_the_gap_held_back(
     async with akv.HiCache(cfg(tmp_path, **opts)) as cache:
         ns = cache._ns(None, None)
         hashes = chain_hashes(_seed(ns.tag), PROMPT, 2)
-        store.stalled_key = storage_key(ns.tag, hashes[6])
+        store.stalled_key = storage_key(ns.tag, hashes[6], key_components(cache.config)[0])
         store.stall.clear()
         res = await cache.prefetch(PROMPT)
         assert res.status is PrefetchStatus.PARTIAL and res.hit_tokens == 12

@@ -14,6 +14,7 @@ from aiocache_kv.namespace import namespace_of
 from aiocache_kv.storage import MooncakeStorage, PageBuffer
 from aiocache_kv.storage.base import TagRemovableStorage
 from aiocache_kv.storage.file import FileStorage
+from aiocache_kv.storage.key_layout import key_components
 from aiocache_kv.storage.keys import storage_key
 from aiocache_kv.storage.mooncake_tags import tag_regex
 from aiocache_kv.testing import MemoryStorage
@@ -111,7 +112,8 @@ async def test_drop_tenant_over_a_real_master(
 
     def keys(tenant: str) -> list[str]:
         ns = namespace_of(model, tenant, "")
-        return [storage_key(ns.tag, h) for h in chain_hashes(namespace_seed(ns.tag), prompt, 2)]
+        kv = key_components(cfg)[0]
+        return [storage_key(ns.tag, h, kv) for h in chain_hashes(namespace_seed(ns.tag), prompt, 2)]
 
     other = HostPool(8, seed=6)  # "another node" writes tenant c's pages
     mc_storage.register_buffer(other.tensor)

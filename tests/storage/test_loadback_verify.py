@@ -21,6 +21,7 @@ from aiocache_kv.pools.kv_pool import HostKVPool
 from aiocache_kv.storage import MooncakeStorage, PageBuffer, deferred, presum
 from aiocache_kv.storage.deferred import first_bad, verify_trailers
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD, Verdict, seal_many
+from aiocache_kv.storage.key_layout import key_components
 from aiocache_kv.storage.keys import storage_key
 from aiocache_kv.storage.tier import PrefetchStatus
 from aiocache_kv.testing import ManualCopyEngine
@@ -36,9 +37,11 @@ PROMPT = list(range(10, 26))  # 16 tokens = 8 pages of 2
 PAGES = len(PROMPT) // 2
 
 
-def _keys(model: str) -> list[str]:
-    ns = namespace_of(model, "", "")
-    return [storage_key(ns.tag, h) for h in chain_hashes(namespace_seed(ns.tag), PROMPT, 2)]
+def _keys(config: akv.CacheConfig) -> list[str]:
+    """The KV pages' keys of PROMPT in ``config``'s namespace (their layout digest too)."""
+    ns = namespace_of(config.namespace, "", "")
+    kv = key_components(config)[0]
+    return [storage_key(ns.tag, h, kv) for h in chain_hashes(namespace_seed(ns.tag), PROMPT, 2)]
 
 
 # ------------------------------------------------------------------ the pieces, no master
@@ -270,7 +273,7 @@ async def test_a_flipped_byte_in_mooncake_is_found_at_load_back(
     keep = 2 * flip  # tokens before the failed page
     async with akv.HiCache(_cfg(tag, mooncake_master), copy_engine=engine) as writer:
         written = await _write(writer, engine, flip=flip)
-        assert mc_storage.exists(_keys(tag)) == [True] * PAGES
+        assert mc_storage.exists(_keys(_cfg(tag, mooncake_master))) == [True] * PAGES
         async with akv.HiCache(_cfg(tag, mooncake_master)) as cache:
             cache.take_events()
             res = await cache.prefetch(PROMPT)
@@ -296,7 +299,9 @@ async def test_a_flipped_byte_in_mooncake_is_found_at_load_back(
                 assert hashes[flip] in e.block_hashes, e
                 assert not set(hashes[:flip]) & set(e.block_hashes), e
             # the key and those after it are gone from the store, the verified ones stay
-            assert mc_storage.exists(_keys(tag)) == [True] * flip + [False] * (PAGES - flip)
+            assert mc_storage.exists(_keys(_cfg(tag, mooncake_master))) == [True] * flip + [
+                False
+            ] * (PAGES - flip)
             cache.check_invariants()
             cache.release(m)
             again = cache.match_prefix(PROMPT)
@@ -328,5 +333,5 @@ async def test_a_page_that_verifies_at_load_back_is_served(
             assert cache.statistics().load_back_corrupt_pages == 0
             cache.release(m)
             await cache.flush()
-            assert mc_storage.exists(_keys(tag)) == [True] * PAGES
+            assert mc_storage.exists(_keys(_cfg(tag, mooncake_master))) == [True] * PAGES
             cache.check_invariants()

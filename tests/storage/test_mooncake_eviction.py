@@ -137,7 +137,7 @@ async def test_pages_the_master_evicted_are_learned_and_never_served(
 
         lost: list[int] = []  # prompts with a page the master evicted
         for i in range(PROMPTS):
-            keys = storage_keys(ns, "", prompt(i), PAGE)
+            keys = storage_keys(cache.config, "", prompt(i))
             there = await asyncio.to_thread(store.exists, keys)
             lead = there.index(False) if False in there else PAGES
             if not all(there):
@@ -171,7 +171,7 @@ async def test_pages_the_master_evicted_are_learned_and_never_served(
         gone = lost[0]  # the oldest: evicted by the master
         await asyncio.sleep(RETRY)  # past the back-off of a put the full store refused
         compute(cache, gone)
-        keys = storage_keys(ns, "", prompt(gone), PAGE)
+        keys = storage_keys(cache.config, "", prompt(gone))
         there: list[bool] = []
         for _ in range(ROOM_ATTEMPTS):
             await cache.flush()
