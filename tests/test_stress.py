@@ -59,6 +59,7 @@ from aiocache_kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from aiocache_kv.handles import HandleState, InsertResult, MatchResult
 from aiocache_kv.namespace import Namespace
 from aiocache_kv.storage import integrity
+from aiocache_kv.storage.key_layout import key_components
 from aiocache_kv.storage.keys import storage_key
 from aiocache_kv.testing import ChaosMooncakeClient, MemoryStorage
 from aiocache_kv.transfer.engine import CopyJob, Done
@@ -143,6 +144,13 @@ def page_payload(
         return expected_sidecar(comp, tenant, prefix).numpy().tobytes()
     kv = expected_kv(tenant, prefix)[:, :, -page_size:]
     return kv.reshape(LAYERS, 2, -1).contiguous().numpy().tobytes()
+
+
+def component_key(run: Run, comp: akv.Component | None) -> str:
+    """The key component the cache stores the KV (``None``) or ``comp``'s pages under."""
+    cfg = run.cache.config
+    names = key_components(cfg)
+    return names[0] if comp is None else names[1 + cfg.components.index(comp)]
 
 
 def stress_components(page_size: int) -> tuple[akv.Component, ...]:
@@ -899,7 +907,7 @@ def _known_pages(run: Run) -> Known:
         hashes = chain_hashes(namespace_seed(ns.tag), list(toks[:n]), p)
         for j, h in enumerate(hashes):
             for comp in comps:
-                key = storage_key(ns.tag, h, "kv" if comp is None else comp.name)
+                key = storage_key(ns.tag, h, component_key(run, comp))
                 out[key] = (tenant, list(toks[: (j + 1) * p]), comp)
     return out
 
@@ -1071,7 +1079,7 @@ def _check_dropped_storage(run: Run) -> None:
         hashes = chain_hashes(namespace_seed(tag), list(toks[: n * p]), p)
         for j in range(record.allowed(toks, p), n):
             for comp in comps:
-                key = storage_key(tag, hashes[j], "kv" if comp is None else comp.name)
+                key = storage_key(tag, hashes[j], component_key(run, comp))
                 if key in contents:  # (pages a later prompt shares are before ``allowed``)
                     run.fail(
                         f"storage still holds {key} (tenant={tenant!r} prefix "
@@ -1117,7 +1125,7 @@ def _usable_stored_run(
     def intact_pages(comp: akv.Component | None) -> list[bool]:
         out = []
         for j, h in enumerate(hashes):
-            k = storage_key(tag, h, "kv" if comp is None else comp.name)
+            k = storage_key(tag, h, component_key(run, comp))
             ok = k in contents and k not in storage.corrupted
             if ok and isinstance(storage, (OracleFileStorage, OracleMooncakeStorage)):
                 # damaged by the test: a miss
