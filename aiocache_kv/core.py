@@ -507,23 +507,24 @@ class CacheCore:
                 node.cpu_hidden = True
                 return
             node.cpu_hidden = False
-        self._append_stored(node, tier)
+        self.append_stored(node, tier)
         if tier is Tier.HOST:  # children that landed first can be announced now
             stack = [c for c in node.children.values() if c.cpu_hidden]
             while stack:
                 child = stack.pop()
                 if child.cpu_hidden and child.host is RESIDENT:
                     child.cpu_hidden = False
-                    self._append_stored(child, tier)
+                    self.append_stored(child, tier)
                     stack += [c for c in child.children.values() if c.cpu_hidden]
 
-    def _append_stored(self, node: Node, tier: Tier) -> None:
-        tree = self.tree
+    def append_stored(self, node: Node, tier: Tier, lo: int = 0, hi: int | None = None) -> None:
+        """``BlockStored`` of pages ``lo:hi`` of ``node`` in ``tier`` (events enabled)."""
+        hashes, p = self.tree.block_hashes(node), self.page_size
         self.events.append(
             BlockStored(
-                block_hashes=list(tree.block_hashes(node)),
-                parent_block_hash=tree.parent_hash(node),
-                token_ids=list(node.key),
+                block_hashes=list(hashes[lo:hi]),
+                parent_block_hash=hashes[lo - 1] if lo else self.tree.parent_hash(node),
+                token_ids=list(node.key[lo * p : None if hi is None else hi * p]),
                 block_size=self.page_size,
                 medium=tier.medium,
                 **namespace_fields(node.ns),

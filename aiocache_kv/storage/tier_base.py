@@ -143,17 +143,26 @@ class StorageTierBase:
 
     def remember_announced(self, node: Node) -> None:
         """``node``'s pages are in storage (a backup landed, or a prefetch committed them):
-        remembered as stored, and announced in STORAGE unless the stream claims each of them
-        already (a node of the same pages that left the tree announced them, and its claims
-        live on; or, for a fetched node, a restart over the store or a backup whose failed
-        page announced none of its node left them unannounced: snapshot + stream must equal
-        the cache's claims, and a block is not stored twice without a removal between)."""
-        events = self.core.events.enabled
-        stored = self._stored
-        new = events and not all(map(stored.claims_page, self.core.tree.block_hashes(node)))
+        remembered as stored, and those the stream does not claim yet announced in STORAGE,
+        one ``BlockStored`` per run of them.  A page may be claimed already: a node of the
+        same pages that left the tree announced it and its claim lives on (a recomputed node
+        may extend such a run); pages may be unclaimed although stored: for a fetched node, a
+        restart over the store, or a backup whose failed page announced none of its node.
+        Snapshot + stream must equal the cache's claims, and a block is not stored twice
+        without a removal between."""
+        core = self.core
+        claimed = []
+        if core.events.enabled and node.alive:
+            claimed = list(map(self._stored.claims_page, core.tree.block_hashes(node)))
         self.remember_stored(node)
-        if new:
-            self.core.emit_stored(node, Tier.STORAGE)
+        lo = 0
+        while lo < len(claimed):  # each run of pages not claimed yet, announced once
+            if claimed[lo]:
+                lo += 1
+                continue
+            hi = claimed.index(True, lo) if True in claimed[lo:] else len(claimed)
+            core.append_stored(node, Tier.STORAGE, lo, hi)
+            lo = hi
 
     def _split_stored(self, head: Node, tail: Node) -> None:
         """A split's new prefix node holds some of ``tail``'s stored pages now: index them

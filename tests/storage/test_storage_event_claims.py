@@ -108,3 +108,56 @@ async def test_a_retracted_page_leaves_the_snapshot_too() -> None:
         gc.collect()
         assert view.held == claimed(cache)
         cache.check_invariants()
+
+
+async def test_a_recomputed_node_extending_a_claimed_run_announces_only_its_new_pages() -> None:
+    """The first page's claim outlived its node; the recomputed two-page node announces the
+    second page alone, its parent the claimed first (before: both, the first a second time)."""
+    engine = ManualCopyEngine()
+    cfg = small_config(storage=MemoryStorage())
+    h1, h2 = akv.page_hashes(TOKS, page_size=2, model=cfg.namespace)
+    view = StorageView()
+    async with akv.HiCache(cfg, copy_engine=engine) as cache:
+        r = cache.insert(TOKS[:2], cache.alloc(2))
+        engine.complete_all()
+        await asyncio.wait_for(cache.flush(), 10)
+        cache.release(r)
+        view.apply(cache.take_events())
+        assert view.held == {h1}
+        evict_all(cache)
+        await back_up(cache, engine)  # one page more: a fresh node of both pages
+        events = cache.take_events()
+        stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+        assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in stored] == [
+            ([h2], h1, TOKS[2:])
+        ]
+        view.apply(events)
+        assert view.held == {h1, h2} == claimed(cache)
+        cache.check_invariants()
+
+
+async def test_a_fetched_node_partly_claimed_announces_only_the_rest() -> None:
+    """A prefetch commits three pages of which this stream claims the first (its own backup,
+    whose node left the tree); another node stored the others: they are announced once."""
+    store = MemoryStorage()
+    cfg = small_config(storage=store, prefetch_threshold_tokens=0)
+    toks = [*TOKS, 5, 6]
+    h1, h2, h3 = akv.page_hashes(toks, page_size=2, model=cfg.namespace)
+    async with akv.HiCache(cfg) as other:  # another node stores the whole prompt
+        other.release(other.insert(toks, other.alloc(len(toks))))
+        await asyncio.wait_for(other.flush(), 10)
+    view = StorageView()
+    async with akv.HiCache(cfg) as cache:
+        cache.release(cache.insert(toks[:2], cache.alloc(2)))
+        await asyncio.wait_for(cache.flush(), 10)
+        evict_all(cache)
+        view.apply(cache.take_events())
+        assert view.held == {h1}
+        res = await cache.prefetch(toks, policy="wait_complete")
+        assert res.hit_tokens == len(toks)
+        events = cache.take_events()
+        stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+        assert [(e.block_hashes, e.parent_block_hash) for e in stored] == [([h2, h3], h1)]
+        view.apply(events)
+        assert view.held == {h1, h2, h3} == claimed(cache)
+        cache.check_invariants()
