@@ -399,8 +399,12 @@ class PrefetchingTier(StorageTierBase):
         if job.dropped:  # (a drop ran meanwhile: nothing of it is committed)
             return have
         more = core.alloc_host(k) if k > 0 else None
-        if more is None and k > 0 and alloc.num_free:  # what eviction cannot make, free may
-            more = core.alloc_host(min(k, alloc.num_free), evict=False)
+        if more is None and k > 0:
+            # all of k cannot be made (host copies of device pages count as evictable, and
+            # evict_host never takes them): evict what it can, then take what is free
+            core.evict_host(k - alloc.num_free)
+            if alloc.num_free:
+                more = core.alloc_host(min(k, alloc.num_free), evict=False)
         if more is not None:
             job.pages = torch.cat([job.pages, more])
             self.reserved[job.rid] = job.pages

@@ -100,3 +100,23 @@ async def test_read_ahead_reads_the_pages_reserved_after_the_check() -> None:
         await cache.flush()
         assert cache.statistics().host.quarantined_pages == 0
         cache.check_invariants()
+
+
+async def test_host_copies_of_device_pages_do_not_make_the_reservation_all_or_nothing() -> None:
+    """The host pool is full: 7 pages are host copies of idle device pages (counted evictable,
+    but host eviction never takes them), 1 is host-only.  The prefetch asked for 2 pages in
+    one piece, failed, and reserved nothing; it now evicts what it can and takes that."""
+    async with akv.HiCache(config(MemoryStorage(), tenant_quotas={})) as cache:
+        await to_host(cache, PROMPT[:4])  # 2 pages, their KV in storage
+        cache.evict(1 << 30, "host")
+        await to_host(cache, OTHER[:2])  # 1 page, host-only
+        a = insert(cache, OTHER[2:], seed=6)  # 7 pages on device, written through to host
+        cache.release(a)
+        await cache.flush()
+        st = cache.statistics()
+        assert st.host.free_pages == 0 and st.host.evictable_pages == 8, st.host
+        res = await cache.prefetch(PROMPT[:4])
+        assert (res.status, res.hit_tokens) == (PrefetchStatus.PARTIAL, 2), res
+        assert cache.cached_len(PROMPT[:4]) == 2 and cache.cached_len(OTHER[:2]) == 0
+        assert cache.cached_len(OTHER[2:]) == len(OTHER) - 2  # the device pages' copies stay
+        cache.check_invariants()
