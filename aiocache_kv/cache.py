@@ -573,16 +573,14 @@ class HiCache(CacheControls, CacheReports):
         self._check()
         if type(num_pages) is not int or num_pages < 0:
             raise InvalidInputError(f"num_pages must be an int >= 0, got {num_pages!r}")
-        t = (
-            {"device": Tier.DEVICE, "host": Tier.HOST}.get(str.__str__(tier), str.__str__(tier))
-            if isinstance(tier, str)
-            else tier
-        )
+        t = tier  # a str subclass as its characters: its own hash and repr are not asked
+        if isinstance(tier, str):
+            t = {"device": Tier.DEVICE, "host": Tier.HOST}.get(str.__str__(tier), str.__str__(tier))
         if t is Tier.DEVICE:
             return self._core.evict_device(num_pages, coming=False)
         if t is Tier.HOST:
             return self._core.evict_host(num_pages)
-        raise InvalidInputError(f"tier must be 'device' or 'host', got {tier!r}")
+        raise InvalidInputError(f"tier must be 'device' or 'host', got {t!r}")
 
     # ------------------------------------------------------------------ events
 

@@ -470,9 +470,12 @@ def check_drop_tiers(tiers: object) -> frozenset[Tier]:
                 f"tiers: {type(t).__name__} {t!r} is not a tier name; use some of "
                 f"{sorted(_TIER_NAMES)}"
             )
-        tier = _TIER_NAMES.get(str.__str__(t))  # (a str subclass's own hash is not asked)
+        name = str.__str__(t)  # (a str subclass's own hash and repr are not asked)
+        tier = _TIER_NAMES.get(name)
         if tier is None:
-            raise InvalidInputError(f"tiers: unknown tier {t!r}; use some of {sorted(_TIER_NAMES)}")
+            raise InvalidInputError(
+                f"tiers: unknown tier {name!r}; use some of {sorted(_TIER_NAMES)}"
+            )
         out.add(tier)
     if not out:
         raise InvalidInputError("tiers must name at least one tier")

@@ -429,10 +429,14 @@ async def test_release_if_ends_the_pins_over_given_nodes() -> None:
 
 
 class _HashRaises(str):
-    """A tier name whose own ``__hash__`` raises (a hostile ``str`` subclass)."""
+    """A tier name whose own ``__hash__`` and ``__repr__`` raise (a hostile ``str``
+    subclass)."""
 
     def __hash__(self) -> int:
         raise RuntimeError("the subclass's own hash was asked")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("the subclass's own repr was asked")
 
     __eq__ = str.__eq__
 
@@ -451,6 +455,8 @@ async def test_tier_given_as_a_str_subclass_is_read_as_its_name() -> None:
         assert cache.evict(0, tier=_HashRaises("device")) == 0
         with pytest.raises(akv.InvalidInputError, match="'gpu'"):
             cache.pin(a, ttl=1, tier=_HashRaises("gpu"))
-        with pytest.raises(akv.InvalidInputError):
+        with pytest.raises(akv.InvalidInputError, match="'storage'"):
             cache.evict(1, tier=_HashRaises("storage"))
+        with pytest.raises(akv.InvalidInputError, match="'gpu'"):
+            await cache.drop(a, tiers=[_HashRaises("gpu")])
         cache.check_invariants()

@@ -398,11 +398,12 @@ class PrefetchingTier(StorageTierBase):
         k = min(min(upto, cap) - have, alloc.num_free + core.tree.host_evictable)
         if job.dropped:  # (a drop ran meanwhile: nothing of it is committed)
             return have
-        more = core.alloc_host(k) if k > 0 else None
-        if more is None and k > 0:
-            # all of k cannot be made (host copies of device pages count as evictable, and
-            # evict_host never takes them): evict what it can, then take what is free
-            core.evict_host(k - alloc.num_free)
+        more = None
+        if k > 0:
+            # evict once for what is short, as far as host eviction can (host copies of device
+            # pages count as evictable, but it never takes them), then take what is free
+            if k > alloc.num_free:
+                core.evict_host(k - alloc.num_free)
             if alloc.num_free:
                 more = core.alloc_host(min(k, alloc.num_free), evict=False)
         if more is not None:

@@ -263,6 +263,8 @@ class StorageTierBase:
                 parsed = parse_storage_key(key)
             except StorageKeyError:
                 continue  # not one of this cache's keys
+            if parsed.component not in self._suffixes:
+                continue  # another layout's (or TP shard's) page: this cache's copy may stay
             gone[parsed.page_hash] = None
             if self.lose_stored(parsed.page_hash):
                 nodes += 1

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import aiocache_kv as akv
+from aiocache_kv.events import BlockRemoved
 from aiocache_kv.storage import FileStorage
 from aiocache_kv.storage.key_layout import key_components
 from aiocache_kv.storage.keys import MAX_COMPONENT_LEN, parse_storage_key
@@ -122,3 +123,39 @@ async def test_stored_keys_carry_the_layout_digest(tmp_path: Path) -> None:
     assert store.exists(want) == [True] * len(want)
     assert store.exists([f"{tag}/{h.hex()}/kv" for h in hashes]) == [False] * len(want)
     store.close()
+
+
+def page_file_sizes(root: Path) -> list[int]:
+    return [p.stat().st_size for p in root.rglob("*") if p.is_file() and p.stat().st_size > 100]
+
+
+async def test_the_store_evicting_another_layouts_page_is_not_this_caches_loss(
+    tmp_path: Path,
+) -> None:
+    """The store evicts the other deployment's files of the same tag and page hashes: not
+    this cache's pages, which stay claimed (no ``BlockRemoved``) and are not backed up again."""
+    await store_prompt(config(tmp_path, **SAME_BYTES[0]))  # the other layout: 8 page files
+    sizes = page_file_sizes(tmp_path)
+    assert len(sizes) == len(PROMPT) // 2
+    room = max(sizes) * (len(sizes) * 2 + 1)
+    cfg = config(tmp_path, storage=FileStorage(tmp_path, capacity_bytes=room))
+    async with akv.HiCache(cfg) as cache:
+        cache.release(cache.insert(PROMPT, cache.alloc(len(PROMPT))))
+        await cache.flush()
+        cache.take_events()
+        more = list(range(500, 508))  # 4 pages more than the store holds: it evicts
+        cache.release(cache.insert(more, cache.alloc(len(more))))
+        await cache.flush()
+        mine = set(akv.page_hashes(PROMPT, page_size=2, model=cfg.namespace))
+        gone = {
+            h
+            for e in cache.take_events()
+            if isinstance(e, BlockRemoved) and e.medium == "STORAGE"
+            for h in e.block_hashes
+        }
+        assert not gone & mine
+        tag = akv.Namespace(cfg.namespace).tag
+        kv = key_components(cfg)[0]
+        keys = [f"{tag}/{h.hex()}/{kv}" for h in sorted(mine)]
+        assert cfg.storage.exists(keys) == [True] * len(keys)
+        cache.check_invariants()
