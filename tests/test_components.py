@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import aiocache_kv as akv
 from aiocache_kv.components import feasible_ends, usable_end
 from aiocache_kv.storage import FileStorage, storage_key
+from aiocache_kv.storage.key_layout import key_component
 from aiocache_kv.storage.tier import PrefetchStatus
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
 from tests.conftest import small_config
@@ -138,7 +139,7 @@ async def stored(path: Path) -> tuple[list[torch.Tensor], dict[str, torch.Tensor
 async def drop(path: Path, component: str, pages: list[int]) -> None:
     tag = akv.Namespace("default").tag
     hashes = chain_hashes(namespace_seed(tag), PROMPT, P)
-    keys = [storage_key(tag, hashes[i], component) for i in pages]
+    keys = [storage_key(tag, hashes[i], key_component(cfg(path), component)) for i in pages]
     store = FileStorage(path)
     assert all(await asyncio.to_thread(store.remove, keys))
     await asyncio.to_thread(store.close)

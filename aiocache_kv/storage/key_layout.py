@@ -25,11 +25,13 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
+from aiocache_kv.errors import InvalidInputError
+
 if TYPE_CHECKING:
     from aiocache_kv.components.spec import Component
     from aiocache_kv.config import CacheConfig
 
-__all__ = ["COMPONENT", "key_components", "layout_digest"]
+__all__ = ["COMPONENT", "key_component", "key_components", "layout_digest"]
 
 #: the KV pool's key component (before its shard and layout digest)
 COMPONENT = "kv"
@@ -63,3 +65,18 @@ def key_components(config: CacheConfig, rank: int = 0, world_size: int = 1) -> l
     out = [f"{COMPONENT}{shard}-{_kv_layout(config)}"]
     out += [f"{c.name}{shard}-{_component_layout(c)}" for c in config.components]
     return out
+
+
+def key_component(
+    config: CacheConfig, name: str = COMPONENT, rank: int = 0, world_size: int = 1
+) -> str:
+    """The key component of pool ``name`` (``"kv"``: the KV pool; else a sidecar's name)
+    of a cache with ``config``, as :func:`key_components` makes it.
+
+    Raises:
+        InvalidInputError: no pool of that name.
+    """
+    names = [COMPONENT, *(c.name for c in config.components)]
+    if name not in names:
+        raise InvalidInputError(f"no pool named {name!r}; the pools are {names}")
+    return key_components(config, rank, world_size)[names.index(name)]

@@ -31,6 +31,7 @@ from aiocache_kv.models import (
 )
 from aiocache_kv.models.hybrid import PagedHybridKV, swa_component
 from aiocache_kv.storage import FileStorage, storage_key
+from aiocache_kv.storage.key_layout import key_component
 from aiocache_kv.tree.hashing import chain_hashes, namespace_seed
 
 SPEC = HybridSpec(seed=1)  # layers s f s s f s, window 10
@@ -262,11 +263,12 @@ async def stored(path: Path, model: Any) -> None:
         assert cache.statistics().backup_pages_ok == 13
 
 
-async def drop_swa(path: Path, pages: list[int]) -> None:
+async def drop_swa(path: Path, model: Any, pages: list[int]) -> None:
     """Remove the SWA part of prompt pages ``pages`` from the storage directory."""
     tag = akv.Namespace(NS).tag
     hashes = chain_hashes(namespace_seed(tag), PROMPT, P)
-    keys = [storage_key(tag, hashes[i], "swa") for i in pages]
+    swa = key_component(config(model), "swa")
+    keys = [storage_key(tag, hashes[i], swa) for i in pages]
     store = FileStorage(path)
     assert all(await asyncio.to_thread(store.remove, keys))
     await asyncio.to_thread(store.close)
@@ -296,7 +298,7 @@ async def test_from_storage_with_missing_swa_pages(
     gemma: Any, tmp_path: Path, dropped: list[int], extra: int
 ) -> None:
     await stored(tmp_path, gemma)
-    await drop_swa(tmp_path, dropped)
+    await drop_swa(tmp_path, gemma, dropped)
     prompt = [*PROMPT, *tokens(12, extra)]
     want = usable(set(dropped), (len(prompt) - 1) // P) * P
     assert want > 0

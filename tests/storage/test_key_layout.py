@@ -18,7 +18,7 @@ import torch
 import aiocache_kv as akv
 from aiocache_kv.events import BlockRemoved
 from aiocache_kv.storage import FileStorage
-from aiocache_kv.storage.key_layout import key_components
+from aiocache_kv.storage.key_layout import key_component, key_components
 from aiocache_kv.storage.keys import MAX_COMPONENT_LEN, parse_storage_key
 from tests.conftest import small_config
 
@@ -159,3 +159,14 @@ async def test_the_store_evicting_another_layouts_page_is_not_this_caches_loss(
         keys = [f"{tag}/{h.hex()}/{kv}" for h in sorted(mine)]
         assert cfg.storage.exists(keys) == [True] * len(keys)
         cache.check_invariants()
+
+
+def test_key_component_names_one_pool() -> None:
+    swa = akv.SlidingWindow(4, num_layers=1, num_kv_heads=1, head_dim=4, page_size=2)
+    cfg = config(None, components=(swa,))
+    kv, side = key_components(cfg)
+    assert key_component(cfg) == key_component(cfg, "kv") == kv
+    assert key_component(cfg, swa.name) == side
+    assert key_component(cfg, swa.name, 1, 2) == key_components(cfg, 1, 2)[1]
+    with pytest.raises(akv.InvalidInputError, match="'mamba'"):
+        key_component(cfg, "mamba")
