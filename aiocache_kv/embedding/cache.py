@@ -48,7 +48,7 @@ from aiocache_kv.embedding.checks import (
     check_tensors,
     own_copies,
 )
-from aiocache_kv.embedding.entries import Entry, EntryState
+from aiocache_kv.embedding.entries import Entry, EntryState, wait_settled
 from aiocache_kv.embedding.keys import canonical_hashes, embedding_key
 from aiocache_kv.embedding.layout import DTYPE_CODES, EntryShape
 from aiocache_kv.embedding.pool import EntryPool
@@ -162,6 +162,8 @@ class EmbeddingCache:
         self._pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._life = Lifecycle.NEW
         self._starting: asyncio.Future[None] | None = None
+        #: done when the cache starts closing: wakes calls waiting on entries
+        self._woken: asyncio.Future[None] | None = None
         #: the one close (see :meth:`aclose`): created by the first call, awaited by all
         self._closing = Once()
         self._owner: int | None = None
@@ -193,8 +195,11 @@ class EmbeddingCache:
         if self._life in (Lifecycle.CLOSING, Lifecycle.CLOSED):
             raise CacheClosedError(f"EmbeddingCache is {self._life.value}")
         if self._starting is not None:
-            await asyncio.shield(self._starting)
-            return
+            starting = self._starting
+            await asyncio.wait([starting])  # never cancels the shared future
+            if starting.cancelled():  # its caller was cancelled, not this one: start here
+                return await self.start()
+            return starting.result()
         loop = asyncio.get_running_loop()
         self._starting = loop.create_future()
         self._life = Lifecycle.STARTING
@@ -238,6 +243,7 @@ class EmbeddingCache:
                 starting.cancel()
             raise
         self._owner = threading.get_ident()
+        self._woken = loop.create_future()
         self._life = Lifecycle.RUNNING
         self._starting.set_result(None)
         log.info(
@@ -270,6 +276,8 @@ class EmbeddingCache:
             if self._life is Lifecycle.STARTING and self._starting is not None:
                 await asyncio.wait([self._starting])
             self._life = Lifecycle.CLOSING
+            if self._woken is not None and not self._woken.done():
+                self._woken.set_result(None)  # calls waiting on entries end
             if self._cleanups:
                 _, stuck = await asyncio.wait(list(self._cleanups), timeout=self.timeout)
                 if stuck:
@@ -323,7 +331,8 @@ class EmbeddingCache:
         reuse it as soon as the call is made.  The local part is done before the first await
         that can block on I/O; the push is best effort (failures
         are counted in ``push_failed``, never raised).  An entry that does not fit in the pool,
-        even after evicting every unpinned entry, is skipped.  One ``embedding.insert_batch``
+        even after evicting every unpinned entry, is skipped, and so is one whose entry a store
+        call still holds past ``timeout``.  One ``embedding.insert_batch``
         log event per call.  An empty batch returns zeros and does no I/O.
 
         Raises:
@@ -358,9 +367,11 @@ class EmbeddingCache:
             self._counters["insert_calls"] += 1
             return self._log_insert(InsertBatchStats(0, 0, 0), pushed=0)
         loop = asyncio.get_running_loop()
+        deadline, held = loop.time() + self.timeout, 0
         while True:
             check_existing(self._entries, hs, shapes)
             waits: list[asyncio.Future[None]] = []
+            busy: set[bytes] = set()
             for h in hs:
                 e = self._entries.get(h)
                 if e is None:
@@ -372,14 +383,27 @@ class EmbeddingCache:
                     if e.idle is None:
                         e.idle = loop.create_future()
                     waits.append(e.idle)
+                else:
+                    continue
+                busy.add(h)
             if not waits:
                 break
             if not owned:
                 ts, owned = own_copies(ts), True
-            await asyncio.wait(waits)  # never cancels the shared futures
-            self._check()
+            if not await wait_settled(waits, self._woken, deadline, self._check):
+                # held by store calls that outlived the timeout: skipped by this call
+                keep = [i for i, h in enumerate(hs) if h not in busy]
+                held += len(hs) - len(keep)
+                hs, ts, shapes = (
+                    [hs[i] for i in keep],
+                    [ts[i] for i in keep],
+                    [shapes[i] for i in keep],
+                )
         self._counters["insert_calls"] += 1
         batch, stats = self._plan_insert(hs, ts, shapes)
+        if held:
+            self._counters["insert_skipped"] += held
+            stats = dataclasses.replace(stats, skipped=stats.skipped + held)
         if self._io is None or not batch:
             for e in batch:
                 self._pool.unpin(e)
@@ -393,7 +417,8 @@ class EmbeddingCache:
         Local entries first; the rest with one size lookup and one batched get from the global
         store, filling the local pool.  An entry that is in the store but does not fit in the
         pool (even after eviction) is a miss, counted in ``get_no_space``.  A hash given twice
-        gets two equal tensors.  Store faults are misses, never raised.  An empty batch returns
+        gets two equal tensors.  Store faults are misses, never raised (a hash whose entry a
+        store call still holds past ``timeout`` too).  An empty batch returns
         ``[]`` and does no I/O.
 
         Raises:
@@ -409,6 +434,7 @@ class EmbeddingCache:
         found: dict[bytes, torch.Tensor | None] = {}
         local = 0
         pending = list(dict.fromkeys(hs))
+        deadline = asyncio.get_running_loop().time() + self.timeout
         for _ in range(_MAX_GET_ROUNDS):
             fetch: list[bytes] = []
             waits: list[asyncio.Future[None]] = []
@@ -432,8 +458,12 @@ class EmbeddingCache:
                 await self._transfers.fetch(fetch, found)
             if not later:
                 break
-            await asyncio.wait(waits)
-            self._check()
+            if not await wait_settled(waits, self._woken, deadline, self._check):
+                for h in later:  # still held by a store call past its timeout: a miss
+                    e = self._entries.get(h)
+                    if e is not None and e.settled is not None and not e.settled.done():
+                        found[h] = None
+                later = [h for h in later if h not in found]
             pending = later
         else:
             for h in pending:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Callable
 
 from aiocache_kv.embedding.layout import EntryShape
 from aiocache_kv.storage.base import PageBuffer
@@ -113,3 +114,33 @@ class Entry:
             if not self.idle.done():
                 self.idle.set_result(None)
             self.idle = None
+
+
+async def wait_settled(
+    waits: list[asyncio.Future[None]],
+    woken: asyncio.Future[None] | None,
+    deadline: float,
+    check: Callable[[], None],
+) -> bool:
+    """Wait for every future of ``waits`` until ``deadline`` (loop time) or until ``woken``
+    (the cache closing) is done; returns whether all of ``waits`` are.  The shared futures are
+    never cancelled.  An entry a worker holds past its timeout settles only when the worker
+    returns, which a stuck store call may never do: a caller waits on it this long at most.
+
+    Raises:
+        What ``check`` raises once woken (the cache closed meanwhile).
+    """
+    loop = asyncio.get_running_loop()
+    pending = [w for w in waits if not w.done()]
+    while pending:
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        await asyncio.wait(
+            [*pending, *([woken] if woken is not None else [])],
+            timeout=left,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        check()
+        pending = [w for w in pending if not w.done()]
+    return not pending
