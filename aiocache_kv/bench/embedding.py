@@ -196,7 +196,7 @@ async def _throughput(opts: EmbeddingBenchOptions, master: str, metadata: str) -
                     if any(x is None for x in got):
                         raise StorageError("bench get: a store miss")
                 cache.evict()
-                keys = [embedding_key(cache.namespace, h) for h in hashes]
+                keys = [embedding_key(cache.namespace, h, cache.dtype) for h in hashes]
                 await asyncio.to_thread(store.remove, keys)
                 raw_keys = [f"raw-{run_id}/{shape.num_tokens}/{rnd}/{i}" for i in range(n)]
                 t_put = await asyncio.to_thread(raw.put, raw_keys)

@@ -144,7 +144,7 @@ class EmbeddingCache:
                 f"store must be a MooncakeStorage or None, got {type(store).__name__}"
             )
         try:
-            embedding_key(namespace, b"probe")
+            embedding_key(namespace, b"probe", dtype)
         except StorageKeyError as exc:
             raise ConfigError(f"namespace {namespace!r} is not a valid storage tag: {exc}") from exc
         check_real("timeout", timeout, exclusive=True, error=ConfigError)
@@ -508,7 +508,7 @@ class EmbeddingCache:
 
     def check_invariants(self) -> None:
         """Recompute every derived quantity and raise ``AssertionError`` on any inconsistency."""
-        self._pool.check_invariants(self.namespace)
+        self._pool.check_invariants(self.namespace, self.dtype)
 
     def __repr__(self) -> str:
         by_state = collections.Counter(e.state.name.lower() for e in self._entries.values())

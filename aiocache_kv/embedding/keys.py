@@ -2,11 +2,13 @@
 
 The caller hashes each multimodal item by its *content* (e.g. sha256 of the image bytes) and
 passes the hash as ``str`` or ``bytes``.  A ``str`` means its UTF-8 bytes, so ``"ab12"`` and
-``b"ab12"`` are the same item.  The storage key is ``storage_key(namespace, H, "emb")`` where
+``b"ab12"`` are the same item.  The storage key is ``storage_key(namespace, H, "emb-<d>")`` where
 ``H`` is the 256-bit BLAKE2b digest (person ``akv-emb``) of those bytes: deterministic in every
 process (never Python's ``hash()``), injective in practice for inputs of any length (no
 truncation, so two hashes that share a prefix never share a key), and the namespace tag is
-applied exactly once, here.
+applied exactly once, here.  ``<d>`` is the code of the entry's dtype (``layout.DTYPE_CODES``):
+a cache of another dtype reads other keys, a miss, instead of fetching an object (and evicting
+entries to make room for it) only to refuse it at its header.
 
 The caller's hash *is* the entry's identity: the cache never sees the item itself, so it
 cannot tell two items apart that the caller hashed alike.  Use a collision-resistant content
@@ -20,6 +22,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+import torch
+
+from aiocache_kv.embedding.layout import DTYPE_CODES
 from aiocache_kv.errors import InvalidInputError, InvalidTypeError
 from aiocache_kv.storage.keys import storage_key
 
@@ -75,11 +80,18 @@ def batch_items(name: str, value: object, of: str) -> list[object]:
     return list(items)
 
 
-def embedding_key(namespace: str, h: bytes) -> str:
-    """Storage key of the entry with canonical hash ``h`` in ``namespace``.
+def embedding_key(namespace: str, h: bytes, dtype: torch.dtype | None = None) -> str:
+    """Storage key of the entry with canonical hash ``h`` in ``namespace`` holding ``dtype``
+    (``None``: the bare ``emb`` component, no dtype; the cache always gives its dtype).
 
     Raises:
         StorageKeyError: ``namespace`` is not a valid storage tag.
+        InvalidInputError: a ``dtype`` the cache does not store.
     """
     digest = hashlib.blake2b(h, digest_size=32, person=b"akv-emb").digest()
-    return storage_key(namespace, digest, COMPONENT)
+    if dtype is None:
+        return storage_key(namespace, digest, COMPONENT)
+    code = DTYPE_CODES.get(dtype)
+    if code is None:
+        raise InvalidInputError(f"no embedding dtype {dtype!r}; use one of {list(DTYPE_CODES)}")
+    return storage_key(namespace, digest, f"{COMPONENT}-{code}")

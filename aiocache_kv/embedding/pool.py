@@ -92,7 +92,7 @@ class EntryPool:
         offset = self.reserve(shape.slot_nbytes)
         if offset is None:
             return None
-        e = Entry(h, embedding_key(namespace, h), EntryState.READY)
+        e = Entry(h, embedding_key(namespace, h, shape.dtype), EntryState.READY)
         e.shape = shape
         e.offset = offset
         e.buffer = self.slot(offset, shape.slot_nbytes)
@@ -170,14 +170,14 @@ class EntryPool:
 
     # ------------------------------------------------------------------ invariants
 
-    def check_invariants(self, namespace: str) -> None:
+    def check_invariants(self, namespace: str, dtype: torch.dtype) -> None:
         """Recompute every derived quantity and raise ``AssertionError`` on any inconsistency."""
         self.alloc.check_invariants()
         base = int(self.memory.data_ptr()) if self.memory.numel() else 0
         extents: set[int] = set()
         for h, e in self.entries.items():
             assert e.hash == h, f"{e!r} filed under another hash"
-            assert e.key == embedding_key(namespace, h), f"{e!r} has a wrong key"
+            assert e.key == embedding_key(namespace, h, dtype), f"{e!r} has a wrong key"
             assert e.state is not EntryState.GONE, f"{e!r} is GONE but still tabled"
             assert e.pushes >= 0, f"{e!r} has negative pushes"
             if e.state is EntryState.LOOKUP:

@@ -99,7 +99,8 @@ class StoreTransfers:
         loop = asyncio.get_running_loop()
         entries = []
         for h in hs:
-            e = Entry(h, embedding_key(self.namespace, h), EntryState.LOOKUP, loop.create_future())
+            key = embedding_key(self.namespace, h, self.dtype)
+            e = Entry(h, key, EntryState.LOOKUP, loop.create_future())
             pool.entries[h] = e
             entries.append(e)
             found[h] = None

@@ -46,7 +46,7 @@ async def test_local_hit_is_pushed_again_but_bytes_only_sent_when_the_store_lost
     client = fake_store.client
     async with EmbeddingCache(pool_bytes=1 << 16, store=fake_store, namespace=ns) as a:
         x = emb(1)
-        key = embedding_key(ns, b"h")
+        key = embedding_key(ns, b"h", torch.float32)
         assert await a.insert_batch(["h"], [x]) == InsertBatchStats(1, 0, 0)
         sent = fake_store.statistics().bytes_written
         assert client.puts_per_key[key] == 1 and sent > 0
@@ -187,7 +187,7 @@ async def test_two_inserts_of_one_hash_send_its_bytes_once(ns: str) -> None:
         client.gates["batch_put_from"].set()
         assert await t1 == InsertBatchStats(1, 0, 0)
         assert await t2 == InsertBatchStats(1, 1, 0)
-        key = embedding_key(ns, b"h")
+        key = embedding_key(ns, b"h", torch.float32)
         assert client.puts_per_key[key] == 1
         assert client.calls["batch_put_from"] == 2  # t2 sent only k
         a.check_invariants()
@@ -212,18 +212,25 @@ async def test_push_timeout_is_counted_and_slots_stay_pinned_until_release(ns: s
 async def test_corrupt_or_foreign_objects_are_misses(ns: str) -> None:
     client = FakeClient()
     async with node(client, ns) as a:
-        await a.insert_batch(["bad", "f16"], [emb(1), emb(2)])
-    key = embedding_key(ns, b"bad")
+        await a.insert_batch(["bad", "good"], [emb(1), emb(2)])
+    key = embedding_key(ns, b"bad", torch.float32)
     raw = bytearray(client.objects[key])
     raw[100] ^= 0xFF
     client.objects[key] = bytes(raw)
-    async with node(client, ns, dtype=torch.float16) as h:
-        got = await h.get_batch(["bad", "f16"])
-        assert got == [None, None]
-        s = h.statistics()
-        assert s.get_invalid == 1 and s.get_misses == 2 and s.entries == 0  # other dtype
-        h.check_invariants()
+    async with node(client, ns) as f32:
+        got = await f32.get_batch(["bad", "good"])
+        assert got[0] is None and got[1] is not None and torch.equal(got[1], emb(2))
+        s = f32.statistics()
+        assert s.get_invalid == 0 and s.get_misses == 1 and s.entries == 1
+        f32.check_invariants()
     assert key not in client.objects  # the backend removed the corrupt object
+    # another dtype's cache reads other keys: a plain miss, nothing fetched, nothing evicted
+    async with node(client, ns, dtype=torch.float16) as f16:
+        await f16.insert_batch(["mine"], [emb(3).half()])
+        assert await f16.get_batch(["good"]) == [None]
+        s = f16.statistics()
+        assert (s.get_invalid, s.get_misses, s.entries) == (0, 1, 1), s
+        assert await f16.get_batch(["mine"]) != [None]  # not evicted for the foreign object
 
 
 async def test_many_tasks_on_overlapping_hashes(ns: str) -> None:
@@ -263,7 +270,8 @@ async def test_many_tasks_on_overlapping_hashes(ns: str) -> None:
         sent = a._store.statistics().bytes_written + b._store.statistics().bytes_written
         both = pushed[id(a)] & pushed[id(b)]
         racy = sum(
-            len(client.objects[embedding_key(ns, h)]) for h in canonical_hashes(sorted(both))
+            len(client.objects[embedding_key(ns, h, torch.float32)])
+            for h in canonical_hashes(sorted(both))
         )
         assert sizes <= sent <= sizes + racy
 

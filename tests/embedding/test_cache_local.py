@@ -253,6 +253,11 @@ def test_keys_one_tag_one_component_and_content_addressed() -> None:
     assert len(keys) == 1000  # different items never share a key (LMCache #690)
     assert embedding_key("clip", b"\x01") != embedding_key("clip", b"\x00\x01")
     assert embedding_key("siglip", b"image-1") != k1  # namespaces are disjoint
+    f16 = embedding_key("clip", b"image-1", torch.float16)  # so are dtypes
+    assert parse_storage_key(f16).component == "emb-2" and f16 != k1
+    assert f16 != embedding_key("clip", b"image-1", torch.bfloat16)
+    with pytest.raises(InvalidInputError, match="complex64"):
+        embedding_key("clip", b"image-1", torch.complex64)
 
 
 def test_entry_transitions_are_checked() -> None:

@@ -67,7 +67,7 @@ async def test_node_b_reads_the_bytes_node_a_inserted(mooncake_master: MasterPro
         st = await a.insert_batch(list(items), list(items.values()))
         assert st == InsertBatchStats(new=3, local_hit=0, skipped=0, push_failed=0)
         assert a._store is not None
-        keys = [embedding_key(ns, h) for h in items]
+        keys = [embedding_key(ns, h, torch.float32) for h in items]
         assert all(parse_storage_key(k).tag == ns for k in keys)  # exactly one tag
         assert await asyncio.to_thread(a._store.exists, keys) == [True] * 3
         answer = await node_b_read(mooncake_master, ns, [*items, b"never-inserted"])
@@ -75,7 +75,7 @@ async def test_node_b_reads_the_bytes_node_a_inserted(mooncake_master: MasterPro
         stats = answer["stats"]
         assert (stats["get_store_hits"], stats["get_misses"], stats["ready"]) == (3, 1, 3)
         # another namespace on the same store sees nothing
-        other = [embedding_key(ns + "x", h) for h in items]
+        other = [embedding_key(ns + "x", h, torch.float32) for h in items]
         assert await asyncio.to_thread(a._store.exists, other) == [False] * 3
 
 
@@ -86,7 +86,7 @@ async def test_lost_global_copy_is_repushed_by_a_local_hit(
     async with cache_on(mooncake_master, ns) as a:
         backend = a._store
         assert backend is not None
-        key = embedding_key(ns, b"h")
+        key = embedding_key(ns, b"h", torch.float32)
         await a.insert_batch(["h"], [x])
         before = backend.statistics()
         assert await asyncio.to_thread(backend.remove, [key]) == [True]  # the store lost it
