@@ -434,7 +434,7 @@ class EmbeddingCache:
         found: dict[bytes, torch.Tensor | None] = {}
         local = 0
         pending = list(dict.fromkeys(hs))
-        deadline = asyncio.get_running_loop().time() + self.timeout
+        deadline: float | None = None  # of waits on other calls' entries, from the first
         for _ in range(_MAX_GET_ROUNDS):
             fetch: list[bytes] = []
             waits: list[asyncio.Future[None]] = []
@@ -458,6 +458,8 @@ class EmbeddingCache:
                 await self._transfers.fetch(fetch, found)
             if not later:
                 break
+            if deadline is None:
+                deadline = asyncio.get_running_loop().time() + self.timeout
             if not await wait_settled(waits, self._woken, deadline, self._check):
                 for h in later:  # still held by a store call past its timeout: a miss
                     e = self._entries.get(h)

@@ -9,6 +9,7 @@ shard).  The prefetch path (:mod:`.prefetch`) and the backup path (:mod:`.tier`)
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -156,12 +157,10 @@ class StorageTierBase:
             claimed = list(map(self._stored.claims_page, core.tree.block_hashes(node)))
         self.remember_stored(node)
         lo = 0
-        while lo < len(claimed):  # each run of pages not claimed yet, announced once
-            if claimed[lo]:
-                lo += 1
-                continue
-            hi = claimed.index(True, lo) if True in claimed[lo:] else len(claimed)
-            core.append_stored(node, Tier.STORAGE, lo, hi)
+        for is_claimed, run in itertools.groupby(claimed):  # each unclaimed run, once
+            hi = lo + len(list(run))
+            if not is_claimed:
+                core.append_stored(node, Tier.STORAGE, lo, hi)
             lo = hi
 
     def _split_stored(self, head: Node, tail: Node) -> None:
