@@ -78,7 +78,7 @@ async def test_close_ends_the_calls_waiting_behind_a_stuck_store_call(kind: str)
     client = FakeClient()
     if kind == "get":
         await stored(client, b"a")
-    cache = node(client, timeout=5 * T)
+    cache = node(client, timeout=2 * T)
     await cache.start()
     gate = client.gates["batch_put_from" if kind == "insert" else "batch_get_into"]
     gate.clear()
