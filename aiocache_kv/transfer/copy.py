@@ -128,7 +128,9 @@ def _in_c(
 def _raw_pair(device: torch.Tensor, host: torch.Tensor) -> torch.Tensor | None:
     """``host`` as uint8 slots when a C copy with ``device`` (``[layers, 2, pages, elems]``)
     moves exactly what ``copy_`` would: the same dtype, a page of the same shape."""
-    if device.dim() != 4 or host.dim() != 4 or host.dtype != device.dtype:
+    if device.device.type != "cpu" or device.dim() != 4 or host.dim() != 4:
+        return None  # (a CUDA copy never takes the C path: no view built for it)
+    if host.dtype != device.dtype:
         return None
     layers, two, _, elems = device.shape
     if tuple(host.shape[1:]) != (layers, two, elems):
