@@ -38,7 +38,8 @@ setup(
         Extension(
             "aiocache_kv.storage._blocksum",
             sources=["aiocache_kv/storage/_blocksum.c"],
-            depends=["aiocache_kv/storage/_fletcher.h"],  # the checksum both share
+            # the checksum _pageio shares; the chunked copy runner
+            depends=["aiocache_kv/storage/_fletcher.h", "aiocache_kv/storage/_idlerun.h"],
             optional=True,
         ),
         Extension(

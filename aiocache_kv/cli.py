@@ -179,9 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     xfer.add_argument(
         "--worker-idle",
-        action="store_true",
-        help="lag suite: the copy worker under SCHED_IDLE (CacheConfig.worker_idle) instead of "
-        "nice +10",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="lag suite: the copy worker's copies on idle helpers (CacheConfig.worker_idle, "
+        "the default); --no-worker-idle: the worker copies itself at nice +10",
     )
     xfer.add_argument(
         "--stdlib-loop",

@@ -67,10 +67,11 @@ class CacheConfig:
     #: background workers (the CPU copy worker): nice increment over the loop's thread, so
     #: the loop wins a contended core (Linux; 0 leaves their priority alone)
     worker_nice: int = 10
-    #: the CPU copy worker under ``SCHED_IDLE`` instead (Linux; opt-in): it takes a core only
-    #: when no other thread wants one, so the loop always preempts it, but a CPU kept busy by
-    #: other threads delays the copies, their write-through acks and the pages those hold
-    worker_idle: bool = False
+    #: the CPU copy worker's page copies on idle helpers (Linux; C threads under
+    #: ``SCHED_IDLE`` that never hold the GIL): they take a core only when no other thread
+    #: wants one, so the loop always preempts them; where they starve (every core busy with
+    #: other work) the worker, at ``worker_nice``, relieves them (:mod:`aiocache_kv.priority`)
+    worker_idle: bool = True
     #: storage tier: worker threads, per-call deadline (s), back-off (s) after a backup the
     #: store took nothing of (the call failed, or every page was refused)
     storage_workers: int = 2

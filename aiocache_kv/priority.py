@@ -11,13 +11,15 @@ Linux keeps the nice value per thread and a thread inherits it at creation, so a
 that lowers its own priority first also lowers the OpenMP threads torch starts from it.
 Elsewhere ``setpriority`` would apply to the whole process, so it is not called.
 
-Stronger, and opt-in (``CacheConfig.worker_idle``): the worker under ``SCHED_IDLE``, which
-takes a core only when no other thread wants it, so the loop (and the model) always preempt
-it.  Measured on 2 cores, 1 GiB written through while the engine served a full batch
-(``bench lag``, five alternating pairs): loop-lag p99 1.05-1.73 ms (median 1.12) against
-1.34-2.67 ms (median 1.73) at nice +10.  The price: with every core kept busy by other
-threads, the copies wait, and with them the write-through acks and the device pages they
-hold.
+Stronger (``CacheConfig.worker_idle``): the copies themselves on idle helpers.  The copy
+worker stays at nice +10 and hands each CPU page copy to C threads that put themselves under
+``SCHED_IDLE`` (``storage/_idlerun.h``): they take a core only when no other thread wants it,
+so the loop and the model always preempt them, and they never hold the GIL, so a preempted
+helper stalls nobody (a whole worker thread under ``SCHED_IDLE`` would: preempted while it
+holds the GIL, it keeps the loop waiting until a core is free).  Where no chunk of a copy
+finished for :data:`RELIEF_S` (the helpers are starved: every core busy with other work) the
+worker takes what is left itself, at its own priority, and for half a second after that
+every copy starts at once, so a saturated machine copies as fast as at nice +10.
 """
 
 from __future__ import annotations
@@ -25,12 +27,25 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from typing import NamedTuple
 
+from aiocache_kv.extensions import optional_extension
 from aiocache_kv.logs import get_logger
 
-__all__ = ["idle_current_thread", "lower_current_thread"]
+__all__ = [
+    "IDLE_INLINE_BYTES",
+    "RELIEF_S",
+    "IdleCopies",
+    "copy_on_idle_helpers",
+    "idle_copies",
+    "idle_helpers_ready",
+    "idle_relief_ns",
+    "lower_current_thread",
+]
 
 log = get_logger(__name__)
+
+_EXT = optional_extension("aiocache_kv.storage._blocksum")
 
 
 def lower_current_thread(increment: int) -> bool:
@@ -49,17 +64,47 @@ def lower_current_thread(increment: int) -> bool:
     return True
 
 
-def idle_current_thread() -> bool:
-    """Put the calling thread under ``SCHED_IDLE`` (Linux only): it runs only when no other
-    thread wants its core, and the threads it starts inherit the policy.  Returns whether
-    the policy was changed; a refusal is logged, not raised."""
-    setter = getattr(os, "sched_setscheduler", None)
-    policy = getattr(os, "SCHED_IDLE", None)
-    if sys.platform != "linux" or setter is None or policy is None:
-        return False
-    try:
-        setter(threading.get_native_id(), policy, os.sched_param(0))
-    except OSError as exc:
-        log.warning("worker_policy_unchanged", error=str(exc), policy="SCHED_IDLE")
-        return False
-    return True
+#: seconds after which the copy worker relieves idle helpers that have not finished its copy
+#: (at least; a large copy gets as long as it takes at 0.5 GB/s), shortened while they keep
+#: starving (``storage/_idlerun.h``)
+RELIEF_S = 0.005
+
+#: a copy this small runs on the copy worker itself even with idle helpers (the C runner's
+#: threshold: two wake-ups cost about as much as copying it)
+IDLE_INLINE_BYTES: int = getattr(_EXT, "IDLE_INLINE_BYTES", 1 << 20)
+
+_copier = threading.local()
+
+
+def copy_on_idle_helpers(relief_s: float | None) -> None:
+    """From now on, the CPU page copies the calling thread runs in C go to idle helpers it
+    relieves after ``relief_s`` seconds without progress (``None``: the thread copies them
+    itself, as torch would).  A copy worker's setting, like torch's thread count."""
+    _copier.relief_ns = 0 if relief_s is None else max(1, round(relief_s * 1e9))
+
+
+def idle_helpers_ready() -> bool:
+    """Whether a copy now would run on idle helpers: ``False`` while the process copies at
+    once because its helpers starved (``True`` without the C extension: nothing to hold)."""
+    ready = getattr(_EXT, "idle_ready", None)
+    return True if ready is None else bool(ready())
+
+
+def idle_relief_ns() -> int:
+    """The calling thread's :func:`copy_on_idle_helpers` setting in nanoseconds (0: off)."""
+    relief: int = getattr(_copier, "relief_ns", 0)
+    return relief
+
+
+class IdleCopies(NamedTuple):
+    """Copies run on idle helpers since the process started (all threads)."""
+
+    copies: int
+    relieved: int  #: of them, relieved by their worker (no progress for the relief time)
+    relieved_chunks: int  #: chunks the workers copied themselves
+
+
+def idle_copies() -> IdleCopies:
+    """The process's :class:`IdleCopies` counters (zeros without the C extension)."""
+    stats = getattr(_EXT, "idle_stats", None)
+    return IdleCopies(*stats()) if stats is not None else IdleCopies(0, 0, 0)

@@ -54,6 +54,7 @@ from aiocache_kv.logs import get_logger
 from aiocache_kv.loop import run as run_loop
 from aiocache_kv.models import GPT2Spec, build_gpt2, cache_config_for
 from aiocache_kv.pools import available_host_bytes
+from aiocache_kv.priority import IdleCopies, idle_copies
 from aiocache_kv.serving import Engine
 from aiocache_kv.serving.request import RequestState
 
@@ -111,8 +112,9 @@ class LagBenchOptions:
     engine_s: float = 3.0  #: seconds of each ``engine`` arm, at least
     #: the engine's ``switch_interval`` (seconds; ``None``: the interpreter's, 5 ms)
     switch_interval: float | None = None
-    #: the copy worker under ``SCHED_IDLE`` (``CacheConfig.worker_idle``) instead of nice +10
-    worker_idle: bool = False
+    #: the copy worker's copies on idle helpers (``CacheConfig.worker_idle``); ``False``: it
+    #: copies itself at nice +10
+    worker_idle: bool = True
     #: asyncio's default loop (``epoll_wait``: waits rounded up to whole milliseconds)
     #: instead of :func:`aiocache_kv.loop.new_event_loop`'s precise one
     stdlib_loop: bool = False
@@ -359,6 +361,7 @@ async def measure(opts: LagBenchOptions, model: Any) -> JSON:
         switch_interval=opts.switch_interval,
     )
     load0 = os.getloadavg()
+    idle0 = idle_copies()
     async with HiCache(cfg) as cache, Engine(model, cache, **kw) as engine:
         bench = _Bench(opts, cache, engine, spec.vocab_size)
         # warm-up, untimed: every host page touched once, one engine request served
@@ -392,7 +395,12 @@ async def measure(opts: LagBenchOptions, model: Any) -> JSON:
         "reply_tokens": opts.reply_tokens,
         "model_threads": engine.model_threads,
         "torch_threads": torch.get_num_threads(),
-        "copy_worker": "SCHED_IDLE" if opts.worker_idle else f"nice +{cfg.worker_nice}",
+        "copy_worker": f"nice +{cfg.worker_nice}, copies on idle helpers"
+        if opts.worker_idle
+        else f"nice +{cfg.worker_nice}",
+        "idle_copies": {
+            name: b - a for name, a, b in zip(IdleCopies._fields, idle0, idle_copies(), strict=True)
+        },
         "arms": arms,
         "rounds": opts.rounds,
         "load_average": {"start": load0[0], "end": os.getloadavg()[0], "cpus": os.cpu_count()},
@@ -479,6 +487,12 @@ def run(opts: LagBenchOptions) -> JSON:
         f"the engine's own inserts: {fmt_bytes(ew['engine_bytes_inserted'])} of the "
         f"{fmt_bytes(ew['bytes'])} written through"
     )
+    if opts.worker_idle:
+        idle = res["idle_copies"]
+        print(
+            f"idle helpers: {idle['copies']} copies, {idle['relieved']} relieved by the worker "
+            f"({idle['relieved_chunks']} chunks)"
+        )
     res["elapsed_s"] = time.perf_counter() - t_start
     print(f"(lag bench took {res['elapsed_s']:.1f} s)")
     return res

@@ -37,6 +37,7 @@
 #include <string.h>
 
 #include "_fletcher.h"
+#include "_idlerun.h"
 
 static void block_fletcher(const uint8_t *p, Py_ssize_t n, uint64_t *out1, uint64_t *out2)
 {
@@ -668,25 +669,25 @@ typedef struct {
     const uint8_t *src;
     uint8_t *dst;
     const int64_t *si, *di;
-    Py_ssize_t seg, nseg, seg_stride, slot, first, last;
+    Py_ssize_t seg, nseg, seg_stride, slot;
     Py_buffer *table;
 } gather_part;
 
-static void *gather_range(void *arg)
+static void gather_range(void *arg, Py_ssize_t first, Py_ssize_t last)
 {
     gather_part *g = (gather_part *)arg;
     Py_ssize_t seg = g->seg, n = g->seg * g->nseg;
     if (g->table->buf == NULL) { /* no table: a plain gather, one memcpy per segment */
-        for (Py_ssize_t i = g->first; i < g->last; i++) {
+        for (Py_ssize_t i = first; i < last; i++) {
             const uint8_t *from = g->src + g->si[i] * seg;
             uint8_t *to = g->dst + g->di[i] * g->slot;
             for (Py_ssize_t j = 0; j < g->nseg; j++) {
                 memcpy(to + j * seg, from + j * g->seg_stride, (size_t)seg);
             }
         }
-        return NULL;
+        return;
     }
-    for (Py_ssize_t i = g->first; i < g->last; i++) {
+    for (Py_ssize_t i = first; i < last; i++) {
         const uint8_t *from = g->src + g->si[i] * seg;
         uint8_t *to = g->dst + g->di[i] * g->slot;
         uint64_t s1 = 0, s2 = 0;
@@ -713,12 +714,27 @@ static void *gather_range(void *arg)
             put_sum(g->table, g->di[i], s1, s2, (uint64_t)n);
         }
     }
-    return NULL;
 }
 
 /* at least this many bytes per thread of a gather_sum (a thread costs tens of microseconds) */
 #define GATHER_BYTES_PER_THREAD (2 << 20)
 #define GATHER_MAX_THREADS 16
+
+/* threads for a copy of ``count`` pages of ``n`` bytes over up to ``threads`` threads: at
+ * least GATHER_BYTES_PER_THREAD each, one at least */
+static int copy_parts(int threads, Py_ssize_t count, Py_ssize_t n)
+{
+    Py_ssize_t parts = threads < 1 ? 1 : (threads > GATHER_MAX_THREADS ? GATHER_MAX_THREADS : threads);
+    Py_ssize_t by_size =
+        count > PY_SSIZE_T_MAX / n ? PY_SSIZE_T_MAX : count * n / GATHER_BYTES_PER_THREAD;
+    if (parts > by_size) {
+        parts = by_size < 1 ? 1 : by_size;
+    }
+    if (parts > count) {
+        parts = count < 1 ? 1 : count;
+    }
+    return (int)parts;
+}
 
 static PyObject *gather_sum(PyObject *self, PyObject *args)
 {
@@ -726,8 +742,9 @@ static PyObject *gather_sum(PyObject *self, PyObject *args)
     PyObject *srcobj, *srcids, *dstobj, *dstids, *tableobj;
     Py_ssize_t seg, nseg, seg_stride, slot;
     int threads = 1;
-    if (!PyArg_ParseTuple(args, "OnnnOOnOO|i", &srcobj, &seg, &nseg, &seg_stride, &srcids,
-                          &dstobj, &slot, &dstids, &tableobj, &threads)) {
+    long long relief_ns = 0;
+    if (!PyArg_ParseTuple(args, "OnnnOOnOO|iL", &srcobj, &seg, &nseg, &seg_stride, &srcids,
+                          &dstobj, &slot, &dstids, &tableobj, &threads, &relief_ns)) {
         return NULL;
     }
     Py_buffer src = {0}, dst = {0}, sp = {0}, dp = {0}, table = {0};
@@ -775,36 +792,11 @@ static PyObject *gather_sum(PyObject *self, PyObject *args)
             goto done;
         }
     }
-    /* pages split over up to ``threads`` threads (this one included), each a contiguous range */
-    Py_ssize_t parts = threads < 1 ? 1 : (threads > GATHER_MAX_THREADS ? GATHER_MAX_THREADS : threads);
-    Py_ssize_t by_size =
-        count > PY_SSIZE_T_MAX / n ? PY_SSIZE_T_MAX : count * n / GATHER_BYTES_PER_THREAD;
-    if (parts > by_size) {
-        parts = by_size < 1 ? 1 : by_size;
-    }
-    if (parts > count) {
-        parts = count < 1 ? 1 : count;
-    }
-    gather_part work[GATHER_MAX_THREADS];
-    pthread_t tids[GATHER_MAX_THREADS];
-    int started[GATHER_MAX_THREADS] = {0};
-    for (Py_ssize_t k = 0; k < parts; k++) {
-        work[k] = (gather_part){(const uint8_t *)src.buf, (uint8_t *)dst.buf, si, di, seg, nseg,
-                                seg_stride, slot, count * k / parts, count * (k + 1) / parts,
-                                &table};
-    }
+    gather_part work = {(const uint8_t *)src.buf, (uint8_t *)dst.buf, si, di, seg, nseg,
+                        seg_stride, slot, &table};
+    int parts = copy_parts(threads, count, n);
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t k = 1; k < parts; k++) { /* a thread that cannot start: done here below */
-        started[k] = pthread_create(&tids[k], NULL, gather_range, &work[k]) == 0;
-    }
-    gather_range(&work[0]);
-    for (Py_ssize_t k = 1; k < parts; k++) {
-        if (started[k]) {
-            pthread_join(tids[k], NULL);
-        } else {
-            gather_range(&work[k]);
-        }
-    }
+    ir_execute(gather_range, &work, count, n, parts, (int64_t)relief_ns);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
@@ -841,16 +833,16 @@ typedef struct {
     const uint8_t *src;
     uint8_t *dst;
     const int64_t *si, *di;
-    Py_ssize_t seg, nseg, seg_stride, slot, first, last, bad;
+    Py_ssize_t seg, nseg, seg_stride, slot;
+    Py_ssize_t bad; /* atomic: the first page that failed so far, or PY_SSIZE_T_MAX */
     const uint64_t *expect;
 } scatter_part;
 
-static void *scatter_range(void *arg)
+static void scatter_range(void *arg, Py_ssize_t first, Py_ssize_t last)
 {
     scatter_part *g = (scatter_part *)arg;
     Py_ssize_t seg = g->seg, n = g->seg * g->nseg;
-    g->bad = -1;
-    for (Py_ssize_t i = g->first; i < g->last; i++) {
+    for (Py_ssize_t i = first; i < last; i++) {
         const uint8_t *from = g->src + g->si[i] * g->slot;
         uint8_t *to = g->dst + g->di[i] * seg;
         const uint64_t *want = g->expect != NULL ? g->expect + 3 * i : NULL;
@@ -879,12 +871,15 @@ static void *scatter_range(void *arg)
         if (check) {
             fl_finish(from, n, &s1, &s2);
             if (want[2] != (uint64_t)n || want[0] != s1 || want[1] != s2) {
-                g->bad = i;
-                return NULL;
+                Py_ssize_t seen = __atomic_load_n(&g->bad, __ATOMIC_ACQUIRE);
+                while (i < seen && !__atomic_compare_exchange_n(&g->bad, &seen, i, 0,
+                                                                __ATOMIC_ACQ_REL,
+                                                                __ATOMIC_ACQUIRE)) {
+                }
+                return; /* the rest of this chunk is not copied (freed unread) */
             }
         }
     }
-    return NULL;
 }
 
 static PyObject *scatter_check(PyObject *self, PyObject *args)
@@ -893,8 +888,9 @@ static PyObject *scatter_check(PyObject *self, PyObject *args)
     PyObject *srcobj, *srcids, *dstobj, *dstids, *expobj;
     Py_ssize_t seg, nseg, seg_stride, slot;
     int threads = 1;
-    if (!PyArg_ParseTuple(args, "OnOOnnnOO|i", &srcobj, &slot, &srcids, &dstobj, &seg, &nseg,
-                          &seg_stride, &dstids, &expobj, &threads)) {
+    long long relief_ns = 0;
+    if (!PyArg_ParseTuple(args, "OnOOnnnOO|iL", &srcobj, &slot, &srcids, &dstobj, &seg, &nseg,
+                          &seg_stride, &dstids, &expobj, &threads, &relief_ns)) {
         return NULL;
     }
     Py_buffer src = {0}, dst = {0}, sp = {0}, dp = {0}, exp = {0};
@@ -944,40 +940,13 @@ static PyObject *scatter_check(PyObject *self, PyObject *args)
             goto done;
         }
     }
-    Py_ssize_t parts = threads < 1 ? 1 : (threads > GATHER_MAX_THREADS ? GATHER_MAX_THREADS : threads);
-    Py_ssize_t by_size =
-        count > PY_SSIZE_T_MAX / n ? PY_SSIZE_T_MAX : count * n / GATHER_BYTES_PER_THREAD;
-    if (parts > by_size) {
-        parts = by_size < 1 ? 1 : by_size;
-    }
-    if (parts > count) {
-        parts = count < 1 ? 1 : count;
-    }
-    scatter_part work[GATHER_MAX_THREADS];
-    pthread_t tids[GATHER_MAX_THREADS];
-    int started[GATHER_MAX_THREADS] = {0};
-    for (Py_ssize_t k = 0; k < parts; k++) {
-        work[k] = (scatter_part){(const uint8_t *)src.buf, (uint8_t *)dst.buf, si, di, seg, nseg,
-                                 seg_stride, slot, count * k / parts, count * (k + 1) / parts, -1,
-                                 (const uint64_t *)exp.buf};
-    }
+    scatter_part work = {(const uint8_t *)src.buf, (uint8_t *)dst.buf, si, di, seg, nseg,
+                         seg_stride, slot, PY_SSIZE_T_MAX, (const uint64_t *)exp.buf};
+    int parts = copy_parts(threads, count, n);
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t k = 1; k < parts; k++) {
-        started[k] = pthread_create(&tids[k], NULL, scatter_range, &work[k]) == 0;
-    }
-    scatter_range(&work[0]);
-    for (Py_ssize_t k = 1; k < parts; k++) {
-        if (started[k]) {
-            pthread_join(tids[k], NULL);
-        } else {
-            scatter_range(&work[k]);
-        }
-    }
+    ir_execute(scatter_range, &work, count, n, parts, (int64_t)relief_ns);
     Py_END_ALLOW_THREADS
-    Py_ssize_t bad = -1;
-    for (Py_ssize_t k = 0; k < parts && bad < 0; k++) { /* ranges in order: the first failure */
-        bad = work[k].bad;
-    }
+    Py_ssize_t bad = work.bad == PY_SSIZE_T_MAX ? -1 : work.bad;
     result = PyLong_FromSsize_t(bad);
 done:
     if (held >= 5 && exp.obj != NULL) {
@@ -1054,6 +1023,9 @@ static PyMethodDef methods[] = {
     {"slot_sums", slot_sums, METH_VARARGS, "Checksums of host slots into a per-page table."},
     {"scatter_check", scatter_check, METH_VARARGS,
      "Host->device page copy (CPU) verifying pages against expected checksums in the same pass."},
+    {"idle_ready", idle_ready, METH_NOARGS, "Whether a copy now would run on idle helpers."},
+    {"idle_stats", idle_stats, METH_NOARGS,
+     "(copies run on idle helpers, copies their caller relieved, chunks it took)."},
     {"sums", sums, METH_VARARGS, "Block-Fletcher (S1, S2) of the first nbytes of each buffer."},
     {"seal", seal, METH_VARARGS, "Checksum each slot's payload and write its trailer."},
     {"verify", verify, METH_VARARGS, "Check each slot's frame; one verdict code per slot."},
@@ -1068,5 +1040,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__blocksum(void)
 {
     crc_init();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "IDLE_INLINE_BYTES", IR_INLINE_BYTES) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

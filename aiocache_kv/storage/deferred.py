@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from aiocache_kv.extensions import optional_extension
+from aiocache_kv.priority import idle_relief_ns
 from aiocache_kv.storage import integrity
 from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.integrity import FRAME_OVERHEAD, Verdict
@@ -134,6 +135,7 @@ def copy_to_device(
         np.ascontiguousarray(dst.numpy(), dtype=np.int64),
         None if expect is None else np.ascontiguousarray(expect, dtype=np.uint64),
         torch.get_num_threads(),  # the copy worker's setting (``copy_threads``)
+        idle_relief_ns(),  # and its idle helpers (aiocache_kv.priority)
     )
     return bad
 

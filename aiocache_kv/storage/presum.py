@@ -37,6 +37,7 @@ import torch
 
 from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.extensions import optional_extension
+from aiocache_kv.priority import idle_relief_ns
 from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.integrity import BLOCK_WORDS, FRAME_OVERHEAD, py_checksum
 
@@ -112,6 +113,7 @@ def copy_to_host(
         _ids(dst),
         table,
         torch.get_num_threads(),  # the copy worker's setting (``copy_threads``), as torch's copy
+        idle_relief_ns(),  # and its idle helpers (aiocache_kv.priority)
     )
     return True
 

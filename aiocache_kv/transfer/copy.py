@@ -9,7 +9,8 @@ no scatter, no staging buffer.  The allocators hand out ascending ids, so runs a
 On the CPU, a copy runs in C instead where the extension is built and the layouts take it
 (:func:`aiocache_kv.storage.presum.copy_to_host` and
 :func:`aiocache_kv.storage.deferred.copy_to_device` without a checksum table: one call,
-without the GIL, over the copy worker's threads).  A ``copy_`` per run costs ~10 us of torch
+without the GIL, over the copy worker's threads, or on its idle helpers:
+:mod:`aiocache_kv.priority`).  A ``copy_`` per run costs ~10 us of torch
 dispatch, so scattered pages (one run each) crawled: measured with ``bench transfer`` on the
 2-core project machine, random 64 KiB pages at 0.38 (device to host) and 0.44 (host to
 device) of an ``index_select`` of the same pages.
@@ -21,6 +22,7 @@ import itertools
 
 import torch
 
+from aiocache_kv.priority import IDLE_INLINE_BYTES, idle_helpers_ready, idle_relief_ns
 from aiocache_kv.storage.deferred import copy_to_device
 from aiocache_kv.storage.presum import copy_to_host
 
@@ -108,12 +110,16 @@ def _in_c(
     to_host: bool,
 ) -> tuple[int, list[tuple[int, int, int]]]:
     """Do the copy in C where it is synchronous, scattered (its runs average fewer than
-    :data:`SHORT_RUN` pages: torch's strided ``copy_`` wins on long runs) and the layouts take
-    it; (bytes, the runs still to copy through ``copy_``: none when C did it)."""
+    :data:`SHORT_RUN` pages: torch's strided ``copy_`` wins on long runs) or the calling worker
+    copies on idle helpers (:func:`aiocache_kv.priority.copy_on_idle_helpers`), and the
+    layouts take it; (bytes, the runs still to copy through ``copy_``: none when C did it)."""
     page = host[0].numel() * host.element_size()
     runs = page_runs(src, dst)
     raw = None
-    if not non_blocking and len(runs) * SHORT_RUN > src.numel():
+    # on idle helpers every CPU copy but a small one goes to C (torch's copy_ would run on the
+    # worker itself), unless the helpers starved lately: then long runs go torch's way
+    idle = src.numel() * page > IDLE_INLINE_BYTES and idle_relief_ns() > 0 and idle_helpers_ready()
+    if not non_blocking and (idle or len(runs) * SHORT_RUN > src.numel()):
         raw = _raw_pair(device, host)
     if raw is not None:
         if to_host:

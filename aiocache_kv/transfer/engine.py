@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from aiocache_kv.logs import get_logger
-from aiocache_kv.priority import idle_current_thread, lower_current_thread
+from aiocache_kv.priority import RELIEF_S, copy_on_idle_helpers, lower_current_thread
 from aiocache_kv.storage.deferred import copy_to_device, first_bad, first_mismatch
 from aiocache_kv.storage.presum import copy_to_host, sum_slots
 from aiocache_kv.transfer.copy import copy_page_first, device_to_host, host_to_device
@@ -225,7 +225,8 @@ class ThreadCopyEngine:
     loop wins a contended core (:mod:`aiocache_kv.priority`).  Measured on 2 cores, 1 GiB
     written through, loop-lag p99: default threads at nice 0 1.3-4.2 ms, at nice +10
     0.8-1.0 ms at the same bandwidth; 1 thread ~1-1.5 ms at 0.65x the bandwidth.  ``idle``
-    runs the worker under ``SCHED_IDLE`` instead (opt-in; see :mod:`aiocache_kv.priority`).
+    runs its CPU page copies on idle helpers it relieves when they starve
+    (:mod:`aiocache_kv.priority`).
     """
 
     def __init__(
@@ -284,8 +285,8 @@ def _work(
     broken: BaseException | None = None
     try:
         # first: the OpenMP threads started below inherit the priority
-        if not (idle and idle_current_thread()):
-            lower_current_thread(nice)
+        lower_current_thread(nice)
+        copy_on_idle_helpers(RELIEF_S if idle else None)
         if threads is not None:
             torch.set_num_threads(threads)
     except Exception as exc:
