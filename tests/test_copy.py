@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import aiocache_kv as akv
 from aiocache_kv import CacheConfig
 from aiocache_kv.errors import ConfigError
+from aiocache_kv.priority import RELIEF_S, idle_relief_ns
 from aiocache_kv.transfer import CopyJob, Direction, ThreadCopyEngine, page_runs
 from aiocache_kv.transfer.copy import device_to_host, host_to_device
 from tests.conftest import small_config
@@ -105,27 +106,28 @@ async def test_copy_worker_runs_below_the_loop(nice: int) -> None:
 
 
 class _PolicyProbe:
-    """A copy job that records the worker thread's scheduling policy and that of a thread it
-    starts (as OpenMP would), instead of copying."""
+    """A copy job that records the worker thread's scheduling policy, nice value and idle
+    helper setting, instead of copying."""
 
     def __init__(self) -> None:
-        self.seen: list[int] = []
+        self.seen: list[tuple[int, int, int]] = []
 
     def run(self, *, non_blocking: bool = False) -> None:
-        self.seen.append(os.sched_getscheduler(threading.get_native_id()))
-        child = threading.Thread(
-            target=lambda: self.seen.append(os.sched_getscheduler(threading.get_native_id()))
+        tid = threading.get_native_id()
+        self.seen.append(
+            (os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid), idle_relief_ns())
         )
-        child.start()
-        child.join()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE is Linux's")
 @pytest.mark.parametrize("idle", [False, True])
-async def test_copy_worker_under_sched_idle_only_when_asked(idle: bool) -> None:
-    """``CacheConfig.worker_idle``: the copy worker (and the threads it starts) run under
-    SCHED_IDLE; without it, under the loop's policy at a lower nice; the loop is untouched."""
-    base = os.sched_getscheduler(threading.get_native_id())
+async def test_copy_worker_copies_on_idle_helpers_only_when_asked(idle: bool) -> None:
+    """``CacheConfig.worker_idle`` (the default): the copy worker stays under the loop's policy
+    at nice +10 (never ``SCHED_IDLE`` itself: preempted while holding the GIL it would stall
+    the loop) and hands its copies to idle helpers; without it, it copies itself."""
+    me = threading.get_native_id()
+    base = os.sched_getscheduler(me), os.getpriority(os.PRIO_PROCESS, me)
+    assert CacheConfig().worker_idle
     async with akv.HiCache(small_config(worker_idle=idle)) as cache:
         engine = cache._engine  # the engine the config chose
         assert isinstance(engine, ThreadCopyEngine)
@@ -134,9 +136,10 @@ async def test_copy_worker_under_sched_idle_only_when_asked(idle: bool) -> None:
         fut: asyncio.Future[BaseException | None] = loop.create_future()
         engine.submit(probe, fut.set_result)
         assert await asyncio.wait_for(fut, 10) is None
-    want = os.SCHED_IDLE if idle else base
-    assert probe.seen == [want, want], (idle, probe.seen)
-    assert os.sched_getscheduler(threading.get_native_id()) == base
+    relief = round(RELIEF_S * 1e9) if idle else 0
+    assert probe.seen == [(base[0], min(19, base[1] + 10), relief)], (idle, probe.seen)
+    assert (os.sched_getscheduler(me), os.getpriority(os.PRIO_PROCESS, me)) == base
+    assert idle_relief_ns() == 0  # the loop's thread copies itself
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])

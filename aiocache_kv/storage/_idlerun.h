@@ -18,8 +18,8 @@
  * The process adapts to a busy machine: each relieved copy halves the next one's deadline, each
  * copy the helpers finish in time doubles it back (up to the full one), and a relief at the
  * shortest deadline runs every copy at once for a while (idle_ready() is false: the copy worker
- * copies the torch way meanwhile), after which one copy probes the helpers again; each probe
- * relieved in turn doubles that while.  So a machine whose cores other processes keep busy copies about as fast
+ * copies the torch way meanwhile), after which copies probe the helpers again from the full
+ * deadline; each hold that follows before a copy on the helpers succeeds is twice as long.  So a machine whose cores other processes keep busy copies about as fast
  * as at once, and one whose cores the loop and the model leave free copies on idle helpers.
  *
  * Idle helpers are a pool started once (each puts itself under SCHED_IDLE once) and woken per
@@ -36,6 +36,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 /* bytes per claimed chunk (one page at least): small enough that the caller's relief finds
  * work left, large enough that a claim (one atomic add) costs nothing against the copy */
@@ -67,6 +72,7 @@ typedef struct ir_run {
     Py_ssize_t next, finished; /* atomic: the next chunk to claim, chunks done */
     int refs;                  /* atomic: the caller and each helper working on it */
     int idle;
+    uint32_t done; /* atomic: 1 once every chunk finished (the caller's futex on Linux) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     struct ir_run *prev, *link; /* the idle pool's list of runs with chunks to claim */
@@ -115,8 +121,12 @@ static Py_ssize_t ir_claim(ir_run *r)
         ran++;
         if (__atomic_add_fetch(&r->finished, 1, __ATOMIC_ACQ_REL) == r->chunks) {
             pthread_mutex_lock(&r->mu);
+            __atomic_store_n(&r->done, 1, __ATOMIC_RELEASE);
             pthread_cond_broadcast(&r->cv);
             pthread_mutex_unlock(&r->mu);
+#ifdef __linux__
+            syscall(SYS_futex, &r->done, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+#endif
         }
     }
 }
@@ -240,6 +250,29 @@ static void ir_unpost(ir_run *r)
     pthread_mutex_unlock(&ir_pool_mu);
 }
 
+/* Wait (r->mu held) until every chunk finished or ``ts`` passed; whether it passed.  On Linux
+ * a futex on r->done, not pthread_cond_timedwait: under a CPU hog the condition variable's
+ * timed wait overslept its deadline by hundreds of milliseconds while the helpers starved (a
+ * plain futex or clock_nanosleep kept it). */
+static int ir_wait_until(ir_run *r, const struct timespec *ts)
+{
+#ifdef __linux__
+    pthread_mutex_unlock(&r->mu);
+    long rc = 0;
+    while (__atomic_load_n(&r->done, __ATOMIC_ACQUIRE) == 0) {
+        rc = syscall(SYS_futex, &r->done, FUTEX_WAIT_BITSET_PRIVATE, 0, ts, NULL,
+                     FUTEX_BITSET_MATCH_ANY);
+        if (rc != 0 && errno == ETIMEDOUT) {
+            break;
+        }
+    }
+    pthread_mutex_lock(&r->mu);
+    return __atomic_load_n(&r->done, __ATOMIC_ACQUIRE) == 0;
+#else
+    return pthread_cond_timedwait(&r->cv, &r->mu, ts) == ETIMEDOUT;
+#endif
+}
+
 /* Run fn over [0, count) (pages of page_bytes) in chunks over ``parts`` threads; relief_ns > 0
  * runs on idle helpers as above.  Returns once every chunk has run.  Never fails: a helper
  * that cannot start (or a run that cannot be allocated) leaves its chunks to the caller. */
@@ -301,7 +334,7 @@ static void ir_execute(ir_fn fn, void *work, Py_ssize_t count, Py_ssize_t page_b
             pthread_cond_wait(&r->cv, &r->mu);
             continue;
         }
-        if (pthread_cond_timedwait(&r->cv, &r->mu, &ts) != ETIMEDOUT) {
+        if (!ir_wait_until(r, &ts)) {
             continue;
         }
         /* not done by its deadline: the helpers starve; take what is left */
@@ -311,6 +344,7 @@ static void ir_execute(ir_fn fn, void *work, Py_ssize_t count, Py_ssize_t page_b
         } else {
             int64_t hold = __atomic_load_n(&ir_hold_ns, __ATOMIC_ACQUIRE);
             __atomic_store_n(&ir_hold_until, ir_now() + hold, __ATOMIC_RELEASE);
+            __atomic_store_n(&ir_level, 0, __ATOMIC_RELEASE); /* the probe: the full deadline */
             __atomic_store_n(&ir_hold_ns, hold < IR_HOLD_MAX_NS ? 2 * hold : hold,
                              __ATOMIC_RELEASE);
         }
