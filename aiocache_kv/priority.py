@@ -37,6 +37,7 @@ __all__ = [
     "RELIEF_S",
     "IdleCopies",
     "copy_on_idle_helpers",
+    "forget_idle_starvation",
     "idle_copies",
     "idle_helpers_ready",
     "idle_relief_ns",
@@ -88,6 +89,14 @@ def idle_helpers_ready() -> bool:
     once because its helpers starved (``True`` without the C extension: nothing to hold)."""
     ready = getattr(_EXT, "idle_ready", None)
     return True if ready is None else bool(ready())
+
+
+def forget_idle_starvation() -> None:
+    """Start the idle helpers' adaptation afresh: full deadlines, no hold to copies at once
+    (for tests and benchmark arms that must not inherit an earlier one's busy machine)."""
+    forget = getattr(_EXT, "idle_forget", None)
+    if forget is not None:
+        forget()
 
 
 def idle_relief_ns() -> int:

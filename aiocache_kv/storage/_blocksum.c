@@ -1024,6 +1024,7 @@ static PyMethodDef methods[] = {
     {"scatter_check", scatter_check, METH_VARARGS,
      "Host->device page copy (CPU) verifying pages against expected checksums in the same pass."},
     {"idle_ready", idle_ready, METH_NOARGS, "Whether a copy now would run on idle helpers."},
+    {"idle_forget", idle_forget, METH_NOARGS, "Forget the idle helpers' starvation history."},
     {"idle_stats", idle_stats, METH_NOARGS,
      "(copies run on idle helpers, copies their caller relieved, chunks it took)."},
     {"sums", sums, METH_VARARGS, "Block-Fletcher (S1, S2) of the first nbytes of each buffer."},

@@ -70,8 +70,9 @@ typedef struct ir_run {
     void *work;
     Py_ssize_t count, per_chunk, chunks;
     Py_ssize_t next, finished; /* atomic: the next chunk to claim, chunks done */
-    int refs;                  /* atomic: the caller and each helper working on it */
+    int refs;                  /* atomic: the caller, the pool's list, each helper on it */
     int idle;
+    int dead;      /* atomic: the caller is done with it; the list drops it at its next prune */
     uint32_t done; /* atomic: 1 once every chunk finished (the caller's futex on Linux) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -120,14 +121,38 @@ static Py_ssize_t ir_claim(ir_run *r)
         r->fn(r->work, first, last < r->count ? last : r->count);
         ran++;
         if (__atomic_add_fetch(&r->finished, 1, __ATOMIC_ACQ_REL) == r->chunks) {
+#ifdef __linux__
+            /* no lock: an idle helper preempted holding one would stall its caller */
+            __atomic_store_n(&r->done, 1, __ATOMIC_RELEASE);
+            syscall(SYS_futex, &r->done, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+#else
             pthread_mutex_lock(&r->mu);
             __atomic_store_n(&r->done, 1, __ATOMIC_RELEASE);
             pthread_cond_broadcast(&r->cv);
             pthread_mutex_unlock(&r->mu);
-#ifdef __linux__
-            syscall(SYS_futex, &r->done, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
 #endif
         }
+    }
+}
+
+/* drop the runs their callers are done with from the pool's list (ir_pool_mu held) */
+static void ir_prune_locked(void)
+{
+    ir_run *r = ir_runs;
+    while (r != NULL) {
+        ir_run *link = r->link;
+        if (__atomic_load_n(&r->dead, __ATOMIC_ACQUIRE)) {
+            if (r->prev != NULL) {
+                r->prev->link = link;
+            } else {
+                __atomic_store_n(&ir_runs, link, __ATOMIC_RELEASE);
+            }
+            if (link != NULL) {
+                link->prev = r->prev;
+            }
+            ir_release(r); /* the list's reference */
+        }
+        r = link;
     }
 }
 
@@ -142,6 +167,7 @@ static void *ir_pool_helper(void *arg)
     int spun = 0;
     pthread_mutex_lock(&ir_pool_mu);
     for (;;) {
+        ir_prune_locked();
         ir_run *r = ir_runs;
         while (r != NULL && __atomic_load_n(&r->next, __ATOMIC_ACQUIRE) >= r->chunks) {
             r = r->link;
@@ -214,14 +240,25 @@ static int ir_start_thread(void *(*fn)(void *), void *arg)
     return ok;
 }
 
-/* post ``r`` to the idle pool, grown to ``helpers`` threads; the number of pool threads */
+/* post ``r`` to the idle pool, grown to ``helpers`` threads; the number of pool threads, 0:
+ * not posted.  The callers never block on the pool's lock: a helper holds it while it looks
+ * for work, and one preempted there (idle: by anything) would hold it for as long as it
+ * starves, so a caller that finds it taken copies at once instead. */
 static int ir_post(ir_run *r, int helpers)
 {
     pthread_once(&ir_fork_once, ir_register_fork);
-    pthread_mutex_lock(&ir_pool_mu);
+    if (pthread_mutex_trylock(&ir_pool_mu) != 0) {
+        return 0;
+    }
+    ir_prune_locked();
     while (ir_pool_size < helpers && ir_start_thread(ir_pool_helper, NULL)) {
         ir_pool_size++;
     }
+    if (ir_pool_size == 0) {
+        pthread_mutex_unlock(&ir_pool_mu);
+        return 0;
+    }
+    __atomic_add_fetch(&r->refs, 1, __ATOMIC_ACQ_REL); /* the list's */
     r->prev = NULL;
     r->link = ir_runs;
     if (ir_runs != NULL) {
@@ -236,40 +273,45 @@ static int ir_post(ir_run *r, int helpers)
     return size;
 }
 
+/* the caller is done with posted ``r``: off the list now if the lock is free, else at the next
+ * prune (a post's or a helper's); the list's reference keeps it until then */
 static void ir_unpost(ir_run *r)
 {
-    pthread_mutex_lock(&ir_pool_mu);
-    if (r->prev != NULL) {
-        r->prev->link = r->link;
-    } else {
-        __atomic_store_n(&ir_runs, r->link, __ATOMIC_RELEASE);
+    __atomic_store_n(&r->dead, 1, __ATOMIC_RELEASE);
+    if (pthread_mutex_trylock(&ir_pool_mu) == 0) {
+        ir_prune_locked();
+        pthread_mutex_unlock(&ir_pool_mu);
     }
-    if (r->link != NULL) {
-        r->link->prev = r->prev;
-    }
-    pthread_mutex_unlock(&ir_pool_mu);
 }
 
-/* Wait (r->mu held) until every chunk finished or ``ts`` passed; whether it passed.  On Linux
- * a futex on r->done, not pthread_cond_timedwait: under a CPU hog the condition variable's
+/* Wait until every chunk of ``r`` finished (1), or ``ts`` (monotonic; NULL: no deadline)
+ * passed (0).  On Linux a futex on r->done, no lock: under a CPU hog the condition variable's
  * timed wait overslept its deadline by hundreds of milliseconds while the helpers starved (a
- * plain futex or clock_nanosleep kept it). */
-static int ir_wait_until(ir_run *r, const struct timespec *ts)
+ * plain futex or clock_nanosleep kept it), and an idle helper that signals under a lock could
+ * be preempted holding it. */
+static int ir_wait_done(ir_run *r, const struct timespec *ts)
 {
 #ifdef __linux__
-    pthread_mutex_unlock(&r->mu);
-    long rc = 0;
     while (__atomic_load_n(&r->done, __ATOMIC_ACQUIRE) == 0) {
-        rc = syscall(SYS_futex, &r->done, FUTEX_WAIT_BITSET_PRIVATE, 0, ts, NULL,
-                     FUTEX_BITSET_MATCH_ANY);
+        long rc = syscall(SYS_futex, &r->done, FUTEX_WAIT_BITSET_PRIVATE, 0, ts, NULL,
+                          FUTEX_BITSET_MATCH_ANY);
         if (rc != 0 && errno == ETIMEDOUT) {
             break;
         }
     }
-    pthread_mutex_lock(&r->mu);
-    return __atomic_load_n(&r->done, __ATOMIC_ACQUIRE) == 0;
+    return __atomic_load_n(&r->done, __ATOMIC_ACQUIRE) != 0;
 #else
-    return pthread_cond_timedwait(&r->cv, &r->mu, ts) == ETIMEDOUT;
+    int timed_out = 0;
+    pthread_mutex_lock(&r->mu);
+    while (!timed_out && __atomic_load_n(&r->done, __ATOMIC_ACQUIRE) == 0) {
+        if (ts == NULL) {
+            pthread_cond_wait(&r->cv, &r->mu);
+        } else {
+            timed_out = pthread_cond_timedwait(&r->cv, &r->mu, ts) == ETIMEDOUT;
+        }
+    }
+    pthread_mutex_unlock(&r->mu);
+    return __atomic_load_n(&r->done, __ATOMIC_ACQUIRE) != 0;
 #endif
 }
 
@@ -309,7 +351,9 @@ static void ir_execute(ir_fn fn, void *work, Py_ssize_t count, Py_ssize_t page_b
     int posted = 0;
     if (r->idle) {
         posted = ir_post(r, helpers) > 0;
-        __atomic_add_fetch(&ir_idle_copies, 1, __ATOMIC_RELAXED);
+        if (posted) {
+            __atomic_add_fetch(&ir_idle_copies, 1, __ATOMIC_RELAXED);
+        }
     } else {
         for (int k = 0; k < helpers; k++) {
             __atomic_add_fetch(&r->refs, 1, __ATOMIC_ACQ_REL);
@@ -328,15 +372,7 @@ static void ir_execute(ir_fn fn, void *work, Py_ssize_t count, Py_ssize_t page_b
     int level = __atomic_load_n(&ir_level, __ATOMIC_ACQUIRE);
     int64_t due = start + (wait >> level);
     struct timespec ts = {(time_t)(due / 1000000000LL), (long)(due % 1000000000LL)};
-    pthread_mutex_lock(&r->mu);
-    while (__atomic_load_n(&r->finished, __ATOMIC_ACQUIRE) < r->chunks) {
-        if (!r->idle || relieved) {
-            pthread_cond_wait(&r->cv, &r->mu);
-            continue;
-        }
-        if (!ir_wait_until(r, &ts)) {
-            continue;
-        }
+    if (r->idle && posted && !ir_wait_done(r, &ts)) {
         /* not done by its deadline: the helpers starve; take what is left */
         relieved = 1;
         if (level < IR_MAX_LEVEL) {
@@ -348,13 +384,11 @@ static void ir_execute(ir_fn fn, void *work, Py_ssize_t count, Py_ssize_t page_b
             __atomic_store_n(&ir_hold_ns, hold < IR_HOLD_MAX_NS ? 2 * hold : hold,
                              __ATOMIC_RELEASE);
         }
-        pthread_mutex_unlock(&r->mu);
         Py_ssize_t ran = ir_claim(r);
         __atomic_add_fetch(&ir_relieved_chunks, (uint64_t)ran, __ATOMIC_RELAXED);
-        pthread_mutex_lock(&r->mu);
     }
-    pthread_mutex_unlock(&r->mu);
-    if (r->idle) {
+    ir_wait_done(r, NULL); /* chunks helpers still copy (at once: its own helpers') */
+    if (r->idle && posted) {
         ir_unpost(r); /* a helper still holding it has its own reference */
         if (!relieved) {
             if (level > 0) {
@@ -376,6 +410,17 @@ static PyObject *idle_ready(PyObject *self, PyObject *noargs)
     (void)self;
     (void)noargs;
     return PyBool_FromLong(ir_now() >= __atomic_load_n(&ir_hold_until, __ATOMIC_ACQUIRE));
+}
+
+/* idle_forget() -> None: forget the process's starvation history (deadline level, hold) */
+static PyObject *idle_forget(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    __atomic_store_n(&ir_level, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&ir_hold_until, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&ir_hold_ns, IR_HOLD_MIN_NS, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
 }
 
 /* idle_stats() -> (copies run on idle helpers, of them relieved by their caller, chunks the
