@@ -162,8 +162,9 @@ def _one_cpu_with_a_hog() -> Iterator[int]:
         [
             sys.executable,
             "-c",
-            f"import os, sys; os.sched_setaffinity(0, {{{cpu}}}); print(flush=True)\n"
-            "while True: pass",
+            f"import os, time; os.sched_setaffinity(0, {{{cpu}}}); print(flush=True)\n"
+            "end = time.monotonic() + 120\n"  # never outlives the test by much, nor us
+            f"while os.getppid() == {os.getpid()} and time.monotonic() < end: pass",
         ],
         stdout=subprocess.PIPE,
     )

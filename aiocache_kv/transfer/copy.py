@@ -114,12 +114,14 @@ def _in_c(
     copies on idle helpers (:func:`aiocache_kv.priority.copy_on_idle_helpers`), and the
     layouts take it; (bytes, the runs still to copy through ``copy_``: none when C did it)."""
     page = host[0].numel() * host.element_size()
-    runs = page_runs(src, dst)
-    raw = None
+    nbytes = src.numel() * page
     # on idle helpers every CPU copy but a small one goes to C (torch's copy_ would run on the
-    # worker itself), unless the helpers starved lately: then long runs go torch's way
-    idle = src.numel() * page > IDLE_INLINE_BYTES and idle_relief_ns() > 0 and idle_helpers_ready()
-    if not non_blocking and (idle or len(runs) * SHORT_RUN > src.numel()):
+    # worker itself), unless the helpers starved lately: then long runs go torch's way; the
+    # runs are not even looked for (a few torch calls on the worker, beside the loop)
+    idle = nbytes > IDLE_INLINE_BYTES and idle_relief_ns() > 0 and idle_helpers_ready()
+    runs = None if idle else page_runs(src, dst)
+    raw = None
+    if not non_blocking and (runs is None or len(runs) * SHORT_RUN > src.numel()):
         raw = _raw_pair(device, host)
     if raw is not None:
         if to_host:
@@ -127,8 +129,8 @@ def _in_c(
         else:
             done = copy_to_device(raw, page, device, src, dst, None) is not None
         if done:
-            runs = []
-    return src.numel() * page, runs
+            return nbytes, []
+    return nbytes, page_runs(src, dst) if runs is None else runs
 
 
 def _raw_pair(device: torch.Tensor, host: torch.Tensor) -> torch.Tensor | None:
