@@ -192,14 +192,16 @@ def test_starved_helpers_are_relieved_and_the_process_holds_to_copies_at_once() 
     ids = torch.arange(64)
     with on_idle_helpers(0.005), _one_cpu_with_a_hog():
         before = idle_copies()
-        t0 = time.perf_counter()
-        device_to_host(dev, host, ids, ids)
-        took = time.perf_counter() - t0
+        for _ in range(40):  # the helpers may still get the CPU for a moment as the hog starts
+            host.zero_()
+            device_to_host(dev, host, ids, ids)
+            assert torch.equal(host, dev.permute(2, 0, 1, 3))
+            if idle_copies().relieved > before.relieved:
+                break
         after = idle_copies()
-        assert after.relieved - before.relieved == 1, (before, after, took)
+        assert after.relieved - before.relieved == 1, (before, after)
         assert after.relieved_chunks > before.relieved_chunks
-        assert torch.equal(host, dev.permute(2, 0, 1, 3))
-        for _ in range(8):  # shorter deadlines, each relieved, until the process holds
+        for _ in range(40):  # shorter deadlines, each relieved, until the process holds
             host.zero_()
             device_to_host(dev, host, ids, ids)
             assert torch.equal(host, dev.permute(2, 0, 1, 3))
