@@ -74,8 +74,10 @@ typedef struct ir_run {
     int idle;
     int dead;      /* atomic: the caller is done with it; the list drops it at its next prune */
     uint32_t done; /* atomic: 1 once every chunk finished (the caller's futex on Linux) */
-    pthread_mutex_t mu;
+#ifndef __linux__
+    pthread_mutex_t mu; /* the completion's wait elsewhere (Linux: a futex on done) */
     pthread_cond_t cv;
+#endif
     struct ir_run *prev, *link; /* the idle pool's list of runs with chunks to claim */
 } ir_run;
 
@@ -102,8 +104,10 @@ static int64_t ir_now(void)
 static void ir_release(ir_run *r)
 {
     if (__atomic_sub_fetch(&r->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+#ifndef __linux__
         pthread_cond_destroy(&r->cv);
         pthread_mutex_destroy(&r->mu);
+#endif
         free(r);
     }
 }
@@ -338,12 +342,14 @@ static void ir_execute(ir_fn fn, void *work, Py_ssize_t count, Py_ssize_t page_b
     r->idle = relief_ns > 0 && (double)count * (double)page_bytes > (double)IR_INLINE_BYTES &&
               start >= __atomic_load_n(&ir_hold_until, __ATOMIC_ACQUIRE);
     r->refs = 1;
+#ifndef __linux__
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&r->cv, &ca);
     pthread_condattr_destroy(&ca);
     pthread_mutex_init(&r->mu, NULL);
+#endif
     int helpers = r->idle ? parts : parts - 1; /* at once: the caller is one of the parts */
     if (helpers > r->chunks) {
         helpers = (int)r->chunks;
