@@ -10,10 +10,14 @@ round and reports GB/s (payload bytes, 10^9) and the ratio cache / raw of the sa
   - Mooncake: ``MooncakeDistributedStore.batch_put_from`` / ``batch_get_into`` of ``batch``
     keys per call on a registered buffer, fresh keys every round (a put on an existing key is
     a no-op), through the *same* client (one segment, so placement is the same for both paths).
-  - file: one file per page in a temporary directory, ``os.open`` + ``os.write`` (no fsync:
-    ``FileStorage``'s default policy ``"never"``), then ``os.open`` + ``os.readv`` into the
-    buffer; fresh file names every round.  Files have no batch call: batch only changes how
-    the cache groups its calls.
+  - file: one file per page, ``os.open`` + ``os.write`` (no fsync: ``FileStorage``'s default
+    policy ``"never"``), then ``os.open`` + ``os.readv`` into the buffer; fresh file names
+    every round.  The files go into the cache's own shard directories (the shard its layout
+    picks for the name): on a disk (``--storage-dir``) what creating a file costs depends on
+    where the file system puts its inode (on the project machine's ext4, 14 us or 250 us per
+    ``open(O_CREAT)`` from one temporary directory to the next), so the two paths share
+    directories.  Files have no batch call: batch only changes how the cache groups its
+    calls.
 
   Raw objects are the size the cache stores (page + the 72-byte integrity trailer).
 
@@ -356,8 +360,9 @@ def run(opts: StorageBenchOptions) -> JSON:
         f"({fmt_bytes(TOKEN_BYTES)}/token); about {opts.mib} MiB (at least one batch) per "
         f"measurement; one warm-up round, then median of {opts.repeats}.\n"
         "raw: the backend primitive in one thread (Mooncake batch_put_from / batch_get_into "
-        "on a registered buffer, same client; file: os.write / os.readv, one file per page, "
-        "no fsync), fresh keys per round, objects of page + 72-byte trailer.\n"
+        "on a registered buffer, same client; file: os.write / os.readv, one file per page "
+        "in the cache's shard directories, no fsync), fresh keys per round, objects of page "
+        "+ 72-byte trailer.\n"
         "cache backup: timed from the write acks (device->host copies already done, acks held "
         "by the bench's copy engine) to `await cache.flush()`: key derivation, dispatch, seal "
         "(the trailer: the copy took the checksum), put (no existence check first); 2 storage "
@@ -382,7 +387,8 @@ def run(opts: StorageBenchOptions) -> JSON:
         "target_ratio": TARGETS,
         "method": {
             "raw": "backend primitive, one thread, fresh keys, registered buffer (Mooncake, same "
-            "client as the cache) / os.write+os.readv one file per page, no fsync (file)",
+            "client as the cache) / os.write+os.readv one file per page in the cache's shard "
+            "directories, no fsync (file)",
             "cache_backup": "write ack delivered -> await cache.flush() (device->host copy "
             "excluded); 2 storage workers",
             "cache_prefetch": "await cache.prefetch(tokens, policy='wait_complete') on an "
