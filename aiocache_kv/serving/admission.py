@@ -37,6 +37,7 @@ from aiocache_kv.telemetry import attribute
 
 if TYPE_CHECKING:
     from aiocache_kv.handles import MatchResult
+    from aiocache_kv.storage.tier import PrefetchResult
 
 log = get_logger(__name__)
 
@@ -72,8 +73,9 @@ class Admissions:
         #: requests whose admission task runs, by id (one that ended while its task still
         #: gives back pins and reads is an orphan: see :meth:`orphans`)
         self._entering: dict[int, Request] = {}
-        #: admitting requests inside their storage read (pins held until the store answers)
-        self._reading: set[int] = set()
+        #: admitting requests inside their storage read, by id: the read's own task (pins
+        #: held until the store answers, or until :meth:`cancel_reads`)
+        self._reading: dict[int, asyncio.Task[PrefetchResult]] = {}
         #: a running request is short of rows (set by the step loop each step): admissions
         #: turn back before pinning anything, so the running batch's rows come first
         self.yield_to_running = False
@@ -103,6 +105,40 @@ class Admissions:
             self._arrivals.pop(req.id, None)
             req.reading = None
             self.queues.wake.set()  # what it committed may unblock a request waiting for it
+
+    async def _read(self, req: Request, toks: list[int]) -> PrefetchResult | None:
+        """``req``'s storage read, in a task of its own so that :meth:`cancel_reads` can end
+        it without ending the admission; ``None`` if it did (or ``req`` ended meanwhile).
+
+        Raises:
+            KVCacheError: what the prefetch raised.
+        """
+        read = asyncio.ensure_future(self.cache.prefetch(toks, tenant=req.tenant, lora=req.lora))
+        self._reading[req.id] = read
+        try:
+            await asyncio.wait([read])
+        except asyncio.CancelledError:  # the request ended: its read ends with it, and its
+            read.cancel()  # pins are back before this task is
+            await asyncio.wait([read])
+            raise
+        finally:
+            self._reading.pop(req.id, None)
+        return None if read.cancelled() else read.result()
+
+    def cancel_reads(self) -> int:
+        """Cancel every storage read that pins cached pages for a request not in the batch
+        (read on arrival, or inside admission): their pins come back now.  Their requests
+        are admitted without a storage read from then on (a miss: they compute what the
+        store held).  For a running request short of rows that waited ``storage_wait`` for
+        them.  Returns how many reads were cancelled."""
+        n = 0
+        for req in [*self.queues.waiting, *self.queues.admitting]:
+            for task in (self._arrivals.get(req.id), self._reading.get(req.id)):
+                if task is not None and not task.done():
+                    req.skip_storage = True
+                    task.cancel()
+                    n += 1
+        return n
 
     def admit_waiting(self) -> None:
         """Start admitting waiting requests, in order, while the batch has room."""
@@ -215,18 +251,17 @@ class Admissions:
             self._gated.add(req.id)  # back holds no pin)
             return False
         self._gated.discard(req.id)  # (holds pins from here: not counted as holding none)
-        if cache.config.storage is not None:
+        if cache.config.storage is not None and not req.skip_storage:
             arrival = self._arrivals.get(req.id)
             if arrival is not None:  # the read it started on arrival: one read, not two
-                await asyncio.shield(arrival)
-            self._reading.add(req.id)
-            try:
-                res = await cache.prefetch(toks, tenant=req.tenant, lora=req.lora)
-            finally:
-                self._reading.discard(req.id)
-            req.prefetch += res.hit_tokens
+                await asyncio.wait([arrival])  # (cancelled by cancel_reads: not this task)
+            res = None if req.skip_storage else await self._read(req, toks)
             if req.state is not RequestState.ADMITTING:
                 return True
+            if res is None:  # cancelled for a running request: turn back, holding nothing
+                self._gated.add(req.id)
+                return False
+            req.prefetch += res.hit_tokens
         stored = req.prefetch
         m: MatchResult | None = cache.match_prefix(toks, tenant=req.tenant, lora=req.lora)
         assert m is not None

@@ -108,14 +108,19 @@ class Engine:
     (1024) (default: the cores this process may use, less one, at least one), so the loop
     keeps a core.  ``max_restarts``: times a request is restarted when a prefix it extends
     leaves the cache under it (then it fails with
-    :class:`~aiocache_kv.errors.PrefixDroppedError`).  Use as an async context
+    :class:`~aiocache_kv.errors.PrefixDroppedError`).  ``storage_wait``: seconds a running
+    request short of rows waits for the pins of storage reads of requests not in the batch
+    yet; then those reads are cancelled (their requests are admitted without one and
+    compute what the store held), so a slow store delays a reply by at most that much a
+    shortage, not by the reads' own deadlines.  Use as an async context
     manager on the loop that runs ``cache``; :meth:`generate` and :meth:`stream` may be called
     from any task on that loop.
 
     Raises:
         ConfigError: the cache's KV layout does not match the model, an unsupported model, a
             limit that is not a positive int, ``model_threads`` not an int in
-            ``[1, MAX_THREADS]`` (1024), or ``pad_decodes`` neither a bool nor ``None``.
+            ``[1, MAX_THREADS]`` (1024), ``pad_decodes`` neither a bool nor ``None``, or
+            ``storage_wait`` not a finite number in ``[0, 3600]``.
         InvalidTypeError: ``cache`` is not a :class:`~aiocache_kv.HiCache`.
     """
 
@@ -130,6 +135,7 @@ class Engine:
         pad_decodes: bool | None = None,
         model_threads: int | None = None,
         max_restarts: int = 3,
+        storage_wait: float = 1.0,
     ) -> None:
         for name, value in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
             if type(value) is not int or value < 1:
@@ -137,6 +143,9 @@ class Engine:
         if type(max_restarts) is not int or not 0 <= max_restarts <= 1000:
             raise ConfigError(f"max_restarts must be an int in [0, 1000], got {max_restarts!r}")
         self.max_restarts = max_restarts
+        self.storage_wait = check_real(
+            "storage_wait", storage_wait, minimum=0.0, maximum=3600.0, error=ConfigError
+        )
         if switch_interval is not None:
             switch_interval = check_real(
                 "switch_interval", switch_interval, minimum=1e-6, maximum=1.0, error=ConfigError
@@ -173,6 +182,7 @@ class Engine:
         self._closing = False
         self._runner: ModelRunner | None = None
         self._short = False  #: a request waits for copies in flight to make room
+        self._short_since: float | None = None  #: when the running batch got short of rows
         self._admissions: Admissions | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -388,6 +398,7 @@ class Engine:
                 slots = plan_step(q.running, self.max_batch_tokens)
                 self._short = self._admissions.yield_to_running = False
                 slots = self._with_rows(slots)
+                self._short_since = self._short_since if self._short else None
                 if not slots:
                     q.wake.clear()
                     if self._short:  # copies in flight will make room: look again soon
@@ -568,6 +579,10 @@ class Engine:
                     # copies land soon (pages evictable), zeroing ends (free), storage reads
                     # end and give back their pins; admissions wait meanwhile (no new pins)
                     self._short = adm.yield_to_running = True
+                    now = time.monotonic()  # a store slower than storage_wait: reads give way
+                    if now - (self._short_since or now) >= self.storage_wait:
+                        self.counters.storage_reads_cancelled += adm.cancel_reads()
+                    self._short_since = self._short_since or now
                     return False
                 victim = q.running[-1]  # the newest request yields (vLLM's order)
                 if victim is r and len(q.running) == 1:

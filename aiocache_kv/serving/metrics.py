@@ -83,6 +83,10 @@ class EngineCollector:
             ("step_tokens", "Tokens run through the model (prefill chunks and decodes)."),
             ("preemptions", "Requests taken out of the batch for room (they resume)."),
             ("restarts", "Requests re-admitted because a prefix they extended was dropped."),
+            (
+                "storage_reads_cancelled",
+                "Storage reads cancelled for a running request short of rows.",
+            ),
             ("inserted_pages", "Pages put into the tree while their requests ran."),
             ("shared_in_flight_tokens", "Prompt tokens reused from another running request."),
         ):

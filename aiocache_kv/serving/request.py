@@ -107,6 +107,7 @@ class Request:
         "rows",
         "sends",
         "shared_in_flight",
+        "skip_storage",
         "state",
         "tenant",
         "token_times",
@@ -158,6 +159,9 @@ class Request:
         self.waited_from = 0
         #: prompt tokens a prefetch on arrival committed to host (attributed to storage)
         self.prefetch = 0
+        #: its storage read was cancelled for a running request short of rows (the store
+        #: was slower than ``Engine(storage_wait=)``): it is admitted without one
+        self.skip_storage = False
         self.error: BaseException | None = None
         self.keep_logits = False
         self.logits: list[torch.Tensor] = []

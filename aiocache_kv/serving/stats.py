@@ -37,6 +37,9 @@ class EngineStatistics:
     #: requests re-admitted because a prefix they extended left the cache (``drop``, or a
     #: page that failed at load-back: ``PrefixDroppedError``)
     restarts: int
+    #: storage reads cancelled because a running request short of rows waited for their
+    #: pins longer than ``Engine(storage_wait=)`` (their requests are admitted without one)
+    storage_reads_cancelled: int
     inserted_pages: int  #: pages put into the tree while their requests ran
     #: prompt tokens requests waited for another running request to compute, then reused
     shared_in_flight_tokens: int
@@ -63,6 +66,7 @@ class EngineCounters:
     step_tokens: int = 0
     preemptions: int = 0
     restarts: int = 0
+    storage_reads_cancelled: int = 0
     inserted_pages: int = 0
     shared_in_flight_tokens: int = 0
     step_seconds_total: float = 0.0
@@ -108,6 +112,7 @@ class EngineCounters:
             step_tokens=self.step_tokens,
             preemptions=self.preemptions,
             restarts=self.restarts,
+            storage_reads_cancelled=self.storage_reads_cancelled,
             inserted_pages=self.inserted_pages,
             shared_in_flight_tokens=self.shared_in_flight_tokens,
             prompt_tokens=dataclasses.replace(self.prompt_tokens),

@@ -23,10 +23,13 @@ import threading
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 import aiocache_kv as akv
 from aiocache_kv.models import GPT2Spec, build_gpt2
 from aiocache_kv.serving import Engine
+from aiocache_kv.serving.metrics import EngineCollector
 from aiocache_kv.testing import MemoryStorage
 from tests.serving.test_engine import VOCAB, assert_nothing_held, config, reference, toks
 
@@ -297,6 +300,24 @@ async def test_an_insert_that_fails_otherwise_leaves_no_page_switched(gpt2: Any)
         cache.check_invariants()
 
 
+async def _reply_then_stall(
+    eng: Engine, cache: akv.HiCache, store: MemoryStorage
+) -> tuple[list[int], list[int], Any, Any, int]:
+    """Cache a prompt ``p`` of 10 pages (written through), start a 40-token reply to ``r``
+    (20 + 40 rows: 15 of the 16 device pages, it fits alone) and take its first token, then
+    stall the store's ``exists`` (the caller opens it again).  Returns ``p``, ``r``, the
+    reply's stream, its token iterator and the first token."""
+    p = toks(1, 40)
+    await eng.generate(p, max_new_tokens=1)
+    await cache.flush()
+    r = toks(2, 20)
+    ts = eng.open_stream(r, max_new_tokens=40)
+    it = ts.tokens()
+    first = await asyncio.wait_for(it.__anext__(), 20)
+    store.gates["exists"].clear()
+    return p, r, ts, it, first
+
+
 @pytest.mark.parametrize("variant", ["waiting", "admitting", "aborted"])
 async def test_a_running_request_waits_for_storage_reads_instead_of_failing_alone(
     gpt2: Any, variant: str
@@ -305,21 +326,18 @@ async def test_a_running_request_waits_for_storage_reads_instead_of_failing_alon
     another request's storage read pinned a cached prefix (a slow store), was judged alone in
     the pool and failed with ``CapacityError`` mid-reply; an aborted request's read on
     arrival went on pinning until the store answered.  Now a running request short of rows
-    waits for storage reads (bounded by their deadlines) while admissions turn back, and an
-    ended request's read on arrival is cancelled."""
+    waits for storage reads while admissions turn back, and an ended request's read on
+    arrival is cancelled.  The store here stalls for the whole reply: after ``storage_wait``
+    the reads are cancelled (their deadline, 8 s, is never reached), and the request that
+    read is admitted without storage."""
     store = MemoryStorage()
     cfg = config(gpt2, device_pages=16, host_pages=32, storage=store, storage_timeout=8.0)
     running = 4 if variant == "admitting" else 1
     async with akv.HiCache(cfg) as cache:
-        async with Engine(gpt2, cache, max_batch_tokens=64, max_running=running) as eng:
-            p = toks(1, 40)  # 10 pages cached on device
-            await eng.generate(p, max_new_tokens=1)
-            await cache.flush()
-            r = toks(2, 20)  # 20 + 40 rows: 15 of 16 pages, fits alone
-            ts = eng.open_stream(r, max_new_tokens=40)
-            it = ts.tokens()
-            first = await asyncio.wait_for(it.__anext__(), 20)
-            store.gates["exists"].clear()  # the store stalls from here
+        async with Engine(
+            gpt2, cache, max_batch_tokens=64, max_running=running, storage_wait=0.2
+        ) as eng:
+            p, r, ts, it, first = await _reply_then_stall(eng, cache, store)
             w = asyncio.ensure_future(eng.generate(p + toks(3, 8), max_new_tokens=1))
             try:
                 assert await asyncio.to_thread(store.entered["exists"].wait, 10)
@@ -328,12 +346,81 @@ async def test_a_running_request_waits_for_storage_reads_instead_of_failing_alon
                     await asyncio.gather(w, return_exceptions=True)
                 got = [first] + [t async for t in it]
                 res = await asyncio.wait_for(ts.result(), 30)
+                if variant != "aborted":  # w joins while the store still stalls
+                    won = await asyncio.wait_for(w, 30)
+                    assert won.tokens == reference(gpt2, p + toks(3, 8), 1)
+                    assert won.attribution.storage == 0, won.attribution
             finally:
                 store.gates["exists"].set()
             assert got == res.tokens == reference(gpt2, r, 40)
-            if variant != "aborted":
-                assert (await asyncio.wait_for(w, 30)).tokens == reference(gpt2, p + toks(3, 8), 1)
-            assert eng.statistics().failed == 0
+            st = eng.statistics()
+            assert st.failed == 0, st
+            assert (st.storage_reads_cancelled > 0) == (variant != "aborted"), st
+            eng.check_invariants()
+        await cache.flush()
+        assert_nothing_held(cache)
+
+
+async def test_a_store_that_answers_within_storage_wait_keeps_its_reads(gpt2: Any) -> None:
+    """The other side of ``storage_wait``: a running request short of rows waits for the
+    pins of a read that the store answers in time (here after 0.3 s, the wait being 60 s),
+    and nothing is cancelled: the read's request is served from what it read."""
+    store = MemoryStorage()
+    cfg = config(gpt2, device_pages=16, host_pages=32, storage=store, storage_timeout=8.0)
+    async with akv.HiCache(cfg) as cache:
+        async with Engine(
+            gpt2, cache, max_batch_tokens=64, max_running=1, storage_wait=60.0
+        ) as eng:
+            p, r, ts, it, first = await _reply_then_stall(eng, cache, store)
+            w = asyncio.ensure_future(eng.generate(p + toks(3, 8), max_new_tokens=1))
+            try:
+                assert await asyncio.to_thread(store.entered["exists"].wait, 10)
+                asyncio.get_running_loop().call_later(0.3, store.gates["exists"].set)
+                got = [first] + [t async for t in it]
+                res = await asyncio.wait_for(ts.result(), 30)
+            finally:
+                store.gates["exists"].set()
+            assert got == res.tokens == reference(gpt2, r, 40)
+            assert (await asyncio.wait_for(w, 30)).tokens == reference(gpt2, p + toks(3, 8), 1)
+            st = eng.statistics()
+            assert st.failed == 0 and st.storage_reads_cancelled == 0, st
+            eng.check_invariants()
+        await cache.flush()
+        assert_nothing_held(cache)
+
+
+async def test_storage_wait_zero_cancels_at_the_first_shortage(gpt2: Any) -> None:
+    """``storage_wait=0``: the first step a running request is short of rows cancels the
+    reads that pin; the store never answers before the reply ends (its gate opens only
+    after), and the late answers of the cancelled reads change nothing."""
+    store = MemoryStorage()
+    cfg = config(gpt2, device_pages=16, host_pages=32, storage=store, storage_timeout=8.0)
+    async with akv.HiCache(cfg) as cache:
+        async with Engine(gpt2, cache, max_batch_tokens=64, max_running=4, storage_wait=0) as eng:
+            p, r, ts, it, first = await _reply_then_stall(eng, cache, store)
+            ws = [
+                asyncio.ensure_future(eng.generate(p + toks(k, 8), max_new_tokens=2))
+                for k in (3, 4)
+            ]
+            try:
+                assert await asyncio.to_thread(store.entered["exists"].wait, 10)
+                got = [first] + [t async for t in it]
+                res = await asyncio.wait_for(ts.result(), 30)
+                done = await asyncio.wait_for(asyncio.gather(*ws), 30)
+            finally:
+                store.gates["exists"].set()
+            assert got == res.tokens == reference(gpt2, r, 40)
+            for k, out in zip((3, 4), done, strict=True):
+                assert out.tokens == reference(gpt2, p + toks(k, 8), 2)
+            st = eng.statistics()
+            assert st.failed == 0 and st.storage_reads_cancelled >= 1, st
+            registry = CollectorRegistry()
+            EngineCollector(eng, registry=registry)
+            text = generate_latest(registry).decode()
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            [sample] = families["aiocache_kv_engine_storage_reads_cancelled"].samples
+            assert sample.name.endswith("_total") and sample.value == st.storage_reads_cancelled
+            await asyncio.sleep(0.05)  # the stalled store's late answers land now
             eng.check_invariants()
         await cache.flush()
         assert_nothing_held(cache)

@@ -1,5 +1,5 @@
 """The engine refuses bad input where it is given, with a typed error, and changes nothing:
-``model_threads`` out of range, a ``cache`` that is not a ``HiCache``, non-bool
+``model_threads`` or ``storage_wait`` out of range, a ``cache`` that is not a ``HiCache``, non-bool
 ``pad_decodes`` / ``keep_logits``, and a prompt of bools (which the forward pass would refuse
 at step time, failing every request of that batch with it)."""
 
@@ -39,6 +39,17 @@ async def test_model_threads_bounded(model: Any, threads: int) -> None:
             Engine(model, cache, model_threads=threads)
         async with Engine(model, cache, model_threads=1) as eng:  # a valid one still serves
             assert len((await eng.generate(GOOD, max_new_tokens=2)).tokens) == 2
+
+
+@pytest.mark.parametrize(
+    "wait", [float("nan"), float("inf"), -0.1, 3600.5, "1", None, True], ids=repr
+)
+async def test_storage_wait_is_a_finite_number_in_range(model: Any, wait: Any) -> None:
+    async with akv.HiCache(config(model)) as cache:
+        with pytest.raises(ConfigError, match="storage_wait"):
+            Engine(model, cache, storage_wait=wait)
+        for good in (0, 0.0, 2.5, 3600):
+            assert Engine(model, cache, storage_wait=good).storage_wait == float(good)
 
 
 def test_model_runner_threads_bounded() -> None:
