@@ -522,6 +522,61 @@ static PyObject *page_slots(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* hex_keys(prefix, hashes, suffix, nbytes) -> [prefix + h.hex() + suffix for h in hashes], or
+ * the index (an int) of the first item that is not exactly bytes of nbytes; prefix and suffix
+ * are ASCII str (storage keys: a checked tag and component around each page hash) */
+static PyObject *hex_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 4 || !PyUnicode_CheckExact(args[0]) || !PyList_CheckExact(args[1]) ||
+        !PyUnicode_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "hex_keys needs a str, a list, a str and a size");
+        return NULL;
+    }
+    PyObject *prefix = args[0], *hashes = args[1], *suffix = args[2];
+    Py_ssize_t nbytes;
+    if (ssize_arg(args[3], &nbytes) < 0) {
+        return NULL;
+    }
+    if (!PyUnicode_IS_ASCII(prefix) || !PyUnicode_IS_ASCII(suffix) || nbytes < 0 ||
+        nbytes > (1 << 20)) {
+        PyErr_SetString(PyExc_ValueError, "hex_keys needs ASCII affixes and 0 <= size <= 1 MiB");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    PyObject **items = ((PyListObject *)hashes)->ob_item;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_CheckExact(items[i]) || PyBytes_GET_SIZE(items[i]) != nbytes) {
+            return PyLong_FromSsize_t(i);
+        }
+    }
+    static const char digits[] = "0123456789abcdef";
+    Py_ssize_t plen = PyUnicode_GET_LENGTH(prefix), slen = PyUnicode_GET_LENGTH(suffix);
+    const Py_UCS1 *pre = PyUnicode_1BYTE_DATA(prefix), *suf = PyUnicode_1BYTE_DATA(suffix);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyUnicode_New(plen + 2 * nbytes + slen, 127);
+        if (key == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_UCS1 *d = PyUnicode_1BYTE_DATA(key);
+        const unsigned char *h = (const unsigned char *)PyBytes_AS_STRING(items[i]);
+        memcpy(d, pre, (size_t)plen);
+        d += plen;
+        for (Py_ssize_t j = 0; j < nbytes; j++) {
+            *d++ = (Py_UCS1)digits[h[j] >> 4];
+            *d++ = (Py_UCS1)digits[h[j] & 15];
+        }
+        memcpy(d, suf, (size_t)slen);
+        PyList_SET_ITEM(out, i, key);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"first_bad_token", (PyCFunction)(void (*)(void))first_bad_token, METH_FASTCALL,
      "Index of the first non-token (from start), or -1."},
@@ -536,6 +591,8 @@ static PyMethodDef methods[] = {
     {"insert_pages", (PyCFunction)(void (*)(void))insert_pages, METH_FASTCALL,
      "(code, index, differing) of an insert."},
     {"set_states", (PyCFunction)(void (*)(void))set_states, METH_FASTCALL, "state[ids] = value."},
+    {"hex_keys", (PyCFunction)(void (*)(void))hex_keys, METH_FASTCALL,
+     "prefix + h.hex() + suffix of each hash, or the index of the first bad one."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -188,6 +188,15 @@ def py_set_states(state: np.ndarray, ids: np.ndarray, value: int) -> None:
     state[ids] = value
 
 
+def py_hex_keys(prefix: str, hashes: list[Any], suffix: str, nbytes: int) -> list[str] | int:
+    """``prefix + h.hex() + suffix`` of every hash, or the index of the first item that is not
+    exactly ``bytes`` of ``nbytes`` (storage keys around page hashes)."""
+    for i, h in enumerate(hashes):
+        if type(h) is not bytes or len(h) != nbytes:
+            return i
+    return [f"{prefix}{h.hex()}{suffix}" for h in hashes]
+
+
 _EXT = optional_extension("aiocache_kv._fastcheck")
 #: ``"c"`` where the C extension runs the checks, else ``"python"``.
 FASTCHECK_IMPL = "python" if _EXT is None else "c"
@@ -201,6 +210,7 @@ held_check = py_held_check if _EXT is None else _EXT.held_check
 page_slots_into = py_page_slots if _EXT is None else _EXT.page_slots
 insert_pages = py_insert_pages if _EXT is None else _EXT.insert_pages
 set_states = py_set_states if _EXT is None else _EXT.set_states
+hex_keys = py_hex_keys if _EXT is None else _EXT.hex_keys
 
 __all__ = [
     "FASTCHECK_IMPL",
@@ -214,6 +224,7 @@ __all__ = [
     "first_bad_token",
     "first_repeat",
     "held_check",
+    "hex_keys",
     "insert_pages",
     "page_slots_into",
     "set_states",

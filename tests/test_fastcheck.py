@@ -305,6 +305,40 @@ def test_page_slots_agree() -> None:
         ext.page_slots(np.zeros(2, dtype=np.int64), 4, np.empty(7, dtype=np.int64))
 
 
+class _Bytes(bytes):
+    pass
+
+
+def test_hex_keys_agree_on_hashes_and_hostile_items() -> None:
+    """Storage keys made in C: the reference's strings, the same first bad index for items
+    that are not exactly bytes of the size (a subclass, bytearray, a str, another size)."""
+    ext = _ext()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    bad: list[Any] = [_Bytes(32), bytearray(32), "ab" * 16, bytes(31), bytes(33), None, 7]
+    for _ in range(300):
+        n = rng.randint(0, 40)
+        hashes: list[Any] = [rng.randbytes(32) for _ in range(n)]
+        if n and rng.random() < 0.5:
+            hashes[rng.randrange(n)] = rng.choice(bad)
+        pre, post = rng.choice([("t/", "/kv"), ("", ""), ("model-9/", "/mamba")])
+        got, want = (
+            ext.hex_keys(pre, hashes, post, 32),
+            fastcheck.py_hex_keys(pre, hashes, post, 32),
+        )
+        assert got == want, f"seed {seed}: {hashes!r:.200}"
+        if isinstance(want, list):
+            assert want == [f"{pre}{h.hex()}{post}" for h in hashes]
+            assert all(type(k) is str and k.isascii() for k in got)
+    assert ext.hex_keys("p", [b"\x00\xff"], "s", 2) == ["p00ffs"]
+    with pytest.raises(TypeError):
+        ext.hex_keys("p", (bytes(32),), "s", 32)  # a tuple: the wrapper makes it a list
+    with pytest.raises(ValueError):
+        ext.hex_keys("é/", [bytes(32)], "/kv", 32)  # not ASCII: never a checked tag
+    with pytest.raises(ValueError):
+        ext.hex_keys("t/", [], "/kv", -1)
+
+
 def test_the_c_functions_refuse_foreign_buffers() -> None:
     ext = _ext()
     with pytest.raises(TypeError):

@@ -14,10 +14,12 @@ is unambiguous and a raw key can be checked for "exactly one tag".
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 
 from aiocache_kv.errors import StorageKeyError
+from aiocache_kv.fastcheck import hex_keys
 
 __all__ = [
     "MAX_COMPONENT_LEN",
@@ -99,18 +101,33 @@ def storage_key(tag: str, page_hash: bytes, component: str = "kv") -> str:
     return f"{tag}/{page_hash.hex()}/{component}"
 
 
+@functools.lru_cache(maxsize=1024)
+def _affixes(tag: str, component: str) -> tuple[str, str]:
+    """What goes before and after the hash in a key of ``tag`` and ``component`` (exact
+    ``str``: checked once, then remembered; a failed check raises and is not)."""
+    _check_name("tag", tag, MAX_TAG_LEN)
+    _check_name("component", component, MAX_COMPONENT_LEN)
+    return f"{tag}/", f"/{component}"
+
+
 def storage_keys(tag: str, page_hashes: list[bytes], component: str = "kv") -> list[str]:
-    """:func:`storage_key` of every hash (one call per prompt: the names are checked once).
+    """:func:`storage_key` of every hash (one call per prompt: the names are checked once;
+    the keys are made in one C loop where ``_fastcheck`` is built).
 
     Raises:
         StorageKeyError: as :func:`storage_key`, for the first hash at fault.
     """
-    _check_name("tag", tag, MAX_TAG_LEN)
-    _check_name("component", component, MAX_COMPONENT_LEN)
-    for h in page_hashes:
-        if type(h) is not bytes or len(h) != KEY_HASH_BYTES:
-            raise _bad_hash(h)
-    return [f"{tag}/{h.hex()}/{component}" for h in page_hashes]
+    if type(tag) is str and type(component) is str:
+        pre, post = _affixes(tag, component)
+    else:  # (a str subclass, or not a str: checked, never remembered)
+        _check_name("tag", tag, MAX_TAG_LEN)
+        _check_name("component", component, MAX_COMPONENT_LEN)
+        pre, post = f"{tag}/", f"/{component}"
+    hashes = page_hashes if type(page_hashes) is list else list(page_hashes)
+    keys = hex_keys(pre, hashes, post, KEY_HASH_BYTES)
+    if isinstance(keys, int):
+        raise _bad_hash(hashes[keys])
+    return keys
 
 
 def parse_storage_key(key: str) -> ParsedKey:

@@ -67,6 +67,33 @@ def test_bad_hashes_are_rejected(page_hash: object) -> None:
         storage_keys("tag", [bytes(32), page_hash])  # type: ignore[list-item]
 
 
+@pytest.mark.parametrize("tag", ["", "a/b", "é", "x" * (MAX_TAG_LEN + 1)])
+def test_storage_keys_refuse_a_bad_tag_every_time(tag: str) -> None:
+    """The checked (tag, component) pairs are remembered; a pair that failed is not: the
+    second call raises again, and a good pair's keys are as :func:`storage_key` makes them."""
+    for _ in range(2):
+        with pytest.raises(StorageKeyError, match="tag"):
+            storage_keys(tag, [H])
+        with pytest.raises(StorageKeyError, match="component"):
+            storage_keys("tag", [H], tag or "a/b")
+    assert storage_keys("tag", [H], "swa") == [storage_key("tag", H, "swa")]
+
+
+class _Tag(str):
+    def __format__(self, spec: str) -> str:
+        return "other"
+
+
+def test_storage_keys_take_any_sequence_and_str_subclasses_as_before() -> None:
+    hashes = (H, bytes(32))
+    assert storage_keys("m", hashes) == [f"m/{HEX}/kv", "m/" + "0" * 64 + "/kv"]  # type: ignore[arg-type]
+    assert storage_keys("m", []) == []
+    # a str subclass is checked and formatted as an f-string does, never remembered
+    assert storage_keys(_Tag("m"), [H]) == [f"other/{HEX}/kv"]
+    with pytest.raises(StorageKeyError, match="must be a str"):
+        storage_keys(b"m", [H])  # type: ignore[arg-type]
+
+
 def test_storage_key_error_is_an_input_error() -> None:
     with pytest.raises(InvalidInputError):
         storage_key("", H)
