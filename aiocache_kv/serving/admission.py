@@ -255,7 +255,11 @@ class Admissions:
             arrival = self._arrivals.get(req.id)
             if arrival is not None:  # the read it started on arrival: one read, not two
                 await asyncio.wait([arrival])  # (cancelled by cancel_reads: not this task)
-            res = None if req.skip_storage else await self._read(req, toks)
+                if not arrival.cancelled() and (exc := arrival.exception()) is not None:
+                    raise exc  # (a bug: the request fails with it)
+            res = None
+            if not req.skip_storage and req.state is RequestState.ADMITTING:
+                res = await self._read(req, toks)
             if req.state is not RequestState.ADMITTING:
                 return True
             if res is None:  # cancelled for a running request: turn back, holding nothing
