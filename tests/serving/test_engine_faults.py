@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import random
 import threading
 from typing import Any
 
+import anyio
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -424,3 +426,72 @@ async def test_storage_wait_zero_cancels_at_the_first_shortage(gpt2: Any) -> Non
             eng.check_invariants()
         await cache.flush()
         assert_nothing_held(cache)
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_seeded_stalling_store_under_storage_wait(gpt2: Any, seed: int) -> None:
+    """Seeded: a store whose reads stall and resume at random (``exists`` and ``get_into``
+    gates toggled every few milliseconds), a device pool that runs short, random
+    ``storage_wait`` (0 to 0.1 s) and callers that give up at random moments: every finished
+    reply is the model's own, no request fails, invariants hold throughout, and once the
+    store answers again nothing stays held."""
+    rng = random.Random(seed)
+    wait = rng.choice([0.0, 0.02, 0.1])
+    store = MemoryStorage()
+    cfg = config(gpt2, device_pages=16, host_pages=32, storage=store, storage_timeout=2.0)
+    prefixes = [toks(500 * seed + k, rng.randrange(16, 25)) for k in range(3)]
+    outcomes: list[tuple[list[int], int, akv.GenerationResult]] = []
+    try:
+        async with akv.HiCache(cfg) as cache:
+            async with Engine(
+                gpt2, cache, max_batch_tokens=32, max_running=4, storage_wait=wait
+            ) as eng:
+                for pre in prefixes:  # on device and in storage: a read of a longer prompt
+                    await eng.generate(pre, max_new_tokens=1)  # pins them while it waits
+                await cache.flush()
+                stop = asyncio.Event()
+
+                async def toggle() -> None:
+                    while not stop.is_set():
+                        for name in ("exists", "get_into"):
+                            if rng.random() < 0.5:
+                                store.gates[name].clear()
+                        await asyncio.sleep(rng.random() * 0.15)
+                        for name in ("exists", "get_into"):
+                            store.gates[name].set()
+                        await asyncio.sleep(rng.random() * 0.02)
+
+                async def one(i: int) -> None:
+                    prompt = rng.choice(prefixes) + toks(seed * 977 + i, rng.randrange(1, 13))
+                    n = rng.randrange(1, 25)
+                    await asyncio.sleep(rng.random() * 0.05)
+                    if rng.random() < 0.2:
+                        with anyio.move_on_after(rng.random() * 0.05):
+                            await eng.generate(prompt, max_new_tokens=n)
+                        return
+                    outcomes.append((prompt, n, await eng.generate(prompt, max_new_tokens=n)))
+
+                async def checker() -> None:
+                    while not stop.is_set():
+                        eng.check_invariants()
+                        await asyncio.sleep(0.005)
+
+                tasks = [asyncio.ensure_future(f) for f in (toggle(), checker())]
+                try:
+                    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(16))), 60)
+                finally:
+                    stop.set()
+                    for name in ("exists", "get_into"):
+                        store.gates[name].set()
+                    await asyncio.gather(*tasks)
+                st = eng.statistics()
+                assert st.failed == 0, st
+                eng.check_invariants()
+            await cache.flush()
+            assert_nothing_held(cache)
+    except BaseException:
+        print(f"stalling store seed {seed} FAILED")
+        raise
+    assert len(outcomes) >= 8, outcomes
+    for p, n, r in outcomes:
+        assert r.tokens == reference(gpt2, p, n), f"seed {seed}"
