@@ -130,7 +130,11 @@ class Admissions:
         (read on arrival, or inside admission): their pins come back now.  Their requests
         are admitted without a storage read from then on (a miss: they compute what the
         store held).  For a running request short of rows that waited ``storage_wait`` for
-        them.  Returns how many reads were cancelled."""
+        them.  Returns how many reads were cancelled.  With tensor parallelism none is: a
+        read's pins stay until its ranks agree on it, so cancelling gives nothing back
+        sooner, and the running request would be judged alone while they are still held."""
+        if self.cache.tp_group.world_size > 1:
+            return 0
         n = 0
         for req in [*self.queues.waiting, *self.queues.admitting]:
             for task in (self._arrivals.get(req.id), self._reading.get(req.id)):

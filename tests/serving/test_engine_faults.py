@@ -21,6 +21,7 @@ import asyncio
 import gc
 import random
 import threading
+import types
 from typing import Any
 
 import anyio
@@ -495,3 +496,36 @@ async def test_seeded_stalling_store_under_storage_wait(gpt2: Any, seed: int) ->
     assert len(outcomes) >= 8, outcomes
     for p, n, r in outcomes:
         assert r.tokens == reference(gpt2, p, n), f"seed {seed}"
+
+
+async def test_storage_wait_leaves_the_reads_of_tensor_parallel_ranks_alone(gpt2: Any) -> None:
+    """With tensor parallelism a cancelled read would keep its pins until its ranks agree:
+    :meth:`Admissions.cancel_reads` cancels nothing there (the running request waits for the
+    reads' deadlines, as before), and counts nothing."""
+    store = MemoryStorage()
+    cfg = config(gpt2, device_pages=16, host_pages=32, storage=store, storage_timeout=8.0)
+    async with akv.HiCache(cfg) as cache:
+        async with Engine(  # (the step loop itself cancels nothing within this test)
+            gpt2, cache, max_batch_tokens=64, max_running=1, storage_wait=60.0
+        ) as eng:
+            p, r, ts, it, first = await _reply_then_stall(eng, cache, store)
+            w = asyncio.ensure_future(eng.generate(p + toks(3, 8), max_new_tokens=1))
+            try:
+                assert await asyncio.to_thread(store.entered["exists"].wait, 10)
+                adm = eng._admissions
+                assert adm is not None and adm.holding()
+                single = cache.tp_group
+                cache.tp_group = types.SimpleNamespace(rank=0, world_size=2)  # type: ignore[assignment]
+                try:
+                    assert adm.cancel_reads() == 0 and adm.holding()
+                finally:
+                    cache.tp_group = single
+                assert adm.cancel_reads() == 1  # one rank: the read on arrival gives way
+            finally:
+                store.gates["exists"].set()
+            got = [first] + [t async for t in it]
+            assert got == (await asyncio.wait_for(ts.result(), 30)).tokens == reference(gpt2, r, 40)
+            assert (await asyncio.wait_for(w, 30)).tokens == reference(gpt2, p + toks(3, 8), 1)
+            eng.check_invariants()
+        await cache.flush()
+        assert_nothing_held(cache)
