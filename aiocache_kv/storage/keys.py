@@ -94,11 +94,7 @@ def storage_key(tag: str, page_hash: bytes, component: str = "kv") -> str:
         StorageKeyError: ``tag``/``component`` empty, too long or outside the safe charset;
             ``page_hash`` not ``bytes`` of :data:`KEY_HASH_BYTES`.
     """
-    _check_name("tag", tag, MAX_TAG_LEN)
-    _check_name("component", component, MAX_COMPONENT_LEN)
-    if type(page_hash) is not bytes or len(page_hash) != KEY_HASH_BYTES:
-        raise _bad_hash(page_hash)
-    return f"{tag}/{page_hash.hex()}/{component}"
+    return storage_keys(tag, [page_hash], component)[0]
 
 
 @functools.lru_cache(maxsize=1024)
