@@ -22,18 +22,26 @@
  * (_fletcher.h).  Each result is then (status, value, S1, S2, bytes summed): bytes summed is the
  * payload's length where the read filled the slot, else 0 (the caller then has no sum).
  *
- * write_pages(writes) -> list of int, one per write.
- *   writes: a list of (dir_fd, name: bytes, header: buffer, slot: buffer).  Each name is
- *   created relative to dir_fd with O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK |
- *   O_CLOEXEC, mode 0644 (so an existing name of any kind, a link included, is never opened),
- *   and header + slot are written with writev, continued after a short write.
- *   value >= 0: written, value = the file size; value < 0: -errno.  A file this call created
- *   and failed to fill is unlinked; on EEXIST nothing was created and nothing is touched.
- *   page_file.write_new() is the reference (one page, from Python).
+ * write_named(shard_fds, suffix, names, keys, parents, slots) -> list of int, one per page.
+ *   The pages of a FileStorage put, each file's name, shard and header made here, not in
+ *   Python.  names[i]: a str of NAME_HEX lowercase hex digits; the file is names[i] + suffix
+ *   (bytes) in the directory shard_fds[int(names[i][:2], 16)] (a list of 256 ints: a
+ *   descriptor, or -errno for a shard that cannot be used: then that is the page's result and
+ *   nothing is touched).  The header is page_file.header_for(keys[i], parents[i]): MAGIC, the
+ *   key's length (u32, little-endian), the parent's 20-byte digest (parents[i]: None, or a
+ *   name as above) or zeros, then the key (bytes).  slots[i]: any buffer.  Each file is created
+ *   with O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, mode 0644 (so an
+ *   existing name of any kind, a link included, is never opened), and header + slot are
+ *   written with writev, continued after a short write.  value >= 0: written, value = the
+ *   file size; value < 0: -errno.  A file this call created and failed to fill is unlinked; on
+ *   EEXIST nothing was created and nothing is touched.  page_file.write_named() is the
+ *   reference.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <limits.h>
+#include <stdint.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -310,53 +318,167 @@ static void write_one(page_write *w)
     w->value = (long long)want;
 }
 
-static PyObject *write_pages(PyObject *self, PyObject *arg)
+#define NAME_HEX 40
+#define DIGEST 20
+#define HEAD_FIXED (4 + 4 + DIGEST)
+#define MAX_NAME 255
+
+static int hex_value(char c)
 {
-    (void)self;
-    if (!PyList_CheckExact(arg)) {
-        PyErr_SetString(PyExc_TypeError, "write_pages needs a list of writes");
+    if (c >= '0' && c <= '9') {
+        return c - '0';
+    }
+    if (c >= 'a' && c <= 'f') {
+        return c - 'a' + 10;
+    }
+    return -1;
+}
+
+/* the NAME_HEX lowercase hex digits of str ``obj`` (NULL: not such a str; error set) */
+static const char *hex_name(PyObject *obj, const char *what, Py_ssize_t i)
+{
+    Py_ssize_t len;
+    const char *p = PyUnicode_Check(obj) ? PyUnicode_AsUTF8AndSize(obj, &len) : NULL;
+    if (p == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_TypeError, "%s %zd must be a str", what, i);
+        }
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(arg);
+    if (len != NAME_HEX) {
+        PyErr_Format(PyExc_ValueError, "%s %zd has %zd characters, not %d", what, i, len,
+                     NAME_HEX);
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < len; k++) {
+        if (hex_value(p[k]) < 0) {
+            PyErr_Format(PyExc_ValueError, "%s %zd is not lowercase hex", what, i);
+            return NULL;
+        }
+    }
+    return p;
+}
+
+static PyObject *write_named(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *fdlist, *names, *keys, *parents, *slots;
+    const char *suffix;
+    Py_ssize_t suffix_len;
+    if (!PyArg_ParseTuple(args, "O!y#O!O!O!O!", &PyList_Type, &fdlist, &suffix, &suffix_len,
+                          &PyList_Type, &names, &PyList_Type, &keys, &PyList_Type, &parents,
+                          &PyList_Type, &slots)) {
+        return NULL;
+    }
+    if (PyList_GET_SIZE(fdlist) != 256) {
+        PyErr_SetString(PyExc_ValueError, "write_named needs 256 shard descriptors");
+        return NULL;
+    }
+    if ((Py_ssize_t)strlen(suffix) != suffix_len || NAME_HEX + suffix_len > MAX_NAME) {
+        PyErr_SetString(PyExc_ValueError, "bad suffix (a NUL byte, or too long)");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(names);
+    if (PyList_GET_SIZE(keys) != n || PyList_GET_SIZE(parents) != n ||
+        PyList_GET_SIZE(slots) != n) {
+        PyErr_SetString(PyExc_ValueError, "write_named needs one key, parent and slot a name");
+        return NULL;
+    }
+    int fds[256];
+    for (int k = 0; k < 256; k++) {
+        long v = PyLong_AsLong(PyList_GET_ITEM(fdlist, k));
+        if (v == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (v < INT_MIN || v > INT_MAX) {
+            PyErr_Format(PyExc_ValueError, "shard descriptor %d out of range", k);
+            return NULL;
+        }
+        fds[k] = (int)v;
+    }
     page_write *writes = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(page_write));
-    if (writes == NULL) {
+    /* per page: its file name (with suffix, NUL-terminated), then its header */
+    size_t name_room = (size_t)(NAME_HEX + suffix_len + 1);
+    size_t head_room = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_Check(key)) {
+            PyErr_Format(PyExc_TypeError, "key %zd must be bytes", i);
+            PyMem_Free(writes);
+            return NULL;
+        }
+        if ((size_t)PyBytes_GET_SIZE(key) > UINT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "key %zd is too long", i);
+            PyMem_Free(writes);
+            return NULL;
+        }
+        head_room += HEAD_FIXED + (size_t)PyBytes_GET_SIZE(key);
+    }
+    char *text = PyMem_Malloc(name_room * (size_t)(n > 0 ? n : 1) + head_room + 1);
+    if (writes == NULL || text == NULL) {
+        PyMem_Free(writes);
+        PyMem_Free(text);
         return PyErr_NoMemory();
     }
-    Py_ssize_t ready = 0; /* writes whose two buffers are held */
+    int *skip = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(int)); /* -errno of its shard */
+    if (skip == NULL) {
+        PyMem_Free(writes);
+        PyMem_Free(text);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t ready = 0; /* pages whose slot is held */
     PyObject *out = NULL;
+    char *heads = text + name_room * (size_t)n;
     for (; ready < n; ready++) {
-        PyObject *item = PyList_GET_ITEM(arg, ready);
-        page_write *w = &writes[ready];
-        PyObject *name;
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
-            PyErr_SetString(PyExc_TypeError, "a write is (dir_fd, name, header, slot)");
+        Py_ssize_t i = ready;
+        page_write *w = &writes[i];
+        const char *name = hex_name(PyList_GET_ITEM(names, i), "name", i);
+        if (name == NULL) {
             goto done;
         }
-        w->dir_fd = (int)PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
-        if (w->dir_fd == -1 && PyErr_Occurred()) {
+        PyObject *parent = PyList_GET_ITEM(parents, i);
+        const char *pname = NULL;
+        if (parent != Py_None && (pname = hex_name(parent, "parent", i)) == NULL) {
             goto done;
         }
-        name = PyTuple_GET_ITEM(item, 1);
-        if (!PyBytes_Check(name)) {
-            PyErr_SetString(PyExc_TypeError, "a write's name must be bytes");
+        int fd = fds[hex_value(name[0]) * 16 + hex_value(name[1])];
+        char *fname = text + name_room * (size_t)i;
+        memcpy(fname, name, NAME_HEX);
+        memcpy(fname + NAME_HEX, suffix, (size_t)suffix_len);
+        fname[NAME_HEX + suffix_len] = '\0';
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        uint32_t klen = (uint32_t)PyBytes_GET_SIZE(key);
+        unsigned char *h = (unsigned char *)heads;
+        memcpy(h, "AKV3", 4);
+        h[4] = (unsigned char)(klen & 0xff);
+        h[5] = (unsigned char)((klen >> 8) & 0xff);
+        h[6] = (unsigned char)((klen >> 16) & 0xff);
+        h[7] = (unsigned char)((klen >> 24) & 0xff);
+        for (int k = 0; k < DIGEST; k++) {
+            h[8 + k] = pname == NULL ? 0
+                                     : (unsigned char)(hex_value(pname[2 * k]) * 16 +
+                                                       hex_value(pname[2 * k + 1]));
+        }
+        memcpy(h + HEAD_FIXED, PyBytes_AS_STRING(key), klen);
+        if (PyObject_GetBuffer(PyList_GET_ITEM(slots, i), &w->slot, PyBUF_SIMPLE) < 0) {
             goto done;
         }
-        w->name = PyBytes_AS_STRING(name); /* the list keeps the bytes alive */
-        if ((Py_ssize_t)strlen(w->name) != PyBytes_GET_SIZE(name)) {
-            PyErr_SetString(PyExc_ValueError, "a write's name contains a NUL byte");
-            goto done;
-        }
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 2), &w->header, PyBUF_SIMPLE) < 0) {
-            goto done;
-        }
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 3), &w->slot, PyBUF_SIMPLE) < 0) {
-            PyBuffer_Release(&w->header);
-            goto done;
-        }
+        /* a header of our own memory, seen through a Py_buffer so write_one takes it */
+        w->header.buf = heads;
+        w->header.len = HEAD_FIXED + (Py_ssize_t)klen;
+        w->header.obj = NULL;
+        heads += HEAD_FIXED + klen;
+        w->dir_fd = fd;
+        w->name = fname;
+        skip[i] = fd < 0 ? fd : 0;
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        write_one(&writes[i]);
+        if (skip[i] < 0) {
+            writes[i].value = skip[i];
+        } else {
+            write_one(&writes[i]);
+        }
     }
     Py_END_ALLOW_THREADS
     out = PyList_New(n);
@@ -373,9 +495,10 @@ static PyObject *write_pages(PyObject *self, PyObject *arg)
     }
 done:
     for (Py_ssize_t i = 0; i < ready; i++) {
-        PyBuffer_Release(&writes[i].header);
         PyBuffer_Release(&writes[i].slot);
     }
+    PyMem_Free(skip);
+    PyMem_Free(text);
     PyMem_Free(writes);
     return out;
 }
@@ -383,7 +506,8 @@ done:
 static PyMethodDef methods[] = {
     {"read_pages", read_pages, METH_VARARGS,
      "Read page files in one batch, the GIL released (summing each as it arrives)."},
-    {"write_pages", write_pages, METH_O, "Create page files in one batch, the GIL released."},
+    {"write_named", write_named, METH_VARARGS,
+     "Create a put's page files (names, shards, headers made here), the GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

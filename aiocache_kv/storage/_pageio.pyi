@@ -3,4 +3,12 @@
 from typing import Any
 
 def read_pages(reads: list[tuple[int, bytes, Any, Any]], /) -> list[tuple[int, int]]: ...
-def write_pages(writes: list[tuple[int, bytes, Any, Any]], /) -> list[int]: ...
+def write_named(
+    shard_fds: list[int],
+    suffix: bytes,
+    names: list[str],
+    keys: list[bytes],
+    parents: list[str | None],
+    slots: list[Any],
+    /,
+) -> list[int]: ...

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from aiocache_kv.storage.base import PageBuffer
 
@@ -60,7 +60,7 @@ class BackupOp:
         self.nbytes = 0  #: the pages' bytes, trailers aside (what batches puts)
         #: the host pages its put reads: leased from its dispatch until its workers are
         #: done (queued, its nodes are storage-FILLING: nothing evicts or frees them)
-        self.pages: torch.Tensor | None = None
+        self.pages: np.ndarray | None = None
         self.deadline = 0.0  #: loop time by which its put must have answered
         #: targets dropped (``HiCache.drop``) while it ran: what it put of them is removed
         #: again once its workers are done

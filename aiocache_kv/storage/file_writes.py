@@ -2,7 +2,7 @@
 
 :class:`FileWrites` is the base of ``FileStorage`` holding what a put does: seal each group of
 pages (~4 MiB) right before its writes, create the files (in place, one group in one
-``page_file.write_group`` call, the GIL released once where ``_pageio`` is built; through a
+``page_file.write_named`` call, the GIL released once where ``_pageio`` is built; through a
 temporary file and a rename where a name is taken or ``fsync`` asks), then, under the index
 lock once per group, index the pages and evict for room (chain ends first: a page this same
 put wrote and had to evict again reports ``False``, and so do the pages after it in its
@@ -128,20 +128,20 @@ class FileWrites(FileQuotas):
     ) -> list[bool]:
         n = len(keys)
         results = [False] * n
-        names = [file_name(k) for k in keys]
         key_bytes = [k.encode("utf-8", "surrogatepass") for k in keys]
+        names = page_file.names_of(key_bytes)
         # the size of each file as this put writes it: a present page of another size is not
         # this page (torn by a crash, another slot size) and is rewritten (see _present_locked)
-        sizes = [
-            page_file.HEADER.size + len(kb) + b.nbytes
-            for kb, b in zip(key_bytes, buffers, strict=True)
-        ]
+        head = page_file.HEADER.size
+        sizes = [head + len(kb) + b.nbytes for kb, b in zip(key_bytes, buffers, strict=True)]
         first: dict[str, int] = {}  # absent name -> the index it is written from
+        writing = self._writing
         skipped = too_big = 0
+        size_of, touch = self._index.size, self._index.touch
         with self._lock:
             for i, name in enumerate(names):
-                if self._index.size(name) == sizes[i]:
-                    self._index.touch(name)
+                if size_of(name) == sizes[i]:
+                    touch(name)
                     results[i] = True
                     skipped += 1
                 elif name not in first:
@@ -159,7 +159,7 @@ class FileWrites(FileQuotas):
         nbytes = no_space = 0
         writable: bool | None = None  # what the last write said about free space
         for chunk in chunks(todo, buffers):
-            integrity.seal_many(
+            integrity.seal_checked(  # put/put_chain checked the whole batch
                 [buffers[i] for i in chunk], [keys[i] for i in chunk], [idents[i] for i in chunk]
             )
             group: list[int] = []  # created in place, in one batch
@@ -170,17 +170,19 @@ class FileWrites(FileQuotas):
                 # rare: another put writes one of these names, or an eviction unlinks one
                 while not (mine.isdisjoint(self._writing) and mine.isdisjoint(self._deleting)):
                     self._settled.wait()
+                never = self.fsync == "never"
                 for i in chunk:
                     name = names[i]
                     if parents[i] in dropped:  # unreachable: its parent went for room already
                         dropped.add(name)
-                    elif self._present_locked(name, sizes[i], replaced):  # stored meanwhile
+                    elif size_of(name) is not None and self._present_locked(
+                        name, sizes[i], replaced
+                    ):  # stored meanwhile
                         results[i] = True
                         skipped += 1
                     else:
-                        self._writing.add(name)
-                        in_place = self.fsync == "never" and name not in replaced
-                        (group if in_place else single).append(i)
+                        writing.add(name)
+                        (group if never and name not in replaced else single).append(i)
             marked = [names[i] for i in group + single]  # ours to write: unmarked below
             try:
                 done = self._write_chunk(group, single, names, key_bytes, buffers, parents)
@@ -212,8 +214,7 @@ class FileWrites(FileQuotas):
             with self._lock:  # the group enters the index under one lock hold
                 self._writing.difference_update(marked)
                 self._settled.notify_all()
-                for name, size, parent, tag in added:
-                    self._index.add(name, size, parent, tag)
+                self._index.add_many(added)
                 victims = self._pick_victims_locked()  # chain ends first: this chunk's last
             for v in victims:
                 if v in written:
@@ -304,22 +305,25 @@ class FileWrites(FileQuotas):
         parents: list[str | None],
     ) -> dict[int, int | OSError]:
         """Create pages ``group`` in place; each page's file size, or why it failed
-        (``FileExistsError``: the name is taken, nothing was touched)."""
-        out: dict[int, int | OSError] = {}
-        writes: list[tuple[int, str, bytes, PageBuffer]] = []
-        order: list[int] = []
-        for i in group:
+        (``FileExistsError``: the name is taken, nothing was touched; an unusable shard
+        fails its pages only)."""
+        fds = [-errno.EBADF] * 256
+        for shard in {names[i][:2] for i in group}:
             try:
-                dfd = self._dirs.get(names[i][:2])
-            except OSError as exc:  # an unusable shard fails its pages only
-                out[i] = exc
-                continue
-            header = page_file.header_for(key_bytes[i], parents[i])
-            writes.append((dfd, names[i] + SUFFIX, header, buffers[i]))
-            order.append(i)
-        for i, size in zip(order, page_file.write_group(writes), strict=True):
-            out[i] = size if size >= 0 else OSError(-size, os.strerror(-size), names[i])
-        return out
+                fds[int(shard, 16)] = self._dirs.get(shard)
+            except OSError as exc:
+                fds[int(shard, 16)] = -(exc.errno or errno.EIO)
+        sizes = page_file.write_named(
+            fds,
+            [names[i] for i in group],
+            [key_bytes[i] for i in group],
+            [parents[i] for i in group],
+            [buffers[i].view for i in group],
+        )
+        return {
+            i: size if size >= 0 else OSError(-size, os.strerror(-size), names[i])
+            for i, size in zip(group, sizes, strict=True)
+        }
 
     def _write_file(
         self, key_bytes: bytes, name: str, buf: PageBuffer, in_place: bool, parent: str | None

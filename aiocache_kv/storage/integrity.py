@@ -23,11 +23,9 @@ after a key collision, not when a store hands back another key's object.  A call
 no identity (direct backend use) binds the page to the BLAKE2b-256 of its key instead
 (:func:`key_identity`).  Version 1 pages (40-byte trailer, no identity) are misses.
 
-Checksum choice (measured on the project machine, 2 vCPU, 1 MiB pages, one thread):
-``zlib.crc32`` 3.6 GB/s, ``zlib.adler32`` 3.0 GB/s, blake2b 0.8 GB/s, a plain torch int64 sum
-17-25 GB/s (one read pass at memory bandwidth: the ceiling), and the block-Fletcher below
-~16 GB/s raw, 14-17 GB/s for a whole ``seal``/``verify``.  Against a 2 GB/s store crc32 would
-cost ~55% of the time; the block-Fletcher costs ~12-14% (the plain-sum ceiling ~10%).
+Checksum choice (2 vCPU, 1 MiB pages, one thread): ``zlib.crc32`` 3.6 GB/s, ``adler32`` 3.0,
+blake2b 0.8, a plain torch int64 sum 17-25 (one read pass: the ceiling), the block-Fletcher
+below ~16 raw, 14-17 for a whole ``seal``/``verify``: ~12-14% of a 2 GB/s store (crc32 ~55%).
 The checksum detects accidents; identity against forgery comes from the identity field (a
 writer with access to the store itself can write anything, and is outside this guarantee).
 
@@ -42,18 +40,14 @@ key fields), not a cryptographic MAC.
 A page that fails any check is reported as a miss by the backends (never as data), counted in
 ``StorageStats.corrupt``, and logged once per batch with :func:`log_failures`.
 
-Batches.  :func:`seal_many` / :func:`verify_many` compute the same checksums as :func:`seal` /
-:func:`verify` for a whole batch of slots with a few numpy ops instead of several torch ops per
-page (:func:`checksums`): the slots of a batch are usually rows of one host pool, equally spaced
-in one storage, so they are summed through one strided int64 view (``rows x blocks x 2048``).
-Slots that are not (other storages, a sparse set of rows) are covered by runs of equally spaced
-rows; unaligned slots fall back to the per-page :func:`checksum`.  Per page only the 72-byte
-trailer is packed/parsed in Python (~1-2 us).  Measured (one thread, 64 KiB pages): the per-page
-path ~3 GB/s (~20 us of op overhead per page), a batch of 16 pages ~11 GB/s, of 128 pages
-~17-25 GB/s.  numpy rather than torch: a batch is one heavy reduction, which releases the GIL,
-plus tiny ops that keep it; torch releases and re-takes the GIL around each of its ~10 ops, and
-a storage worker re-taking it waits behind the event loop and the other worker (measured in the
-cache path: ~560 -> ~210 us per 16-page seal).
+Batches.  :func:`seal_many` / :func:`verify_many` sum a whole batch with a few numpy ops
+(:func:`checksums`): rows of one host pool, equally spaced, through one strided int64 view
+(``rows x blocks x 2048``); other slots by runs of equally spaced rows, unaligned ones by the
+per-page :func:`checksum` (one thread, 64 KiB pages: per page ~3 GB/s, batches of 16 ~11 GB/s,
+of 128 ~17-25 GB/s).  numpy, not torch: torch lets go of the GIL around each of its ~10 ops per
+page, and a storage worker taking it back waits behind the loop and the other worker (in the
+cache path: ~560 -> ~210 us per 16-page seal).  A put checks its batch once, then seals it
+chunk by chunk with :func:`seal_checked`.
 
 C.  Where the ``_blocksum`` extension is built (``pip install -e .`` with a C compiler;
 :data:`CHECKSUM_IMPL` says), :func:`checksums` and :func:`checksum` are one C pass per page
@@ -104,6 +98,7 @@ __all__ = [
     "py_seal_many",
     "py_verify_many",
     "seal",
+    "seal_checked",
     "seal_many",
     "verify",
     "verify_many",
@@ -441,10 +436,16 @@ def seal_many(
     idents = identities_for(keys, identities)
     for b in buffers:
         payload_nbytes(b.nbytes)
+    seal_checked(buffers, keys, idents)
+
+
+def seal_checked(buffers: Sequence[PageBuffer], keys: Sequence[str], ids: Sequence[bytes]) -> None:
+    """:func:`seal_many` of a batch :func:`check_batch` passed (``ids``: identities_for's)."""
+    assert len(buffers) == len(keys) == len(ids), "seal_checked of unequal lists"
     if _EXT is not None:  # checksums and trailers in one C call, no Python per page
-        _EXT.seal([b.view for b in buffers], keys, idents, [b.presum for b in buffers])
+        _EXT.seal([b.view for b in buffers], keys, ids, [b.presum for b in buffers])
         return
-    py_seal_many(buffers, keys, idents)
+    py_seal_many(buffers, keys, ids)
 
 
 def py_seal_many(

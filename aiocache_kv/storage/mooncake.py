@@ -391,7 +391,7 @@ class MooncakeStorage(MooncakeTags):
                 # seal while the check is in flight: the cache backs up only what storage
                 # lacks, so the work is rarely wasted
                 first_chunk = chunks[0]
-                integrity.seal_many(
+                integrity.seal_checked(
                     [buffers[i] for i in first_chunk],
                     [keys[i] for i in first_chunk],
                     [idents[i] for i in first_chunk],
@@ -421,7 +421,7 @@ class MooncakeStorage(MooncakeTags):
         )
         late = [i for i in first.values() if i not in codes]  # the check saw a repeat differently
         if late:
-            integrity.seal_many(
+            integrity.seal_checked(
                 [buffers[i] for i in late], [keys[i] for i in late], [idents[i] for i in late]
             )
             codes.update(zip(late, send(late), strict=True))

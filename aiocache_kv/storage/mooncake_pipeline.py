@@ -73,7 +73,8 @@ def pipelined_put(
     sealed: int = 0,
     todo: set[int] | None = None,
 ) -> dict[int, int]:
-    """Seal every chunk (``idents[i]``: what page ``i`` was computed from) and send its
+    """Seal every chunk of a checked batch (``integrity.check_batch`` passed; ``idents[i]``,
+    from ``identities_for``: what page ``i`` was computed from) and send its
     members that are in ``todo`` (all: ``None``); the first ``sealed`` chunks are sealed
     already.  Returns index -> put code.  ``chunks`` come from :func:`put_chunks` (one when
     every page's copy took its checksum)."""
@@ -82,7 +83,7 @@ def pipelined_put(
     def seal(k: int) -> list[int]:
         chunk = chunks[k]
         if k >= sealed:
-            integrity.seal_many(
+            integrity.seal_checked(
                 [buffers[i] for i in chunk], [keys[i] for i in chunk], [idents[i] for i in chunk]
             )
         return chunk if todo is None else [i for i in chunk if i in todo]

@@ -67,17 +67,20 @@ __all__ = [
     "file_name",
     "header_for",
     "is_page_name",
+    "names_of",
     "read_chunk",
     "read_header",
     "read_into",
-    "write_group",
+    "write_named",
     "write_new",
     "write_page",
 ]
 
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
+_SUFFIX_B = SUFFIX.encode()
 _NAME_LEN = 40  # hex digits of BLAKE2b-160
+_SHARDS = 256  # directories, by a name's first two hex digits
 #: pages are sealed / verified in groups of about this many bytes, each group right before its
 #: files are written / right after they are read, so the checksum reads bytes still in cache
 CHUNK_BYTES = 4 << 20
@@ -90,6 +93,12 @@ NO_PARENT = bytes(20)
 def file_name(key: str) -> str:
     """The file name (40 hex digits, without suffix) of ``key``: BLAKE2b-160 of its UTF-8."""
     return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
+
+
+def names_of(key_bytes: Sequence[bytes]) -> list[str]:
+    """:func:`file_name` of each key, given as its UTF-8 bytes."""
+    blake2b = hashlib.blake2b
+    return [blake2b(kb, digest_size=20).hexdigest() for kb in key_bytes]
 
 
 def is_page_name(name: str) -> bool:
@@ -148,24 +157,24 @@ def read_header(dfd: int, fname: str, max_key: int) -> tuple[str | None, str | N
     return key, parent
 
 
-def write_new(dfd: int, fname: str, header: bytes, buf: PageBuffer, fsync: bool) -> int:
-    """Create ``fname`` in directory ``dfd`` holding ``header`` + the slot (one ``writev``,
+def write_new(dfd: int, fname: str, header: bytes, slot: memoryview, fsync: bool) -> int:
+    """Create ``fname`` in directory ``dfd`` holding ``header`` + ``slot`` (one ``writev``,
     continued after a short write; ``fsync`` before close if asked); return its size.
 
     Raises:
         FileExistsError: the name exists (of any kind, link included); it is left untouched.
         OSError: any other failure (e.g. ``ENOSPC``); the new file is removed first.
     """
-    total = len(header) + buf.nbytes
+    total = len(header) + slot.nbytes
     fd = os.open(fname, safe_fs.CREATE_FLAGS, 0o644, dir_fd=dfd)
     try:
         try:
-            done = os.writev(fd, [header, buf.view])
+            done = os.writev(fd, [header, slot])
             while done < total:  # short write: finish from where it stopped
                 if done < len(header):
-                    n = os.writev(fd, [header[done:], buf.view])
+                    n = os.writev(fd, [header[done:], slot])
                 else:
-                    n = os.write(fd, buf.view[done - len(header) :])
+                    n = os.write(fd, slot[done - len(header) :])
                 if not n:
                     raise OSError(errno.EIO, f"short write to {fname}")
                 done += n
@@ -179,20 +188,60 @@ def write_new(dfd: int, fname: str, header: bytes, buf: PageBuffer, fsync: bool)
     return total
 
 
-def write_group(writes: list[tuple[int, str, bytes, PageBuffer]]) -> list[int]:
-    """Create each ``(dir_fd, fname, header, slot)`` as :func:`write_new` does, without
-    fsync; one result per write: the file size, or ``-errno`` (``-EEXIST``: the name exists
-    and was left untouched; any other: nothing was left behind).  Where ``_pageio`` is built
-    the whole group is one C call with the GIL released once, else page by page."""
+def write_named(
+    shard_fds: list[int],
+    names: list[str],
+    keys: list[bytes],
+    parents: list[str | None],
+    slots: list[memoryview],
+) -> list[int]:
+    """Create the page files of a put, in place, as :func:`write_new` does without fsync;
+    one result per page: the file size, or ``-errno`` (``-EEXIST``: the name exists and was
+    left untouched; any other: nothing was left behind).  Page ``i`` is
+    ``names[i] + SUFFIX`` in the shard directory ``shard_fds[int(names[i][:2], 16)]`` (a
+    descriptor, or ``-errno`` for a shard that cannot be used: that page's result, nothing
+    touched), holding :func:`header_for` ``(keys[i], parents[i])`` and ``slots[i]``.  Where
+    ``_pageio`` is built one C call makes the names and headers too, with the GIL released
+    once for the writes.
+
+    Raises:
+        TypeError, ValueError: malformed lists (a name or parent that is not 40 lowercase hex
+            digits, a key that is not bytes, lengths that differ).
+    """
     if PAGEIO is not None:
-        return list(PAGEIO.write_pages([(d, f.encode(), h, b.view) for d, f, h, b in writes]))
+        return list(PAGEIO.write_named(shard_fds, _SUFFIX_B, names, keys, parents, slots))
+    if len(shard_fds) != _SHARDS or not len(names) == len(keys) == len(parents) == len(slots):
+        raise ValueError("write_named needs 256 shards and one key, parent and slot a name")
+    for fd in shard_fds:
+        if not isinstance(fd, int):
+            raise TypeError(f"shard descriptors are ints, got {type(fd).__name__}")
+    for i, name in enumerate(names):
+        _check_hex_name("name", i, name)
+        if parents[i] is not None:
+            _check_hex_name("parent", i, parents[i])
+        if not isinstance(keys[i], bytes):
+            raise TypeError(f"key {i} must be bytes")
+        memoryview(slots[i])  # TypeError: not a buffer
     out: list[int] = []
-    for dfd, fname, header, buf in writes:
+    for name, key, parent, slot in zip(names, keys, parents, slots, strict=True):
+        dfd = shard_fds[int(name[:2], 16)]
+        if dfd < 0:
+            out.append(dfd)
+            continue
         try:
-            out.append(write_new(dfd, fname, header, buf, False))
+            out.append(write_new(dfd, name + SUFFIX, header_for(key, parent), slot, False))
         except OSError as exc:
             out.append(-(exc.errno or errno.EIO))
     return out
+
+
+def _check_hex_name(what: str, i: int, name: object) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"{what} {i} must be a str")
+    if len(name.encode("utf-8", "surrogatepass")) != _NAME_LEN:
+        raise ValueError(f"{what} {i} has {len(name)} characters, not {_NAME_LEN}")
+    if not all(c in "0123456789abcdef" for c in name):
+        raise ValueError(f"{what} {i} is not lowercase hex")
 
 
 def write_page(
@@ -211,10 +260,10 @@ def write_page(
     sync = fsync != "never"
     if in_place:
         try:
-            return write_new(dfd, final, header, buf, sync)
+            return write_new(dfd, final, header, buf.view, sync)
         except FileExistsError:
             pass
-    total = write_new(dfd, tmp, header, buf, sync)
+    total = write_new(dfd, tmp, header, buf.view, sync)
     try:
         os.replace(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)
     except BaseException:

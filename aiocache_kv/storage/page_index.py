@@ -128,6 +128,45 @@ class PageIndex:
         if not entry.children:
             self._push_leaf(name, entry)
 
+    def add_many(self, items: list[tuple[str, int, str | None, str | None]]) -> None:
+        """:meth:`add` of each ``(name, size, parent, tag)`` in order, as one step: a page
+        that a later item of the batch depends on is never pushed as a chain end (a put of
+        a prompt's chain pushes only its last page)."""
+        pages = self._pages
+        orphans = self._orphans
+        by_tag = self._by_tag
+        tick = self._tick
+        total = self.total
+        fresh: list[_Entry] = []
+        for name, size, parent, tag in items:
+            if name in pages:
+                self.total = total
+                self.remove(name)
+                total = self.total
+            if parent == name:
+                parent = None  # a page cannot depend on itself
+            tick += 1
+            kids = orphans.pop(name, 0) if orphans else 0
+            pages[name] = entry = _Entry(size, parent, tick, kids, 0, tag, tick)
+            if tag is not None:
+                mine = by_tag.get(tag)
+                if mine is None:
+                    mine = by_tag[tag] = OrderedDict()
+                mine[name] = None
+            total += size
+            if parent is not None:
+                up = pages.get(parent)
+                if up is None:
+                    orphans[parent] = orphans.get(parent, 0) + 1
+                else:
+                    up.children += 1
+            fresh.append(entry)
+        self._tick = tick
+        self.total = total
+        for (name, *_), entry in zip(items, fresh, strict=True):
+            if not entry.children and pages.get(name) is entry:
+                self._push_leaf(name, entry)
+
     def remove(self, name: str) -> int | None:
         """Forget ``name``; its size, or ``None`` when it was not there."""
         entry = self._pages.pop(name, None)

@@ -48,12 +48,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import torch
 
 from aiocache_kv.distributed.acks import AckQueue
 from aiocache_kv.errors import KVCacheError, StorageTimeoutError
 from aiocache_kv.events import BlockRemoved
 from aiocache_kv.logs import get_logger
+from aiocache_kv.pools.allocator import as_ids
 from aiocache_kv.storage import owners
 from aiocache_kv.storage.backup_op import BackupOp, put_lists, put_parts
 from aiocache_kv.storage.base import (
@@ -221,12 +223,17 @@ class StorageTier(PrefetchingTier):
             for pool in range(self.pools):
                 if pool and components[pool - 1].name in node.invalid:
                     continue  # never store a page this node does not have
-                mine = self._keys(node.ns, hashes, pool)
+                # each page depends on the one before it (its key is made beside the node's)
+                if prev is None:
+                    mine = self._keys(node.ns, hashes, pool)
+                    parents.append(None)
+                    parents += mine[:-1]
+                else:
+                    mine = self._keys(node.ns, [prev, *hashes], pool)
+                    parents += mine[:-1]
+                    del mine[0]
                 keys += mine
                 idents += hashes
-                # each page depends on the one before it: its key is already made
-                parents.append(None if prev is None else self._keys(node.ns, [prev], pool)[0])
-                parents += mine[:-1]
                 views = buffers[pool]
                 bufs += map(views.__getitem__, rows)
                 if k:  # every view of a pool has one size: the page, then its trailer
@@ -237,8 +244,10 @@ class StorageTier(PrefetchingTier):
         self._backups[id(op)] = op
         core.coordinator.track(self.acks, op)
         self.counters.backup_started += 1
-        hosts = [n.host_pages for n in todo]
-        op.pages = hosts[0] if len(hosts) == 1 else torch.cat(hosts)  # type: ignore[arg-type]
+        # numpy, not torch: a torch call on the loop lets go of the GIL and may wait up to a
+        # switch interval (5 ms) for a storage worker to hand it back
+        hosts = [as_ids(n.host_pages) for n in todo if n.host_pages is not None]
+        op.pages = hosts[0] if len(hosts) == 1 else np.concatenate(hosts)
         op.keys, op.parents, op.bufs, op.idents = keys, parents, bufs, idents
         op.nbytes = nbytes
         op.deadline = loop.time() + core.config.storage_timeout
@@ -274,7 +283,7 @@ class StorageTier(PrefetchingTier):
             for op in group:  # putting from now on: a drop before the task runs marks it
                 self._putting[id(op)] = op
             held = [op.pages for op in group if op.pages is not None]
-            hosts = held[0] if len(held) == 1 else torch.cat(held)
+            hosts = held[0] if len(held) == 1 else np.concatenate(held)
             for op in group:
                 op.pages = None
             try:  # (_send raises only before it hands anything over: the task path runs)
@@ -302,7 +311,7 @@ class StorageTier(PrefetchingTier):
 
         return release
 
-    def _send(self, group: list[BackupOp], pages: torch.Tensor, parts: int) -> bool:
+    def _send(self, group: list[BackupOp], pages: np.ndarray, parts: int) -> bool:
         """Hand ``group``'s put to workers now in ``parts`` slices, without a task (one rank,
         in time, a slot for every slice); its verdicts land once every slice answered (one
         failing fails the group), after the next put is handed over.  ``False``: not sent.

@@ -134,12 +134,11 @@ class StorageTierBase:
     def remember_stored(self, node: Node) -> None:
         """``node``'s pages are in storage now (a backup landed, or they came from there)."""
         tree = self.core.tree
-        start = sum(len(n.key) for n in tree.path(node)) - len(node.key)
         self._stored.remember(
             node,
             tree.block_hashes(node),
             tree.parent_hash(node),
-            start // self.core.config.page_size,
+            node.start // self.core.config.page_size,
         )
 
     def remember_announced(self, node: Node) -> None:

@@ -17,9 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
-
-    from aiocache_kv.pools.allocator import PageAllocator
+    from aiocache_kv.pools.allocator import PageAllocator, PageIds
 
 __all__ = ["WorkerPages"]
 
@@ -29,7 +27,7 @@ class WorkerPages:
 
     __slots__ = ("alloc", "leased", "pages", "returned")
 
-    def __init__(self, alloc: PageAllocator, pages: torch.Tensor) -> None:
+    def __init__(self, alloc: PageAllocator, pages: PageIds) -> None:
         self.alloc = alloc
         self.pages = pages
         self.returned = False  #: the worker is done with them

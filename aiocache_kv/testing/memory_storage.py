@@ -235,7 +235,7 @@ class MemoryStorage:
                 else:
                     first[key] = i
                     todo.append(i)
-        integrity.seal_many(
+        integrity.seal_checked(
             [buffers[i] for i in todo], [keys[i] for i in todo], [idents[i] for i in todo]
         )
         written = 0

@@ -269,10 +269,11 @@ static int pin_from(PyObject *node, Py_ssize_t p, PyObject *clock, Py_ssize_t *d
 }
 
 /* A new node's slots as Node.__init__ leaves them, copied from a prototype node (prototype()):
- * every slot but key, parent, ns and children, each holding an immutable value, so nodes may
- * share it.  make_node() copies them (no Python code runs), then sets those four. */
+ * every slot but key, parent, ns, children and start, each holding an immutable value, so
+ * nodes may share it.  make_node() copies them (no Python code runs), then sets those five
+ * (start: the tokens on the path before the node, its parent's start plus its parent's key). */
 #define MAX_SLOTS 64
-static Py_ssize_t n_proto = 0, proto_off[MAX_SLOTS], off_ns = -1;
+static Py_ssize_t n_proto = 0, proto_off[MAX_SLOTS], off_ns = -1, off_start = -1;
 static PyObject *proto_val[MAX_SLOTS];
 
 static int immutable(PyObject *v)
@@ -281,7 +282,8 @@ static int immutable(PyObject *v)
            PyFrozenSet_CheckExact(v) || PyUnicode_CheckExact(v);
 }
 
-/* prototype(node): take node's slots (but key, parent, ns, children) as every new node's */
+/* prototype(node): take node's slots (but key, parent, ns, children, start) as every new
+ * node's */
 static PyObject *prototype(PyObject *self, PyObject *node)
 {
     (void)self;
@@ -289,7 +291,7 @@ static PyObject *prototype(PyObject *self, PyObject *node)
         PyErr_SetString(PyExc_TypeError, "prototype() needs a node, after bind()");
         return NULL;
     }
-    Py_ssize_t count = 0, offs[MAX_SLOTS], ns = -1;
+    Py_ssize_t count = 0, offs[MAX_SLOTS], ns = -1, start = -1;
     PyObject *vals[MAX_SLOTS];
     for (PyMemberDef *m = node_type->tp_members; m != NULL && m->name != NULL; m++) {
         if (m->type != T_OBJECT_EX || (m->flags & READONLY)) {
@@ -298,8 +300,11 @@ static PyObject *prototype(PyObject *self, PyObject *node)
         if (strcmp(m->name, "ns") == 0) {
             ns = m->offset;
         }
+        if (strcmp(m->name, "start") == 0) {
+            start = m->offset;
+        }
         if (m->offset == off_key || m->offset == off_parent || m->offset == off_children ||
-            strcmp(m->name, "ns") == 0) {
+            m->offset == ns || m->offset == start) {
             continue;
         }
         PyObject *v = SLOT(node, m->offset);
@@ -310,8 +315,8 @@ static PyObject *prototype(PyObject *self, PyObject *node)
         offs[count] = m->offset;
         vals[count++] = v;
     }
-    if (ns < 0) {
-        PyErr_SetString(PyExc_TypeError, "the node class has no ns slot");
+    if (ns < 0 || start < 0) {
+        PyErr_SetString(PyExc_TypeError, "the node class has no ns or no start slot");
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n_proto; i++) {
@@ -323,6 +328,7 @@ static PyObject *prototype(PyObject *self, PyObject *node)
     }
     n_proto = count;
     off_ns = ns;
+    off_start = start;
     Py_RETURN_NONE;
 }
 
@@ -334,12 +340,28 @@ static PyObject *make_node(PyObject *key, PyObject *parent, PyObject *ns)
         PyObject *init[3] = {key, parent, ns};
         return PyObject_Vectorcall((PyObject *)node_type, init, 3, NULL);
     }
+    PyObject *up_start = SLOT(parent, off_start), *up_key = SLOT(parent, off_key);
+    if (up_start == NULL || !PyLong_CheckExact(up_start) || up_key == NULL ||
+        !PyList_CheckExact(up_key)) {
+        PyErr_SetString(PyExc_TypeError, "a new node's parent needs an int start and a key list");
+        return NULL;
+    }
+    Py_ssize_t before = PyLong_AsSsize_t(up_start);
+    if (before == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *start = PyLong_FromSsize_t(before + PyList_GET_SIZE(up_key));
+    if (start == NULL) {
+        return NULL;
+    }
     PyObject *children = PyDict_New();
     if (children == NULL) {
+        Py_DECREF(start);
         return NULL;
     }
     PyObject *node = node_type->tp_alloc(node_type, 0);
     if (node == NULL) {
+        Py_DECREF(start);
         Py_DECREF(children);
         return NULL;
     }
@@ -350,6 +372,7 @@ static PyObject *make_node(PyObject *key, PyObject *parent, PyObject *ns)
     SLOT(node, off_parent) = Py_NewRef(parent);
     SLOT(node, off_ns) = Py_NewRef(ns);
     SLOT(node, off_children) = children;
+    SLOT(node, off_start) = start;
     return node;
 }
 

@@ -548,7 +548,7 @@ static PyMethodDef methods[] = {
      "takes, or None where the Python walk must take it."},
     {"prototype", prototype, METH_O,
      "prototype(node)\n--\n\nThe slots every new node starts with (but key, parent, ns, "
-     "children)."},
+     "children, start)."},
     {"pin_match", (PyCFunction)(void (*)(void))pin_match, METH_FASTCALL,
      "pin_match(root, page_size, tokens, n, clock)\n--\n\nThe common match, a walk over "
      "whole nodes, pinned and stamped, or None where the tree's match must run."},

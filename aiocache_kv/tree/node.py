@@ -105,12 +105,15 @@ class Node:
         "pins",
         "priority",
         "retain_until",
+        "start",
         "storage",
     )
 
     def __init__(self, key: list[int], parent: Node | None, ns: Any) -> None:
         self.key = keep(key)  # never mutated: a split gives both halves new lists
         self.parent = parent
+        #: tokens on the path before this node (a split moves the tail's start on)
+        self.start: int = 0 if parent is None else parent.start + len(parent.key)
         self.ns = ns
         self.children: dict[Any, Node] = {}
         self.device = ABSENT
@@ -171,6 +174,10 @@ def check_node(node: Node, page_size: int) -> None:
     """
     n = len(node.key) // page_size
     assert node.key and len(node.key) % page_size == 0, f"unaligned key on {node!r}"
+    parent = node.parent
+    assert parent is not None, f"check_node of a root {node!r}"
+    before = parent.start + len(parent.key)  # the tokens on its path before it
+    assert node.start == before, f"{node!r} starts at token {node.start}, not {before}"
     assert node.device is not ABSENT or node.host is not ABSENT, f"empty {node!r}"
     if node.device is not ABSENT:
         assert node.device_pages is not None and node.device_pages.size == n, (

@@ -9,10 +9,10 @@ thread raises :class:`~aiocache_kv.errors.OwnershipError` instead of corrupting 
 
 Each namespace has its own root, so namespaces never share nodes.  A node holds whole pages;
 ``match`` and ``insert`` split nodes at page boundaries.  A split keeps the *suffix* in the
-original node object and creates a new parent for the prefix, so anything that refers to the
-original node (a handle's pin, a pending transfer) keeps pointing at the same tokens' tail, and
-the split itself registers the new prefix node with the pending transfer (``on_split``; it
-runs for a storage-resident node too, whose stored pages the storage tier indexes by node).
+original node object (its ``start`` moves on) and creates a new parent for the prefix, so
+anything that refers to the original node (a handle's pin, a pending transfer) keeps pointing
+at the same tokens' tail; the split registers the new prefix node with the pending transfer
+(``on_split``; also for a storage-resident node, whose stored pages the tier indexes by node).
 
 Per node and tier the state is a :class:`TierState`.  Invariants (see ``check_invariants``):
 
@@ -450,7 +450,7 @@ class RadixTree(Evictor):
         if child.hashes is not None:
             head.hashes = keep(child.hashes[:pg])
             child.hashes = keep(child.hashes[pg:])
-        child.key = keep(child.key[at:])
+        child.key, child.start = keep(child.key[at:]), child.start + at
         parent.children[self._child_key(head.key, 0)] = head
         head.children[self._child_key(child.key, 0)] = child
         head.n_dev_children = 1 if child.device is not ABSENT else 0

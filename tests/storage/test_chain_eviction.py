@@ -102,6 +102,52 @@ def test_index_random_walk_keeps_counts_and_bound(request: pytest.FixtureRequest
         raise
 
 
+def test_add_many_is_add_one_by_one(request: pytest.FixtureRequest) -> None:
+    """A put indexes a group with ``add_many``: the same index, page for page (order,
+    sizes, parents, dependants, tags, totals), and the same victims afterwards, as adding
+    the items one by one, for hostile batches too (a name twice, a page its own parent,
+    parents later in the batch or never stored, cycles)."""
+    seed = random.randrange(1 << 30) if os.environ.get("AKV_STRESS_SEEDS") else 4321
+    rng = random.Random(seed)
+    batch, one = PageIndex(), PageIndex()
+    names = [f"p{i}" for i in range(30)]
+    try:
+        for _ in range(400):
+            op = rng.random()
+            if op < 0.5:
+                items: list[tuple[str, int, str | None, str | None]] = []
+                prev = rng.choice([None, *names])
+                for _ in range(rng.randint(0, 8)):
+                    name = rng.choice(names)
+                    parent = rng.choice([prev, prev, name, None, rng.choice(names)])
+                    items.append((name, rng.randint(1, 5), parent, rng.choice([None, "a", "b"])))
+                    prev = name
+                batch.add_many(items)
+                for item in items:
+                    one.add(*item)
+            elif op < 0.65:
+                name = rng.choice(names)
+                assert batch.remove(name) == one.remove(name)
+            elif op < 0.8:
+                run = rng.sample(names, 3)
+                batch.touch_run(run)
+                one.touch_run(run)
+            else:
+                cap = rng.randint(0, 60)
+                assert batch.pick_victims(cap) == one.pick_victims(cap)
+            batch.check()
+            assert batch.names() == one.names() and batch.total == one.total
+            for name in batch.names():
+                assert batch.size(name) == one.size(name)
+                assert batch.parent(name) == one.parent(name)
+                assert batch.children(name) == one.children(name)
+            assert [batch.tag_pages(t) for t in "ab"] == [one.tag_pages(t) for t in "ab"]
+        assert batch.pick_victims(0) == one.pick_victims(0)
+    except AssertionError:
+        print(f"add_many against add failed with seed {seed}")
+        raise
+
+
 class _EagerIndex:
     """The eviction policy spelled out slowly: a hit walks up and refreshes every stored
     ancestor at once; victims are the pages nothing stored depends on, oldest first."""

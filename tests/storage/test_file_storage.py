@@ -12,7 +12,7 @@ import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -539,7 +539,7 @@ def _fill_disk(monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
         monkeypatch.setattr(page_file, "PAGEIO", None)
     else:
         monkeypatch.setattr(
-            page_file, "write_group", lambda writes: [-errno.ENOSPC for _ in writes]
+            page_file, "write_named", lambda fds, names, *rest: [-errno.ENOSPC for _ in names]
         )
 
 
@@ -628,22 +628,22 @@ def test_a_put_that_blows_up_leaves_no_name_marked_in_flight(
     fs = FileStorage(tmp_path)
     keys = keys_for("blow", 3)
 
-    def broken(writes: object) -> list[int]:
+    def broken(*args: object) -> list[int]:
         raise RuntimeError("bug in the writer")
 
     with monkeypatch.context() as mp:
-        mp.setattr(page_file, "write_group", broken)
+        mp.setattr(page_file, "write_named", broken)
         with pytest.raises(RuntimeError, match="bug in the writer"):
             fs.put(keys, pages(3))
     assert not fs._writing and fs.exists(keys) == [False] * 3
     calls: list[int] = []
-    real = page_file.write_group
+    real = page_file.write_named
 
-    def counting(writes: list[tuple[int, str, bytes, PageBuffer]]) -> list[int]:
-        calls.append(len(writes))
-        return real(writes)
+    def counting(fds: list[int], names: list[str], *rest: Any) -> list[int]:
+        calls.append(len(names))
+        return real(fds, names, *rest)
 
-    monkeypatch.setattr(page_file, "write_group", counting)
+    monkeypatch.setattr(page_file, "write_named", counting)
     assert fs.put(keys, pages(3)) == [True] * 3
     assert calls == [3]  # all three in place, in one group
     assert sorted(stored_keys(tmp_path)) == sorted(keys)

@@ -501,7 +501,7 @@ def test_a_failure_mid_pipeline_returns_only_after_the_helper_is_done(
     # get: chunk 0 is read inline, chunk 1 on the helper; put: every chunk on the helper
     held = _HeldCall(getattr(client, call), 2 if call == "batch_get_into" else 1)
     monkeypatch.setattr(client, call, held)
-    step = "verify_many" if call == "batch_get_into" else "seal_many"
+    step = "verify_many" if call == "batch_get_into" else "seal_checked"
     real = getattr(integrity, step)
     seen = [0]
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -126,74 +128,143 @@ def test_a_shard_that_cannot_be_opened_reads_alike(
     assert len(got_c.io_errors) == 1 and "broken" in got_c.io_errors[0]
 
 
-def _write_scene(root: Path) -> tuple[list[tuple[int, str, bytes, PageBuffer]], list[int]]:
-    """Eight writes into one directory (its descriptor kept open): two new names, and a
-    regular file, a link to another file, a dangling link, a FIFO and a directory named
-    like the page, plus one into a directory removed under its descriptor."""
+def _hex(prefix: str, n: int) -> str:
+    """A page name (40 lowercase hex digits) in shard ``prefix``."""
+    return prefix + f"{n:038x}"
+
+
+_SCENE = ["a", "b", "taken", "link", "dangling", "fifo", "dir", "gone", "shut"]
+
+
+def _write_scene(
+    root: Path,
+) -> tuple[list[int], list[str], list[bytes], list[str | None], list[PageBuffer], list[int]]:
+    """Nine pages of one put: two new names (with and without a parent), and a regular
+    file, a link to another file, a dangling link, a FIFO and a directory named like the
+    page; one into a shard directory removed under its descriptor, one into a shard that
+    cannot be used (``-EACCES``).  Every other shard is the same open directory."""
     root.mkdir()
     (root / "gone").mkdir()
     dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     gone = os.open(root / "gone", os.O_RDONLY | os.O_DIRECTORY)
     os.rmdir(root / "gone")
-    (root / "taken.kv").write_bytes(b"old page")
+    names = [_hex(f"{0xA0 + i:02x}", i) for i in range(len(_SCENE))]
+    at = dict(zip(_SCENE, names, strict=True))
+    (root / (at["taken"] + SUFFIX)).write_bytes(b"old page")
     (root / "target").write_bytes(b"not a page")
-    (root / "link.kv").symlink_to(root / "target")
-    (root / "dangling.kv").symlink_to(root / "nowhere")
-    os.mkfifo(root / "fifo.kv")  # must neither block nor be written
-    (root / "dir.kv").mkdir()
-    names = ["a.kv", "b.kv", "taken.kv", "link.kv", "dangling.kv", "fifo.kv", "dir.kv", "x.kv"]
-    bufs = pages(len(names), seed=9)
-    writes = [
-        (gone if n == "x.kv" else dfd, n, f"header-{n}".encode(), b)
-        for n, b in zip(names, bufs, strict=True)
-    ]
-    return writes, [dfd, gone]
+    (root / (at["link"] + SUFFIX)).symlink_to(root / "target")
+    (root / (at["dangling"] + SUFFIX)).symlink_to(root / "nowhere")
+    os.mkfifo(root / (at["fifo"] + SUFFIX))  # must neither block nor be written
+    (root / (at["dir"] + SUFFIX)).mkdir()
+    fds = [dfd] * 256
+    fds[0xA0 + _SCENE.index("gone")] = gone
+    fds[0xA0 + _SCENE.index("shut")] = -errno.EACCES
+    keys = [f"key-{n}".encode() for n in _SCENE]
+    keys[1] = b""  # an empty key is a header of its fixed part only
+    parents: list[str | None] = [None, names[0]] + [_hex("ff", 7)] * (len(_SCENE) - 2)
+    return fds, names, keys, parents, pages(len(_SCENE), seed=9), [dfd, gone]
 
 
 @pytest.mark.parametrize("writer", ["c", "python"])
-def test_group_writes_create_only_new_names(
+def test_put_writes_create_only_new_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
 ) -> None:
-    """Both group writers (C, and the Python reference) give the same per-page results, the
-    same bytes on disk, never write through a link or into an existing name of any kind,
-    and leave nothing behind for a write that failed."""
+    """Both writers of a put's pages (C, and the Python reference) give the same per-page
+    results and the same bytes on disk (the header ``header_for`` makes, then the slot),
+    never write through a link or into an existing name of any kind, leave nothing behind
+    for a write that failed, and touch nothing for a shard that cannot be used."""
     if writer == "c":
         _pageio()
     else:
         monkeypatch.setattr(page_file, "PAGEIO", None)
     root = tmp_path / "dir"
-    writes, fds = _write_scene(root)
+    fds, names, keys, parents, bufs, opened = _write_scene(root)
     try:
-        got = page_file.write_group(writes)
+        got = page_file.write_named(fds, names, keys, parents, [b.view for b in bufs])
     finally:
-        for fd in fds:
+        for fd in opened:
             os.close(fd)
-    size = len(b"header-a.kv") + SLOT
-    assert got == [size, size] + [-errno.EEXIST] * 5 + [-errno.ENOENT]
-    for name, header, buf in [(w[1], w[2], w[3]) for w in writes[:2]]:
-        assert (root / name).read_bytes() == header + bytes(buf.view)
-    assert (root / "taken.kv").read_bytes() == b"old page"
+    heads = [page_file.header_for(k, p) for k, p in zip(keys, parents, strict=True)]
+    assert got == [len(heads[0]) + SLOT, len(heads[1]) + SLOT] + [-errno.EEXIST] * 5 + [
+        -errno.ENOENT,
+        -errno.EACCES,
+    ]
+    for i in (0, 1):
+        assert (root / (names[i] + SUFFIX)).read_bytes() == heads[i] + bytes(bufs[i].view)
+    assert heads[1][8:28] == bytes.fromhex(names[0])  # the parent's digest
+    assert (root / (names[2] + SUFFIX)).read_bytes() == b"old page"
     assert (root / "target").read_bytes() == b"not a page"
     assert not (root / "nowhere").exists()
-    assert (root / "link.kv").is_symlink() and (root / "dangling.kv").is_symlink()
-    assert (root / "dir.kv").is_dir() and not list((root / "dir.kv").iterdir())
+    assert (root / (names[6] + SUFFIX)).is_dir()
+    assert not list((root / (names[6] + SUFFIX)).iterdir())
     assert sorted(p.name for p in root.iterdir()) == sorted(
-        ["a.kv", "b.kv", "taken.kv", "target", "link.kv", "dangling.kv", "fifo.kv", "dir.kv"]
+        ["target"] + [names[i] + SUFFIX for i in range(7)]
     )
 
 
-def test_write_pages_refuses_malformed_batches(tmp_path: Path) -> None:
-    pageio = _pageio()
-    slot = bytearray(8)
-    with pytest.raises(TypeError):
-        pageio.write_pages((1, b"x", b"h", slot))  # type: ignore[attr-defined]
-    with pytest.raises(TypeError):
-        pageio.write_pages([(1, "x", b"h", slot)])  # type: ignore[attr-defined]
-    with pytest.raises(ValueError):  # a NUL would cut the name short
-        pageio.write_pages([(1, b"a\0b", b"h", slot)])  # type: ignore[attr-defined]
-    with pytest.raises(TypeError):
-        pageio.write_pages([(1, b"x", "h", slot)])  # type: ignore[attr-defined]
-    assert pageio.write_pages([]) == []  # type: ignore[attr-defined]
-    # a bad descriptor fails that write, not the batch
-    assert pageio.write_pages([(-1, b"x", b"h", slot)]) == [-errno.EBADF]  # type: ignore[attr-defined]
+_BAD_WRITES: list[tuple[str, type[Exception]]] = [
+    ("255 shards", ValueError),
+    ("a shard that is not an int", TypeError),
+    ("a name that is not a str", TypeError),
+    ("a name of bytes", TypeError),
+    ("a short name", ValueError),
+    ("an uppercase name", ValueError),
+    ("a name that is not hex", ValueError),
+    ("a non-ASCII name", ValueError),
+    ("a lone surrogate", ValueError),
+    ("a parent that is not hex", ValueError),
+    ("a parent of bytes", TypeError),
+    ("a key that is a str", TypeError),
+    ("a key that is a bytearray", TypeError),
+    ("a slot that is not a buffer", TypeError),
+    ("lists of other lengths", ValueError),
+]
+
+
+def _bad_write(case: str) -> tuple[list[Any], list[Any], list[Any], list[Any], list[Any]]:
+    """A put's lists, two pages, with one hostile item (``case``)."""
+    fds: list[Any] = [-errno.EBADF] * 256
+    names: list[Any] = [_hex("00", 1), _hex("01", 2)]
+    keys: list[Any] = [b"k0", b"k1"]
+    parents: list[Any] = [None, names[0]]
+    slots: list[Any] = [bytearray(8), bytearray(8)]
+    bad: dict[str, Callable[[], None]] = {
+        "255 shards": lambda: fds.pop(),
+        "a shard that is not an int": lambda: fds.__setitem__(7, "3"),
+        "a name that is not a str": lambda: names.__setitem__(1, 12),
+        "a name of bytes": lambda: names.__setitem__(1, _hex("01", 2).encode()),
+        "a short name": lambda: names.__setitem__(1, "0" * 39),
+        "an uppercase name": lambda: names.__setitem__(1, "A" * 40),
+        "a name that is not hex": lambda: names.__setitem__(1, "g" * 40),
+        "a non-ASCII name": lambda: names.__setitem__(1, "\u00e9" * 20),
+        "a lone surrogate": lambda: names.__setitem__(1, "\ud800" + "0" * 39),
+        "a parent that is not hex": lambda: parents.__setitem__(1, "x" * 40),
+        "a parent of bytes": lambda: parents.__setitem__(1, b"0" * 40),
+        "a key that is a str": lambda: keys.__setitem__(1, "k1"),
+        "a key that is a bytearray": lambda: keys.__setitem__(1, bytearray(b"k1")),
+        "a slot that is not a buffer": lambda: slots.__setitem__(1, 3),
+        "lists of other lengths": lambda: keys.pop(),
+    }
+    bad[case]()
+    return fds, names, keys, parents, slots
+
+
+@pytest.mark.parametrize(("case", "error"), _BAD_WRITES)
+@pytest.mark.parametrize("writer", ["c", "python"])
+def test_put_writes_refuse_malformed_lists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str, case: str, error: type
+) -> None:
+    """C and the Python reference refuse the same hostile lists with the same error, before
+    anything is written (every shard here is a bad descriptor, so a write that happened
+    would report ``-EBADF`` instead of raising)."""
+    if writer == "c":
+        _pageio()
+    else:
+        monkeypatch.setattr(page_file, "PAGEIO", None)
+    with pytest.raises(error):
+        page_file.write_named(*_bad_write(case))
+    assert page_file.write_named([-errno.EBADF] * 256, [], [], [], []) == []
+    fds, names, keys, parents, slots = _bad_write("255 shards")
+    fds.append(-errno.EBADF)  # mended: a bad descriptor fails its pages, not the batch
+    assert page_file.write_named(fds, names, keys, parents, slots) == [-errno.EBADF] * 2
     assert not list(tmp_path.iterdir())

@@ -161,3 +161,32 @@ async def test_a_fetched_node_partly_claimed_announces_only_the_rest() -> None:
         view.apply(events)
         assert view.held == {h1, h2, h3} == claimed(cache)
         cache.check_invariants()
+
+
+async def test_a_claim_records_where_its_pages_sit_in_their_sequence() -> None:
+    """Each remembered run of stored pages records how many pages precede it in its
+    sequence (what orders a snapshot's claims): a node's own offset, and for the head a
+    later split makes, the head's; the tree keeps each node's offset (``Node.start``)
+    instead of summing its path on every landed backup."""
+    engine = ManualCopyEngine()
+    toks = list(range(1, 13))  # 6 pages of 2
+    async with akv.HiCache(small_config(storage=MemoryStorage()), copy_engine=engine) as cache:
+        handles = []
+        for end in (4, 8, 12):  # a chain of three nodes, backed up one by one
+            handles.append(cache.insert(toks[:end], cache.alloc(end)))
+            engine.complete_all()
+            await asyncio.wait_for(cache.flush(), 10)
+        hashes = akv.page_hashes(toks, page_size=2, model=cache.config.namespace)
+        l3 = cache._l3
+        assert l3 is not None
+        starts = {run.hashes[0]: run.start for run, _ in l3.storage_claims()}
+        assert starts == {hashes[0]: 0, hashes[2]: 2, hashes[4]: 4}
+        cache.release(handles.pop())
+        # a match ending inside the last node splits it: the head is remembered on its own
+        split = cache.insert(toks[:10], cache.alloc(10))
+        runs = [(run.hashes, run.start) for run, _ in l3.storage_claims()]
+        assert ([hashes[4]], 4) in runs  # the head: one page, four before it
+        cache.release(split)
+        for h in handles:
+            cache.release(h)
+        cache.check_invariants()
