@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
+import torch
 
 from aiocache_kv.storage.base import PageBuffer
 
@@ -58,9 +58,9 @@ class BackupOp:
         self.idents: list[bytes] = []
         self.bufs: list[PageBuffer] = []
         self.nbytes = 0  #: the pages' bytes, trailers aside (what batches puts)
-        #: the host pages its put reads: leased from its dispatch until its workers are
-        #: done (queued, its nodes are storage-FILLING: nothing evicts or frees them)
-        self.pages: np.ndarray | None = None
+        #: the host pages its put reads, per node: storage-FILLING nodes' (nothing evicts or
+        #: frees them while it runs), leased only if the loop stops waiting for its workers
+        self.pages: list[torch.Tensor] = []
         self.deadline = 0.0  #: loop time by which its put must have answered
         #: targets dropped (``HiCache.drop``) while it ran: what it put of them is removed
         #: again once its workers are done

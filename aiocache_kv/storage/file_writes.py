@@ -26,7 +26,7 @@ from aiocache_kv.errors import InvalidInputError
 from aiocache_kv.logs import get_logger
 from aiocache_kv.storage import integrity, page_file, safe_fs
 from aiocache_kv.storage.base import PageBuffer, StatsCounter
-from aiocache_kv.storage.file_quota import FileQuotas, tag_of_key
+from aiocache_kv.storage.file_quota import FileQuotas
 from aiocache_kv.storage.keys import check_keys
 from aiocache_kv.storage.page_file import SUFFIX, TMP_SUFFIX, chunks, file_name
 from aiocache_kv.storage.page_index import PageIndex
@@ -89,7 +89,7 @@ class FileWrites(FileQuotas):
         integrity.check_batch(keys, buffers)
         idents = integrity.identities_for(keys, identities)
         with self._in_use():
-            return self._put(keys, buffers, [None] * len(keys), idents)
+            return self._put(keys, buffers, None, idents)
 
     def put_chain(
         self,
@@ -115,44 +115,49 @@ class FileWrites(FileQuotas):
         check_keys([p for p in parents if p is not None])
         idents = integrity.identities_for(keys, identities)
         with self._in_use():
-            return self._put(
-                keys, buffers, [None if p is None else file_name(p) for p in parents], idents
-            )
+            return self._put(keys, buffers, parents, idents)
 
     def _put(
         self,
         keys: Sequence[str],
         buffers: Sequence[PageBuffer],
-        parents: list[str | None],
+        parent_keys: Sequence[str | None] | None,
         idents: list[bytes],
     ) -> list[bool]:
         n = len(keys)
         results = [False] * n
         key_bytes = [k.encode("utf-8", "surrogatepass") for k in keys]
         names = page_file.names_of(key_bytes)
+        parents: list[str | None]  # the name of the page each depends on
+        if parent_keys is None:
+            parents = [None] * n
+        else:  # a chain's parents are mostly its own keys: their names are made already
+            made = dict(zip(keys, names, strict=True))
+            parents = [None if p is None else made.get(p) or file_name(p) for p in parent_keys]
         # the size of each file as this put writes it: a present page of another size is not
         # this page (torn by a crash, another slot size) and is rewritten (see _present_locked)
         head = page_file.HEADER.size
         sizes = [head + len(kb) + b.nbytes for kb, b in zip(key_bytes, buffers, strict=True)]
-        first: dict[str, int] = {}  # absent name -> the index it is written from
         writing = self._writing
-        skipped = too_big = 0
-        size_of, touch = self._index.size, self._index.touch
+        size_of = self._index.size
         with self._lock:
-            for i, name in enumerate(names):
-                if size_of(name) == sizes[i]:
-                    touch(name)
-                    results[i] = True
-                    skipped += 1
-                elif name not in first:
-                    first[name] = i
-        todo: list[int] = []
-        for i in first.values():
-            size = sizes[i]
-            if self.capacity_bytes is not None and size > self.capacity_bytes:
-                too_big += 1
-            else:
-                todo.append(i)
+            present = self._index.present(names, sizes)  # (touched: a put of one is a use)
+        for i in present:
+            results[i] = True
+        skipped = len(present)
+        first: dict[str, int]  # absent name -> the index it is written from
+        if skipped:
+            absent = [i for i, there in enumerate(results) if not there]
+            back = absent[::-1]
+            first = dict(zip([names[i] for i in back], back, strict=True))
+        else:  # (in C: the last write of a name wins, so walking backwards keeps the first)
+            first = dict(zip(reversed(names), range(n - 1, -1, -1), strict=True))
+        todo = list(range(n)) if len(first) == n else sorted(first.values())
+        too_big = 0
+        cap = self.capacity_bytes
+        if cap is not None and todo and max(sizes) > cap:
+            fit = [i for i in todo if sizes[i] <= cap]
+            too_big, todo = len(todo) - len(fit), fit
         errors: list[tuple[str, str]] = []
         written: dict[str, int] = {}  # name -> index, written by this call
         dropped: set[str] = set()  # written by this call and evicted again
@@ -192,9 +197,10 @@ class FileWrites(FileQuotas):
                     self._writing.difference_update(marked)
                     self._settled.notify_all()
                 raise
-            self._unlink_unindexed(
-                {names[i] for i in chunk if isinstance(done.get(i), OSError)} & replaced
-            )
+            if replaced:
+                self._unlink_unindexed(
+                    {names[i] for i in chunk if isinstance(done.get(i), OSError)} & replaced
+                )
             added: list[tuple[str, int, str | None, str | None]] = []
             for i in chunk:
                 got = done.get(i)
@@ -207,7 +213,8 @@ class FileWrites(FileQuotas):
                         writable = False
                     continue
                 writable = True
-                added.append((names[i], got, parents[i], tag_of_key(keys[i])))
+                # (tag_of_key inline: the namespace tag is what comes before the first "/")
+                added.append((names[i], got, parents[i], keys[i].partition("/")[0]))
                 written[names[i]] = i
                 nbytes += buffers[i].nbytes
                 results[i] = True
@@ -221,12 +228,13 @@ class FileWrites(FileQuotas):
                     results[written[v]] = False
                     dropped.add(v)
             self._unlink_victims(victims, report=[v for v in victims if v not in written])
-        ok = sum(results[i] for i in written.values())
-        for i, name in enumerate(names):  # duplicates ride along with their first occurrence
-            j = first.get(name, i)
-            if j != i and results[j]:
-                results[i] = True
-                skipped += 1
+        ok = len(written) - len(dropped.intersection(written))
+        if skipped + len(first) < n:  # duplicates ride along with their first occurrence
+            for i, name in enumerate(names):
+                j = first.get(name, i)
+                if j != i and results[j] and not results[i]:
+                    results[i] = True
+                    skipped += 1
         self._stats.add(
             puts=n,
             put_ok=ok,
@@ -307,12 +315,14 @@ class FileWrites(FileQuotas):
         """Create pages ``group`` in place; each page's file size, or why it failed
         (``FileExistsError``: the name is taken, nothing was touched; an unusable shard
         fails its pages only)."""
-        fds = [-errno.EBADF] * 256
-        for shard in {names[i][:2] for i in group}:
-            try:
-                fds[int(shard, 16)] = self._dirs.get(shard)
-            except OSError as exc:
-                fds[int(shard, 16)] = -(exc.errno or errno.EIO)
+        fds = self._dirs.table()  # (once every shard is open: no step per page here)
+        if fds is None:
+            fds = [-errno.EBADF] * 256
+            for shard in {names[i][:2] for i in group}:
+                try:
+                    fds[int(shard, 16)] = self._dirs.get(shard)
+                except OSError as exc:
+                    fds[int(shard, 16)] = -(exc.errno or errno.EIO)
         sizes = page_file.write_named(
             fds,
             [names[i] for i in group],

@@ -81,6 +81,19 @@ class PageIndex:
         entry = self._pages.get(name)
         return None if entry is None else entry.size
 
+    def present(self, names: list[str], sizes: list[int]) -> list[int]:
+        """The indices ``i`` whose ``names[i]`` is stored with size ``sizes[i]``, in order;
+        each of those pages is touched (:meth:`touch`: a put of a present page is a use)."""
+        pages = self._pages
+        hit = [
+            i
+            for i, (name, size) in enumerate(zip(names, sizes, strict=True))
+            if (entry := pages.get(name)) is not None and entry.size == size
+        ]
+        for i in hit:
+            self.touch(names[i])
+        return hit
+
     def generation(self, name: str) -> int | None:
         """Which :meth:`add` recorded ``name`` (``None``: not stored): a number no other entry
         of this index had or will have, so a caller that saw one entry before working outside

@@ -458,7 +458,7 @@ class PrefetchingTier(StorageTierBase):
                 # every component of page j is bound to the page's own chain hash
                 batches.append((keys, bufs, ids))
             # a late read must never land in a reused page: leased if the wait ends first
-            hold = WorkerPages(alloc, torch.from_numpy(reserved[index]))
+            hold = WorkerPages(alloc, [reserved[index]])
             job.holds.append(hold)
             remaining = max(job.deadline - time.monotonic(), 0.001)
             reports.append(BatchReports(functools.partial(report_batch, landed, mine)))

@@ -108,6 +108,8 @@ class ShardDirs:
         self._lock = threading.Lock()
         self.root_fd: int | None = None
         self._fds: dict[str, int] = {}
+        #: the descriptors of shards ``00``-``ff`` by number (``-EBADF``: not open yet)
+        self._table = [-errno.EBADF] * 256
 
     def open_root(self) -> None:
         """Create the root (and parents) and open it; its parents may be links, it may not.
@@ -180,7 +182,15 @@ class ShardDirs:
             if fd is None:
                 fd = os.open(name, DIR_FLAGS, dir_fd=root_fd)
                 self._fds[name] = fd
+                if len(name) == 2 and all(c in "0123456789abcdef" for c in name):
+                    self._table[int(name, 16)] = fd
             return fd
+
+    def table(self) -> list[int] | None:
+        """The descriptors of shards ``00``-``ff`` by number, once every one is open (the
+        same list each time: the caller must not change it), else ``None``."""
+        table = self._table
+        return table if len(self._fds) >= 256 and min(table) >= 0 else None
 
     def scan(self, shards: Iterable[str], want: Callable[[str], bool], stale_suffix: str) -> Scan:
         """List the shards without following links: regular files whose name ``want`` accepts,
@@ -272,6 +282,7 @@ class ShardDirs:
         with self._lock:
             fds = list(self._fds.values())
             self._fds.clear()
+            self._table = [-errno.EBADF] * 256
             if self.root_fd is not None:
                 fds.append(self.root_fd)
                 self.root_fd = None

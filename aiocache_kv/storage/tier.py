@@ -45,17 +45,16 @@ import contextvars
 import functools
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
 import torch
 
 from aiocache_kv.distributed.acks import AckQueue
 from aiocache_kv.errors import KVCacheError, StorageTimeoutError
 from aiocache_kv.events import BlockRemoved
 from aiocache_kv.logs import get_logger
-from aiocache_kv.pools.allocator import as_ids
+from aiocache_kv.pools.allocator import PageIds
 from aiocache_kv.storage import owners
 from aiocache_kv.storage.backup_op import BackupOp, put_lists, put_parts
 from aiocache_kv.storage.base import (
@@ -72,7 +71,7 @@ from aiocache_kv.storage.prefetch import (
     PrefetchStatus,
     prefetch_timeout,
 )
-from aiocache_kv.storage.worker_pages import WorkerPages
+from aiocache_kv.storage.worker_pages import WorkerPages, joined
 from aiocache_kv.tracing import SpanLike, span
 from aiocache_kv.tree.node import ABSENT, RESIDENT, Node, Tier, continues
 
@@ -244,10 +243,7 @@ class StorageTier(PrefetchingTier):
         self._backups[id(op)] = op
         core.coordinator.track(self.acks, op)
         self.counters.backup_started += 1
-        # numpy, not torch: a torch call on the loop lets go of the GIL and may wait up to a
-        # switch interval (5 ms) for a storage worker to hand it back
-        hosts = [as_ids(n.host_pages) for n in todo if n.host_pages is not None]
-        op.pages = hosts[0] if len(hosts) == 1 else np.concatenate(hosts)
+        op.pages = [n.host_pages for n in todo if n.host_pages is not None]
         op.keys, op.parents, op.bufs, op.idents = keys, parents, bufs, idents
         op.nbytes = nbytes
         op.deadline = loop.time() + core.config.storage_timeout
@@ -282,18 +278,18 @@ class StorageTier(PrefetchingTier):
             self._sending += parts
             for op in group:  # putting from now on: a drop before the task runs marks it
                 self._putting[id(op)] = op
-            held = [op.pages for op in group if op.pages is not None]
-            hosts = held[0] if len(held) == 1 else np.concatenate(held)
+            held = [p for op in group for p in op.pages]  # (joined only where leased)
             for op in group:
-                op.pages = None
+                op.pages = []
             try:  # (_send raises only before it hands anything over: the task path runs)
-                sent = not self.core.coordinator.deferred and self._send(group, hosts, parts)
+                sent = not self.core.coordinator.deferred and self._send(group, held, parts)
             except Exception:  # a broken hand-over must not orphan the group: flush waits on it
                 log.exception("backup_send_failed", nodes=len(group))
                 sent = False
             if not sent:  # one lease for the group's pages until its workers are done
                 alloc = self.core.host_alloc
                 assert alloc is not None
+                hosts = joined(held)
                 alloc.lease(hosts)
                 unlease = functools.partial(alloc.unlease, hosts)
                 loop.create_task(self._run_backup(group, parts, unlease))
@@ -311,7 +307,7 @@ class StorageTier(PrefetchingTier):
 
         return release
 
-    def _send(self, group: list[BackupOp], pages: np.ndarray, parts: int) -> bool:
+    def _send(self, group: list[BackupOp], pages: Sequence[PageIds], parts: int) -> bool:
         """Hand ``group``'s put to workers now in ``parts`` slices, without a task (one rank,
         in time, a slot for every slice); its verdicts land once every slice answered (one
         failing fails the group), after the next put is handed over.  ``False``: not sent.

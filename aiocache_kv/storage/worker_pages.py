@@ -14,22 +14,29 @@ copies).  Loop thread only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
+
+from aiocache_kv.pools.allocator import as_ids
 
 if TYPE_CHECKING:
     from aiocache_kv.pools.allocator import PageAllocator, PageIds
 
-__all__ = ["WorkerPages"]
+__all__ = ["WorkerPages", "joined"]
 
 
 class WorkerPages:
-    """The host ``pages`` of ``alloc`` one worker call uses (see the module docstring)."""
+    """The host pages of ``alloc`` one worker call uses, given in ``parts`` (one per node of
+    a backup group; see the module docstring): joined into one id array only when leased."""
 
-    __slots__ = ("alloc", "leased", "pages", "returned")
+    __slots__ = ("alloc", "leased", "pages", "parts", "returned")
 
-    def __init__(self, alloc: PageAllocator, pages: PageIds) -> None:
+    def __init__(self, alloc: PageAllocator, parts: Sequence[PageIds]) -> None:
         self.alloc = alloc
-        self.pages = pages
+        self.parts = parts
+        self.pages: np.ndarray | None = None  #: what :meth:`keep` leased
         self.returned = False  #: the worker is done with them
         self.leased = False  #: :meth:`keep` leased them
 
@@ -37,6 +44,7 @@ class WorkerPages:
         """The loop stops waiting for the worker: if it has not returned, its pages are
         leased until it does (whatever is freed meanwhile waits in quarantine)."""
         if not self.returned and not self.leased:
+            self.pages = joined(self.parts)
             self.alloc.lease(self.pages)
             self.leased = True
 
@@ -45,4 +53,13 @@ class WorkerPages:
         self.returned = True
         if self.leased:
             self.leased = False
+            assert self.pages is not None, "leased without pages"
             self.alloc.unlease(self.pages)
+
+
+def joined(parts: Sequence[PageIds]) -> np.ndarray:
+    """The int64 page ids of ``parts`` (tensors or arrays) in one array, in order (numpy:
+    ``torch.cat`` lets go of the GIL, and taking it back from a storage worker may wait a
+    switch interval)."""
+    ids = [as_ids(p) for p in parts]
+    return ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.empty(0, np.int64)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from aiocache_kv.errors import ConfigError, StorageKeyError, StorageUnavailableError
-from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, PageBuffer, page_file
+from aiocache_kv.storage import FRAME_OVERHEAD, FileStorage, PageBuffer, page_file, safe_fs
 from aiocache_kv.storage.keys import parse_storage_key, storage_key
 from aiocache_kv.testing import capture_logs
 
@@ -724,3 +724,62 @@ def stored_keys_lenient(root: Path) -> list[str]:
         with contextlib.suppress(UnicodeDecodeError):
             out.append(data[28 : 28 + n].decode("utf-8"))
     return out
+
+
+def test_a_put_counts_each_page_once_whatever_repeats_and_sizes_it_holds(tmp_path: Path) -> None:
+    """A key twice in one put, stored at the first one's size: the first is skipped, the
+    second (another slot size: not that page) rewritten, each counted once; repeats of an
+    absent key ride along with their first occurrence; a put of only present pages writes
+    nothing.  (The count of a present page whose key repeated at another size was taken
+    twice: failed pages came out negative.)"""
+    fs = FileStorage(tmp_path)
+    (k,) = keys_for("dup", 1)
+    a, b = keys_for("dup", 2, start=1)
+    assert fs.put([k], pages(1)) == [True]
+    wide = pages(1, slot=2 * SLOT)
+    got = fs.put([k, k, a, a, b], [pages(1)[0], wide[0], *pages(3, seed=2)])
+    assert got == [True] * 5
+    st = fs.statistics()
+    assert (st.puts, st.put_ok, st.put_skipped, st.put_failed) == (6, 4, 2, 0)
+    assert fs.put([a, b, a], pages(3, seed=2)) == [True] * 3
+    st = fs.statistics()
+    assert (st.puts, st.put_ok, st.put_skipped, st.put_failed) == (9, 4, 5, 0)
+    assert sorted(stored_keys(tmp_path)) == sorted([k, a, b])
+
+
+def test_puts_use_the_shard_table_once_every_shard_is_open(tmp_path: Path) -> None:
+    """Once all 256 shard directories are open a put takes their descriptors from one table
+    (no lookup a page); each page still lands in its own shard.  A close drops the table
+    with the descriptors (numbers the system may hand to other files next)."""
+    fs = FileStorage(tmp_path / "kv")
+    by_shard: dict[str, list[str]] = {}
+    i = 0
+    while len(by_shard) < 256 or min(len(v) for v in by_shard.values()) < 2:
+        key = f"k{i}"
+        by_shard.setdefault(fs.path_of(key).parent.name, []).append(key)
+        i += 1
+    rounds = [[keys[r] for keys in by_shard.values()] for r in range(2)]
+    assert fs.put(rounds[0], pages(256)) == [True] * 256  # every shard opened
+    assert fs.put(rounds[1], pages(256, seed=1)) == [True] * 256  # through the table
+    for r, keys in enumerate(rounds):
+        assert all(fs.path_of(k).is_file() for k in keys)
+        got = empty(256)
+        assert fs.get_into(keys, got) == [True] * 256
+        want = [bytes(b.view)[:-FRAME_OVERHEAD] for b in pages(256, seed=r)]
+        assert [bytes(b.view)[:-FRAME_OVERHEAD] for b in got] == want
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv"]
+    dirs = safe_fs.ShardDirs(str(tmp_path / "kv"))
+    dirs.open_root()
+    names = [f"{n:02x}" for n in range(256)]
+    for name in names[:-1]:
+        dirs.get(name)
+    assert dirs.table() is None  # one shard not open yet
+    last = dirs.get(names[-1])
+    table = dirs.table()
+    assert table is not None and table[255] == last and len(set(table)) == 256
+    dirs.close()
+    assert dirs.table() is None
+    dirs.open_root()
+    dirs.get("00")
+    assert dirs.table() is None  # the old numbers are gone with the close
+    dirs.close()
