@@ -90,9 +90,14 @@ class Admissions:
     def on_arrival(self, req: Request) -> None:
         """Start the prompt's storage read now (only with a storage tier)."""
         if self.cache.config.storage is not None:
-            req.reading = self._arrivals[req.id] = self._spawn(
+            task = self._spawn(
                 self._prefetch_on_arrival(req), f"aiocache_kv.engine.prefetch-{req.id}"
             )
+            req.reading = self._arrivals[req.id] = task
+            # (also for a read cancelled before its first step, whose finally never runs: a
+            # stale entry said pins were held for good, so a running batch short of rows
+            # waited for them forever instead of preempting)
+            task.add_done_callback(functools.partial(self._arrived, req))
 
     async def _prefetch_on_arrival(self, req: Request) -> None:
         try:
@@ -102,9 +107,16 @@ class Admissions:
                 )
                 req.prefetch += res.hit_tokens
         finally:
-            self._arrivals.pop(req.id, None)
-            req.reading = None
-            self.queues.wake.set()  # what it committed may unblock a request waiting for it
+            self._arrived(req)
+
+    def _arrived(self, req: Request, task: object = None) -> None:
+        """``req``'s read on arrival ended (from its ``finally``, or from its done callback:
+        ``task``, then only if it is still the request's read)."""
+        if task is not None and self._arrivals.get(req.id) is not task:
+            return
+        self._arrivals.pop(req.id, None)
+        req.reading = None
+        self.queues.wake.set()  # what it committed may unblock a request waiting for it
 
     async def _read(self, req: Request, toks: list[int]) -> PrefetchResult | None:
         """``req``'s storage read, in a task of its own so that :meth:`cancel_reads` can end

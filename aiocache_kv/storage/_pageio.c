@@ -22,6 +22,13 @@
  * (_fletcher.h).  Each result is then (status, value, S1, S2, bytes summed): bytes summed is the
  * payload's length where the read filled the slot, else 0 (the caller then has no sum).
  *
+ * read_named(shard_fds, suffix, names, keys, slots) -> list of (status, value, S1, S2, bytes
+ * summed), one per page: read_pages(reads, True) of the pages of a FileStorage get, each
+ * file's name and shard as write_named below makes them and its header read into memory of
+ * its own and judged here (page_file.judge: status 4 bad length, 5 bad magic, 6 another key;
+ * 0 only for a page read in full with the right header, summed).  A shard descriptor < 0 is
+ * status 3 with value = -descriptor.  page_file.read_chunk() page by page is the reference.
+ *
  * write_named(shard_fds, suffix, names, keys, parents, slots) -> list of int, one per page.
  *   The pages of a FileStorage put, each file's name, shard and header made here, not in
  *   Python.  names[i]: a str of NAME_HEX lowercase hex digits; the file is names[i] + suffix
@@ -359,6 +366,64 @@ static const char *hex_name(PyObject *obj, const char *what, Py_ssize_t i)
     return p;
 }
 
+/* the 256 shard descriptors of list ``fdlist`` into ``fds``; -1 with an exception set */
+static int shard_table(PyObject *fdlist, int *fds)
+{
+    if (PyList_GET_SIZE(fdlist) != 256) {
+        PyErr_SetString(PyExc_ValueError, "256 shard descriptors are needed");
+        return -1;
+    }
+    for (int k = 0; k < 256; k++) {
+        long v = PyLong_AsLong(PyList_GET_ITEM(fdlist, k));
+        if (v == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (v < INT_MIN || v > INT_MAX) {
+            PyErr_Format(PyExc_ValueError, "shard descriptor %d out of range", k);
+            return -1;
+        }
+        fds[k] = (int)v;
+    }
+    return 0;
+}
+
+static int check_suffix(const char *suffix, Py_ssize_t suffix_len)
+{
+    if ((Py_ssize_t)strlen(suffix) != suffix_len || NAME_HEX + suffix_len > MAX_NAME) {
+        PyErr_SetString(PyExc_ValueError, "bad suffix (a NUL byte, or too long)");
+        return -1;
+    }
+    return 0;
+}
+
+/* the bytes the headers of ``keys`` (n bytes objects) take, into *room; -1 with an
+ * exception set when a key is not bytes or is too long */
+static int key_room(PyObject *keys, Py_ssize_t n, size_t *room)
+{
+    *room = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_Check(key)) {
+            PyErr_Format(PyExc_TypeError, "key %zd must be bytes", i);
+            return -1;
+        }
+        if ((size_t)PyBytes_GET_SIZE(key) > UINT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "key %zd is too long", i);
+            return -1;
+        }
+        *room += HEAD_FIXED + (size_t)PyBytes_GET_SIZE(key);
+    }
+    return 0;
+}
+
+/* ``name`` (NAME_HEX digits) + ``suffix``, NUL-terminated, into ``dst`` */
+static void file_name_of(char *dst, const char *name, const char *suffix, Py_ssize_t suffix_len)
+{
+    memcpy(dst, name, NAME_HEX);
+    memcpy(dst + NAME_HEX, suffix, (size_t)suffix_len);
+    dst[NAME_HEX + suffix_len] = '\0';
+}
+
 static PyObject *write_named(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -370,12 +435,8 @@ static PyObject *write_named(PyObject *self, PyObject *args)
                           &PyList_Type, &slots)) {
         return NULL;
     }
-    if (PyList_GET_SIZE(fdlist) != 256) {
-        PyErr_SetString(PyExc_ValueError, "write_named needs 256 shard descriptors");
-        return NULL;
-    }
-    if ((Py_ssize_t)strlen(suffix) != suffix_len || NAME_HEX + suffix_len > MAX_NAME) {
-        PyErr_SetString(PyExc_ValueError, "bad suffix (a NUL byte, or too long)");
+    int fds[256];
+    if (shard_table(fdlist, fds) < 0 || check_suffix(suffix, suffix_len) < 0) {
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(names);
@@ -384,44 +445,14 @@ static PyObject *write_named(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "write_named needs one key, parent and slot a name");
         return NULL;
     }
-    int fds[256];
-    for (int k = 0; k < 256; k++) {
-        long v = PyLong_AsLong(PyList_GET_ITEM(fdlist, k));
-        if (v == -1 && PyErr_Occurred()) {
-            return NULL;
-        }
-        if (v < INT_MIN || v > INT_MAX) {
-            PyErr_Format(PyExc_ValueError, "shard descriptor %d out of range", k);
-            return NULL;
-        }
-        fds[k] = (int)v;
+    /* per page: its file name (with suffix, NUL-terminated), then its header */
+    size_t name_room = (size_t)(NAME_HEX + suffix_len + 1), head_room;
+    if (key_room(keys, n, &head_room) < 0) {
+        return NULL;
     }
     page_write *writes = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(page_write));
-    /* per page: its file name (with suffix, NUL-terminated), then its header */
-    size_t name_room = (size_t)(NAME_HEX + suffix_len + 1);
-    size_t head_room = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
-        if (!PyBytes_Check(key)) {
-            PyErr_Format(PyExc_TypeError, "key %zd must be bytes", i);
-            PyMem_Free(writes);
-            return NULL;
-        }
-        if ((size_t)PyBytes_GET_SIZE(key) > UINT32_MAX) {
-            PyErr_Format(PyExc_ValueError, "key %zd is too long", i);
-            PyMem_Free(writes);
-            return NULL;
-        }
-        head_room += HEAD_FIXED + (size_t)PyBytes_GET_SIZE(key);
-    }
     char *text = PyMem_Malloc(name_room * (size_t)(n > 0 ? n : 1) + head_room + 1);
     if (writes == NULL || text == NULL) {
-        PyMem_Free(writes);
-        PyMem_Free(text);
-        return PyErr_NoMemory();
-    }
-    int *skip = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(int)); /* -errno of its shard */
-    if (skip == NULL) {
         PyMem_Free(writes);
         PyMem_Free(text);
         return PyErr_NoMemory();
@@ -443,9 +474,7 @@ static PyObject *write_named(PyObject *self, PyObject *args)
         }
         int fd = fds[hex_value(name[0]) * 16 + hex_value(name[1])];
         char *fname = text + name_room * (size_t)i;
-        memcpy(fname, name, NAME_HEX);
-        memcpy(fname + NAME_HEX, suffix, (size_t)suffix_len);
-        fname[NAME_HEX + suffix_len] = '\0';
+        file_name_of(fname, name, suffix, suffix_len);
         PyObject *key = PyList_GET_ITEM(keys, i);
         uint32_t klen = (uint32_t)PyBytes_GET_SIZE(key);
         unsigned char *h = (unsigned char *)heads;
@@ -470,12 +499,11 @@ static PyObject *write_named(PyObject *self, PyObject *args)
         heads += HEAD_FIXED + klen;
         w->dir_fd = fd;
         w->name = fname;
-        skip[i] = fd < 0 ? fd : 0;
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (skip[i] < 0) {
-            writes[i].value = skip[i];
+        if (writes[i].dir_fd < 0) { /* a shard that cannot be used: its -errno */
+            writes[i].value = writes[i].dir_fd;
         } else {
             write_one(&writes[i]);
         }
@@ -497,15 +525,135 @@ done:
     for (Py_ssize_t i = 0; i < ready; i++) {
         PyBuffer_Release(&writes[i].slot);
     }
-    PyMem_Free(skip);
     PyMem_Free(text);
     PyMem_Free(writes);
+    return out;
+}
+
+enum { JUDGED_BAD_LENGTH = 4, JUDGED_BAD_MAGIC = 5, JUDGED_BAD_KEY = 6 };
+
+/* page_file.judge() of a read that filled r->header (HEAD_FIXED + klen bytes) and the slot */
+static int judge_read(const page_read *r, const char *key, uint32_t klen)
+{
+    const unsigned char *h = (const unsigned char *)r->header.buf;
+    long long got = r->value, want = (long long)r->header.len + (long long)r->slot.len;
+    if (got < HEAD_FIXED) {
+        return JUDGED_BAD_LENGTH;
+    }
+    if (memcmp(h, "AKV3", 4) != 0) {
+        return JUDGED_BAD_MAGIC;
+    }
+    uint32_t stored = (uint32_t)h[4] | (uint32_t)h[5] << 8 | (uint32_t)h[6] << 16 |
+                      (uint32_t)h[7] << 24;
+    if (stored != klen || got < (long long)r->header.len ||
+        memcmp(h + HEAD_FIXED, key, klen) != 0) {
+        return JUDGED_BAD_KEY;
+    }
+    if (got != want) {
+        return JUDGED_BAD_LENGTH;
+    }
+    return READ_OK;
+}
+
+static PyObject *read_named(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *fdlist, *names, *keys, *slots;
+    const char *suffix;
+    Py_ssize_t suffix_len;
+    if (!PyArg_ParseTuple(args, "O!y#O!O!O!", &PyList_Type, &fdlist, &suffix, &suffix_len,
+                          &PyList_Type, &names, &PyList_Type, &keys, &PyList_Type, &slots)) {
+        return NULL;
+    }
+    int fds[256];
+    if (shard_table(fdlist, fds) < 0 || check_suffix(suffix, suffix_len) < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(names);
+    if (PyList_GET_SIZE(keys) != n || PyList_GET_SIZE(slots) != n) {
+        PyErr_SetString(PyExc_ValueError, "read_named needs one key and one slot a name");
+        return NULL;
+    }
+    size_t name_room = (size_t)(NAME_HEX + suffix_len + 1), head_room;
+    if (key_room(keys, n, &head_room) < 0) {
+        return NULL;
+    }
+    page_read *reads = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(page_read));
+    char *text = PyMem_Malloc(name_room * (size_t)(n > 0 ? n : 1) + head_room + 1);
+    if (reads == NULL || text == NULL) {
+        PyMem_Free(reads);
+        PyMem_Free(text);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t ready = 0; /* reads whose slot is held */
+    PyObject *out = NULL;
+    char *heads = text + name_room * (size_t)n;
+    for (; ready < n; ready++) {
+        Py_ssize_t i = ready;
+        page_read *r = &reads[i];
+        const char *name = hex_name(PyList_GET_ITEM(names, i), "name", i);
+        if (name == NULL) {
+            goto done;
+        }
+        if (PyObject_GetBuffer(PyList_GET_ITEM(slots, i), &r->slot, PyBUF_WRITABLE) < 0) {
+            goto done;
+        }
+        char *fname = text + name_room * (size_t)i;
+        file_name_of(fname, name, suffix, suffix_len);
+        Py_ssize_t klen = PyBytes_GET_SIZE(PyList_GET_ITEM(keys, i));
+        r->header.buf = heads; /* our memory, seen through a Py_buffer for read_one */
+        r->header.len = HEAD_FIXED + klen;
+        r->header.obj = NULL;
+        heads += HEAD_FIXED + klen;
+        r->dir_fd = fds[hex_value(name[0]) * 16 + hex_value(name[1])];
+        r->name = fname;
+        r->sum = 1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        page_read *r = &reads[i];
+        if (r->dir_fd < 0) { /* a shard that cannot be used */
+            r->status = READ_FAILED;
+            r->value = -(long long)r->dir_fd;
+        } else {
+            read_one(r);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    if (out == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        page_read *r = &reads[i];
+        PyObject *key = PyList_GET_ITEM(keys, i);
+        int status = r->status;
+        if (status == READ_OK) {
+            status = judge_read(r, PyBytes_AS_STRING(key), (uint32_t)PyBytes_GET_SIZE(key));
+        }
+        unsigned long long summed = status == READ_OK ? (unsigned long long)r->summed : 0;
+        PyObject *t = Py_BuildValue("iLKKK", status, r->value, (unsigned long long)r->s1,
+                                    (unsigned long long)r->s2, summed);
+        if (t == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, t);
+    }
+done:
+    for (Py_ssize_t i = 0; i < ready; i++) {
+        PyBuffer_Release(&reads[i].slot);
+    }
+    PyMem_Free(text);
+    PyMem_Free(reads);
     return out;
 }
 
 static PyMethodDef methods[] = {
     {"read_pages", read_pages, METH_VARARGS,
      "Read page files in one batch, the GIL released (summing each as it arrives)."},
+    {"read_named", read_named, METH_VARARGS,
+     "Read a get's page files (names, shards, headers made and judged here), the GIL released."},
     {"write_named", write_named, METH_VARARGS,
      "Create a put's page files (names, shards, headers made here), the GIL released."},
     {NULL, NULL, 0, NULL},

@@ -3,6 +3,14 @@
 from typing import Any
 
 def read_pages(reads: list[tuple[int, bytes, Any, Any]], /) -> list[tuple[int, int]]: ...
+def read_named(
+    shard_fds: list[int],
+    suffix: bytes,
+    names: list[str],
+    keys: list[bytes],
+    slots: list[Any],
+    /,
+) -> list[tuple[int, int, int, int, int]]: ...
 def write_named(
     shard_fds: list[int],
     suffix: bytes,

@@ -359,7 +359,7 @@ class FileStorage(FileWrites):
             StorageUnavailableError: closed or unusable directory.
         """
         check_keys(keys)
-        names = [file_name(k) for k in keys]
+        names = page_file.names_of([k.encode("utf-8", "surrogatepass") for k in keys])
         with self._in_use(), self._lock:
             return [n in self._index for n in names]
 
@@ -483,7 +483,7 @@ class FileStorage(FileWrites):
     ) -> list[bool]:
         n = len(keys)
         results = [False] * n
-        names = [file_name(k) for k in keys]
+        names = page_file.names_of([k.encode("utf-8", "surrogatepass") for k in keys])
         with self._lock:  # the entry each read is planned against (see _forget)
             seen = list(map(self._index.generation, names))
         todo = [i for i in range(n) if seen[i] is not None]
@@ -492,7 +492,9 @@ class FileStorage(FileWrites):
         corrupt: list[tuple[str, integrity.Verdict]] = []
         io_errors: list[str] = []
         for chunk in chunks(todo, buffers):
-            got = page_file.read_chunk(self._dirs.get, keys, names, buffers, idents, chunk)
+            got = page_file.read_chunk(
+                self._dirs.get, keys, names, buffers, idents, chunk, self._dirs.table()
+            )
             for i in got.gone:  # deleted behind our back: nothing left to unlink
                 self._forget(names[i], unlinking=False, seen=seen[i])
             for i in got.junk:  # not a page: forgotten and deleted, not counted as removed

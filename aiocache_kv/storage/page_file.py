@@ -349,15 +349,19 @@ def read_chunk(
     buffers: Sequence[PageBuffer],
     idents: Sequence[bytes],
     chunk: list[int],
+    table: list[int] | None = None,
 ) -> ChunkRead:
     """Read pages ``chunk`` (indices into ``keys`` / ``names`` / ``buffers`` / ``idents``) and
     verify the ones read in full in one pass, each against its identity (see
-    :mod:`.integrity`); ``shard_fd(shard)`` gives a shard's directory descriptor.
+    :mod:`.integrity`); ``shard_fd(shard)`` gives a shard's directory descriptor, ``table``
+    (where given: every shard open, ``ShardDirs.table``) all of them at once.
     Nothing here touches an index: the caller applies the outcome."""
     out = ChunkRead()
     read: list[int] = []  # read in full with the right header and size: checksum them
     sums: dict[int, tuple[int, int, int]] = {}  # what the C reader summed as the bytes arrived
-    if PAGEIO is not None:  # one page too: the C read sums it as it lands (no second pass)
+    if PAGEIO is not None and table is not None:  # names, headers and verdicts in C too
+        _read_named(PAGEIO, table, keys, names, buffers, chunk, out, read, sums)
+    elif PAGEIO is not None:  # one page too: the C read sums it as it lands (no second pass)
         _read_batch(PAGEIO, shard_fd, keys, names, buffers, chunk, out, read, sums)
     else:
         for i in chunk:
@@ -420,13 +424,7 @@ def _read_batch(
         todo, key_bytes, reads, results, strict=True
     ):
         if status != _READ_OK:
-            fname = names[i] + SUFFIX
-            if status == _READ_MISSING:
-                out.fail(i, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), fname))
-            elif status == _READ_NOT_REGULAR:
-                out.fail(i, safe_fs.NotRegularFileError(errno.EINVAL, "not a regular file", fname))
-            else:
-                out.fail(i, OSError(value, os.strerror(value), fname))
+            _failed(out, i, status, value, names[i] + SUFFIX)
         else:
             verdict = judge(header, value, len(header) + buffers[i].nbytes, kb)
             if verdict is None:
@@ -436,6 +434,53 @@ def _read_batch(
             else:
                 out.corrupt.append((i, verdict))
 
+
+def _read_named(
+    pageio: ModuleType,
+    table: list[int],
+    keys: Sequence[str],
+    names: Sequence[str],
+    buffers: Sequence[PageBuffer],
+    chunk: list[int],
+    out: ChunkRead,
+    read: list[int],
+    sums: dict[int, tuple[int, int, int]],
+) -> None:
+    """:func:`_read_batch` where every shard is open: one C call that also makes each file
+    name and header buffer and judges each header (:func:`judge`), so no step a page here
+    but for what it found."""
+    results = pageio.read_named(
+        table,
+        _SUFFIX_B,
+        [names[i] for i in chunk],
+        [keys[i].encode("utf-8", "surrogatepass") for i in chunk],
+        [buffers[i].view for i in chunk],
+    )
+    for i, (status, value, s1, s2, summed) in zip(chunk, results, strict=True):
+        if status == _READ_OK:
+            read.append(i)
+            if summed:
+                sums[i] = (s1, s2, summed)
+        elif status >= _JUDGED:
+            out.corrupt.append((i, _JUDGED_AS[status - _JUDGED]))
+        else:
+            _failed(out, i, status, value, names[i] + SUFFIX)
+
+
+def _failed(out: ChunkRead, i: int, status: int, value: int, fname: str) -> None:
+    """Page ``i``'s read failed as a C reader reports it (``status``, ``value``): as
+    :func:`read_into` raises it."""
+    if status == _READ_MISSING:
+        out.fail(i, FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), fname))
+    elif status == _READ_NOT_REGULAR:
+        out.fail(i, safe_fs.NotRegularFileError(errno.EINVAL, "not a regular file", fname))
+    else:
+        out.fail(i, OSError(value, os.strerror(value), fname))
+
+
+#: ``_pageio.read_named`` statuses from 4 on: a header :func:`judge` refuses, as it says
+_JUDGED = 4
+_JUDGED_AS = (integrity.Verdict.BAD_LENGTH, integrity.Verdict.BAD_MAGIC, integrity.Verdict.BAD_KEY)
 
 #: ``_pageio.read_pages`` statuses
 _READ_OK, _READ_MISSING, _READ_NOT_REGULAR = 0, 1, 2

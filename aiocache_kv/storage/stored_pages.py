@@ -9,7 +9,11 @@ One weak reference serves every page of one :meth:`StoredPages.remember` (a node
 pages costs one reference and one dict update, where a ``WeakValueDictionary`` made 2,048
 keyed references, ~3 us each, on the loop).  When a node dies its reference's callback only
 queues the reference (it may run on any thread, inside the garbage collector); the loop drops
-the dead entries at its next call, so the table is only ever changed on the loop.
+the dead entries at its next call, so the table is only ever changed on the loop.  A
+:meth:`StoredPages.remember` drops at most :data:`SWEEP_STEP` of them (a backup landing just
+after an eviction of many nodes does not pay for all of them), and with events off a
+prefetch's :meth:`StoredPages.take_missing` drops none (it has no claim to retract): a dead
+entry stays a claim, counted orphaned by every reader, until a later call drops it.
 
 A dead node's pages may still be claimed as stored by the ``BlockStored(STORAGE)`` events it
 caused, and no node is left to retract the claim when the backend drops them silently (a
@@ -33,7 +37,10 @@ from typing import Any
 
 from aiocache_kv.tree import Node
 
-__all__ = ["StoredPages", "StoredRun"]
+__all__ = ["SWEEP_STEP", "StoredPages", "StoredRun"]
+
+#: dead nodes' entries one :meth:`StoredPages.remember` drops at most (~5 us each)
+SWEEP_STEP = 16
 
 
 class StoredRun:
@@ -81,7 +88,7 @@ class StoredPages:
         """The pages ``hashes`` of ``node`` are in storage now (a later call for a hash wins);
         ``parent``: the hash of the page before them, ``start``: how many pages precede them
         in their sequence (what :meth:`claims` announces them with)."""
-        self._sweep()
+        self._sweep(SWEEP_STEP)
         ref = weakref.ref(node, self._dead.append)  # deque.append: safe from any thread
         self._given[id(ref)] = StoredRun(ref, hashes, node.key, parent, node.ns, start)
         self._by_hash.update(dict.fromkeys(hashes, ref))
@@ -110,9 +117,9 @@ class StoredPages:
         """The orphaned claims among ``hashes`` whose ``present`` flag is false, in order;
         they are forgotten (so retracted once).  A page whose node left the tree but was not
         collected yet (nodes sit in reference cycles) counts as orphaned too."""
-        self._sweep()
         if not self._orphan_limit:
-            return []
+            return []  # (no sweep: nothing to retract, so nothing here needs it now)
+        self._sweep()
         orphans = self._orphans
         by_hash = self._by_hash
         out = []
@@ -149,9 +156,11 @@ class StoredPages:
             out.append((run, [i for i, h in enumerate(run.hashes) if h in hashes]))
         return out
 
-    def _sweep(self) -> None:
+    def _sweep(self, limit: int = -1) -> None:
+        """Drop the entries of dead nodes (at most ``limit`` of them; -1: all)."""
         dead = self._dead
-        while dead:
+        while dead and limit:
+            limit -= 1
             ref = dead.popleft()
             run = self._given.pop(id(ref))
             by_hash = self._by_hash

@@ -529,3 +529,35 @@ async def test_storage_wait_leaves_the_reads_of_tensor_parallel_ranks_alone(gpt2
             eng.check_invariants()
         await cache.flush()
         assert_nothing_held(cache)
+
+
+async def test_a_read_on_arrival_cancelled_before_it_starts_holds_nothing(gpt2: Any) -> None:
+    """``storage_wait`` cancels the reads on arrival for a running request short of rows; a
+    read cancelled before its task's first step never ran its ``finally``, so its entry
+    stayed and the engine believed pins were held for good: the running batch waited for
+    them forever instead of preempting (found by the seeded stalling-store test, about once
+    in 25 runs under load).  Now the entry goes with the task, however it ends, and the
+    request is still served, without a storage read."""
+    store = MemoryStorage()
+    cfg = config(gpt2, device_pages=16, host_pages=32, storage=store, storage_timeout=8.0)
+    async with akv.HiCache(cfg) as cache:
+        async with Engine(gpt2, cache, max_batch_tokens=64, max_running=1) as eng:
+            adm = eng._admissions
+            assert adm is not None
+            prompt = toks(11, 9)
+            task = asyncio.ensure_future(eng.generate(prompt, max_new_tokens=3))
+            for _ in range(50):  # until the request arrived and its read was spawned
+                await asyncio.sleep(0)
+                if adm.holding():
+                    break
+            assert adm.holding()
+            read = next(iter(adm._arrivals.values()))
+            assert adm.cancel_reads() == 1  # (its first step has not run yet, or has)
+            await asyncio.wait([read])
+            await asyncio.sleep(0)  # its done callback
+            assert not adm._arrivals and not adm.holding()
+            got = await asyncio.wait_for(task, 30)
+            assert got.tokens == reference(gpt2, prompt, 3)
+            eng.check_invariants()
+        await cache.flush()
+        assert_nothing_held(cache)

@@ -51,10 +51,21 @@ def _hostile_store(tmp_path: Path) -> tuple[FileStorage, list[str]]:
     return fs, keys
 
 
-def _read(fs: FileStorage, keys: list[str], bufs: list[PageBuffer]) -> page_file.ChunkRead:
+def _read(
+    fs: FileStorage, keys: list[str], bufs: list[PageBuffer], table: list[int] | None = None
+) -> page_file.ChunkRead:
     names = [file_name(k) for k in keys]
     idents = [integrity.key_identity(k) for k in keys]  # as put bound them (no identity given)
-    return read_chunk(fs._dirs.get, keys, names, bufs, idents, list(range(len(keys))))
+    return read_chunk(fs._dirs.get, keys, names, bufs, idents, list(range(len(keys))), table)
+
+
+def _table(fs: FileStorage) -> list[int]:
+    """Every shard of ``fs`` opened: the table of descriptors a get then reads through."""
+    for n in range(256):
+        fs._dirs.get(f"{n:02x}")
+    table = fs._dirs.table()
+    assert table is not None
+    return table
 
 
 def test_batched_reads_agree_with_page_by_page_reads(
@@ -64,10 +75,13 @@ def test_batched_reads_agree_with_page_by_page_reads(
     fs, keys = _hostile_store(tmp_path)
     c_bufs = empty(len(keys))
     got_c = _read(fs, keys, c_bufs)
+    named_bufs = empty(len(keys))  # every shard open: names, headers and verdicts in C
+    got_named = _read(fs, keys, named_bufs, _table(fs))
     monkeypatch.setattr(page_file, "PAGEIO", None)
     py_bufs = empty(len(keys))
     got_py = _read(fs, keys, py_bufs)
-    assert got_c == got_py
+    assert got_c == got_py == got_named
+    assert [bytes(b.view) for b in named_bufs[:1]] == [bytes(b.view) for b in c_bufs[:1]]
     assert got_c.good == [0]
     assert got_c.gone == [1]
     assert sorted(got_c.junk) == [2, 3, 4, 5]
@@ -268,3 +282,24 @@ def test_put_writes_refuse_malformed_lists(
     fds.append(-errno.EBADF)  # mended: a bad descriptor fails its pages, not the batch
     assert page_file.write_named(fds, names, keys, parents, slots) == [-errno.EBADF] * 2
     assert not list(tmp_path.iterdir())
+
+
+def test_read_named_refuses_malformed_lists_and_fails_a_bad_shard_per_page() -> None:
+    pageio: Any = _pageio()
+    fds = [-errno.EBADF] * 256
+    name, slot = _hex("00", 1), bytearray(8)
+    for bad, error in [
+        (([-1] * 255, b".kv", [name], [b"k"], [slot]), ValueError),  # 255 shards
+        ((fds, b".kv", [12], [b"k"], [slot]), TypeError),  # a name that is not a str
+        ((fds, b".kv", ["0" * 39], [b"k"], [slot]), ValueError),  # a short name
+        ((fds, b".kv", ["G" * 40], [b"k"], [slot]), ValueError),  # not lowercase hex
+        ((fds, b".kv", [name], ["k"], [slot]), TypeError),  # a key that is a str
+        ((fds, b".kv", [name], [b"k"], [b"12345678"]), BufferError),  # a read-only slot
+        ((fds, b".kv", [name], [b"k", b"j"], [slot]), ValueError),  # lists of other lengths
+        ((fds, b"a\0b", [name], [b"k"], [slot]), ValueError),  # a NUL in the suffix
+    ]:
+        with pytest.raises(error):
+            pageio.read_named(*bad)
+    assert pageio.read_named(fds, b".kv", [], [], []) == []
+    # a shard that cannot be used fails its page (status 3, the errno), not the batch
+    assert pageio.read_named(fds, b".kv", [name], [b"k"], [slot]) == [(3, errno.EBADF, 0, 0, 0)]

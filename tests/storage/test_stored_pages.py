@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from aiocache_kv.storage.stored_pages import StoredPages
+from aiocache_kv.storage.stored_pages import SWEEP_STEP, StoredPages
 from aiocache_kv.tree import Node
 
 
@@ -179,3 +179,25 @@ def test_a_claim_taken_back_as_missing_leaves_no_entry_of_a_node_out_of_the_tree
     assert table.take_missing([7, 8], [False, True]) == [7]
     assert not table.claims_page(7) and table.claims_page(8)
     assert [run.hashes[i] for run, idx in table.claims() for i in idx] == [8]
+
+
+def test_a_remember_drops_at_most_a_step_of_dead_nodes_and_readers_see_them_gone() -> None:
+    """After an eviction of many nodes the next backup's ``remember`` drops only
+    ``SWEEP_STEP`` of their entries (the rest wait for later calls), a prefetch's
+    ``take_missing`` with events off drops none (nothing to retract), and every reader
+    still sees the dead nodes gone: ``len``, ``pop`` and ``claims`` drop the rest first."""
+    table = StoredPages()
+    nodes = [Node([t], None, "ns") for t in range(3 * SWEEP_STEP)]
+    for t, node in enumerate(nodes):
+        table.remember(node, [2 * t, 2 * t + 1])
+    del node
+    nodes.clear()  # every one dies at once (no cycles here)
+    assert table.take_missing([0, 2], [False, False]) == []
+    assert len(table._dead) == 3 * SWEEP_STEP  # untouched by the prefetch
+    keep = Node([999], None, "ns")
+    table.remember(keep, [1000])
+    assert len(table._dead) == 2 * SWEEP_STEP  # one step dropped, the rest queued
+    assert len(table._by_hash) == 1 + 2 * 2 * SWEEP_STEP
+    assert table.pop(5) is None  # a dead node's page: nothing to mark
+    assert not table._dead and len(table) == 1 and table.pop(1000) is keep
+    assert table.claims() == []
