@@ -424,6 +424,25 @@ static void file_name_of(char *dst, const char *name, const char *suffix, Py_ssi
     dst[NAME_HEX + suffix_len] = '\0';
 }
 
+/* What write_named and read_named both check and allocate first: the shard table into
+ * ``fds``, the suffix, the keys' header room, and one block of text for every page's file
+ * name (``name_room`` bytes each, then the headers).  NULL with an exception set. */
+static char *named_text(PyObject *fdlist, const char *suffix, Py_ssize_t suffix_len,
+                        PyObject *keys, Py_ssize_t n, int *fds, size_t *name_room)
+{
+    size_t head_room;
+    if (shard_table(fdlist, fds) < 0 || check_suffix(suffix, suffix_len) < 0 ||
+        key_room(keys, n, &head_room) < 0) {
+        return NULL;
+    }
+    *name_room = (size_t)(NAME_HEX + suffix_len + 1);
+    char *text = PyMem_Malloc(*name_room * (size_t)(n > 0 ? n : 1) + head_room + 1);
+    if (text == NULL) {
+        PyErr_NoMemory();
+    }
+    return text;
+}
+
 static PyObject *write_named(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -435,10 +454,6 @@ static PyObject *write_named(PyObject *self, PyObject *args)
                           &PyList_Type, &slots)) {
         return NULL;
     }
-    int fds[256];
-    if (shard_table(fdlist, fds) < 0 || check_suffix(suffix, suffix_len) < 0) {
-        return NULL;
-    }
     Py_ssize_t n = PyList_GET_SIZE(names);
     if (PyList_GET_SIZE(keys) != n || PyList_GET_SIZE(parents) != n ||
         PyList_GET_SIZE(slots) != n) {
@@ -446,14 +461,14 @@ static PyObject *write_named(PyObject *self, PyObject *args)
         return NULL;
     }
     /* per page: its file name (with suffix, NUL-terminated), then its header */
-    size_t name_room = (size_t)(NAME_HEX + suffix_len + 1), head_room;
-    if (key_room(keys, n, &head_room) < 0) {
+    int fds[256];
+    size_t name_room;
+    char *text = named_text(fdlist, suffix, suffix_len, keys, n, fds, &name_room);
+    if (text == NULL) {
         return NULL;
     }
     page_write *writes = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(page_write));
-    char *text = PyMem_Malloc(name_room * (size_t)(n > 0 ? n : 1) + head_room + 1);
-    if (writes == NULL || text == NULL) {
-        PyMem_Free(writes);
+    if (writes == NULL) {
         PyMem_Free(text);
         return PyErr_NoMemory();
     }
@@ -565,23 +580,19 @@ static PyObject *read_named(PyObject *self, PyObject *args)
                           &PyList_Type, &names, &PyList_Type, &keys, &PyList_Type, &slots)) {
         return NULL;
     }
-    int fds[256];
-    if (shard_table(fdlist, fds) < 0 || check_suffix(suffix, suffix_len) < 0) {
-        return NULL;
-    }
     Py_ssize_t n = PyList_GET_SIZE(names);
     if (PyList_GET_SIZE(keys) != n || PyList_GET_SIZE(slots) != n) {
         PyErr_SetString(PyExc_ValueError, "read_named needs one key and one slot a name");
         return NULL;
     }
-    size_t name_room = (size_t)(NAME_HEX + suffix_len + 1), head_room;
-    if (key_room(keys, n, &head_room) < 0) {
+    int fds[256];
+    size_t name_room;
+    char *text = named_text(fdlist, suffix, suffix_len, keys, n, fds, &name_room);
+    if (text == NULL) {
         return NULL;
     }
     page_read *reads = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(page_read));
-    char *text = PyMem_Malloc(name_room * (size_t)(n > 0 ? n : 1) + head_room + 1);
-    if (reads == NULL || text == NULL) {
-        PyMem_Free(reads);
+    if (reads == NULL) {
         PyMem_Free(text);
         return PyErr_NoMemory();
     }
