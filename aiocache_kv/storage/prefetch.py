@@ -16,7 +16,6 @@ import asyncio
 import functools
 import itertools
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +35,7 @@ from aiocache_kv.storage.prefetch_job import (
     report_batch,
     span_of,
 )
+from aiocache_kv.storage.prefetch_landing import Landing, Parts
 from aiocache_kv.storage.prefetch_result import PrefetchResult, PrefetchStatus, prefetch_timeout
 from aiocache_kv.storage.tier_base import StorageTierBase
 from aiocache_kv.storage.worker_pages import WorkerPages
@@ -57,8 +57,6 @@ log = get_logger(__name__)
 #: time is lost to the gap, and nothing reads the reports before then: a read worker busy
 #: up to 50 ms wakes the loop for its first batch and when it is done
 REPORT_GAP = 0.05
-#: a read worker's batches, each a list of ``(pool, page)``
-Parts = list[list[tuple[int, int]]]
 
 
 class PrefetchingTier(StorageTierBase):
@@ -277,55 +275,32 @@ class PrefetchingTier(StorageTierBase):
         it (one pool, one rank, two workers or more): the check's round trip and the loop's
         turn between the two are off the critical path.  Only pages in the leading run the
         check reports count, whenever their read lands; batches past it are not started once
-        the run is known (:meth:`BatchReports.stop_after`)."""
+        the run is known.  Where every page asked for is reserved up front, the reads *are*
+        the check (:mod:`.prefetch_landing`): no existence check runs unless a claim past a
+        short run must be judged (:meth:`_judge_run`)."""
         pools = self.pools
         total = len(job.keys[0])
         fits = job.pages.numel()  # pages reserved: at most half the host pool in flight
         job.loaded = [[False] * fits for _ in range(pools)]
         timeout = max(job.deadline - time.monotonic(), 0.001)
         flat = job.keys[0] if pools == 1 else [k for keys in job.keys for k in keys]
-        done = [False]  # set once the wait is over: a batch reported later is not counted
-        limit = [-1]  # pages [0, limit) count: the leading run, once the check told it
-        early: list[tuple[list[tuple[int, int]], list[bool] | BaseException]] = []
-
-        def landed(part: list[tuple[int, int]], res: list[bool] | BaseException) -> None:
-            if done[0]:
-                return
-            end = limit[0]
-            if end < 0:  # read ahead of the check: counted once the run is known
-                early.append((part, res))
-                return
-            if isinstance(res, BaseException):
-                if part[0][1] < end:  # (a batch wholly past the run concerns nobody)
-                    self.counters.storage_errors += 1
-                    job.failed, job.error = True, repr(res)
-                return
-            run = span_of(part)
-            if run is not None and run[2] <= end and len(res) == run[2] - run[1]:
-                # a whole run of one pool, every page inside the leading run: one slice
-                pool, a, b = run
-                job.loaded[pool][a:b] = res
-                if pool == 0 and not all(res):
-                    job.vanished += [a + i for i, good in enumerate(res) if not good]
-                return
-            for (pool, j), good in zip(part, res, strict=True):
-                if j < end:
-                    job.loaded[pool][j] = good
-                    if not good and pool == 0:
-                        job.vanished.append(j)
-
-        reads: tuple[list[asyncio.Future[None]], list[BatchReports], list[Parts]] | None = None
         ahead = min(total, fits)
-        if (
+        sole = (
             pools == 1
-            and ahead
+            and ahead > 0
             and self.io.workers > 1
             and not self.core.coordinator.deferred
             and getattr(self.io.backend, "read_ahead", False)
-        ):
-            plan = list(zip(itertools.repeat(0, ahead), range(ahead), strict=True))
-            reads = self._start_reads(job, plan, landed)
+        )
+        land = Landing(job, self.counters, sole=sole and ahead == total)
+        tasks: list[asyncio.Future[None]] = []
+        if sole:
+            tasks += self._start_reads(job, 0, ahead, land)
         try:
+            if land.sole:
+                await self._wait_reads(job, tasks)
+                await self._judge_run(job, land, timeout)
+                return
             try:
                 present = await self.io.exists(flat, timeout=timeout)
             except KVCacheError as exc:
@@ -344,48 +319,66 @@ class PrefetchingTier(StorageTierBase):
             self.counters.prefetch_storage_hit_tokens += job.hits * self.core.config.page_size
             if fits < min(job.hits, job.want):  # one rank: evict for what storage has
                 fits = self._reserve_more(job, min(job.hits, job.want))
-            limit[0] = end = min(job.hits, fits)
-            if reads is None:
+            end = min(job.hits, fits)
+            if not tasks:
                 # what to read: the leading run for KV/ALL pools, present pages inside it
                 # for the rest
                 # (all of it for those: the leading run is theirs too)
-                plan = []
+                land.limit = end
+                plan: list[tuple[int, int]] = []
                 for pool in range(pools):
                     if pool in all_pools:
                         plan += zip(itertools.repeat(pool, end), range(end), strict=True)
                     else:
                         plan += [(pool, j) for j in range(end) if by_pool[pool][j]]
-                reads = self._start_reads(job, plan, landed)
+                tasks += self._start_plan(job, plan, land)
             else:
-                for rep, mine in zip(reads[1], reads[2], strict=True):  # skip what is past it
-                    rep.stop_after(sum(1 for part in mine if part[0][1] < end) - 1)
-                for part, res in early:
-                    landed(part, res)
-                early.clear()
+                land.run_known(end)  # skip what is past it, count what landed early
                 if end > ahead:  # pages reserved after the check: read them now
-                    more = self._start_reads(job, [(0, j) for j in range(ahead, end)], landed)
-                    reads = (reads[0] + more[0], reads[1] + more[1], reads[2] + more[2])
-            tasks = reads[0]
-            if tasks:
-                await asyncio.wait(tasks, timeout=max(job.deadline - time.monotonic(), 0.0))
-            for t in tasks:
-                failure = t.exception() if t.done() and not t.cancelled() else None
-                if failure is not None:  # a timeout too: what had landed was reported
-                    self.counters.storage_errors += 1
-                    job.failed, job.error = True, repr(failure)
+                    tasks += self._start_reads(job, ahead, end, land)
+            await self._wait_reads(job, tasks)
         finally:
-            if reads is not None:
-                for r in reads[1]:  # batches that landed in time but wait for a wake-up count
-                    r.stop_after(-1)  # (the wait is over: a worker starts none more)
-                    r.drain()
-                done[0] = True
-                for hold in job.holds:  # workers still writing: their pages stay theirs
-                    hold.keep()
-                for t in reads[0]:
-                    if not t.done():
-                        t.cancel()
-                    elif not t.cancelled():
-                        t.exception()  # retrieved: counted above
+            for r in land.reports:  # batches that landed in time but wait for a wake-up count
+                r.stop_after(-1)  # (the wait is over: a worker starts none more)
+                r.drain()
+            land.done = True
+            for hold in job.holds:  # workers still writing: their pages stay theirs
+                hold.keep()
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+                elif not t.cancelled():
+                    t.exception()  # retrieved: counted in _wait_reads
+
+    async def _wait_reads(self, job: PrefetchJob, tasks: list[asyncio.Future[None]]) -> None:
+        """Wait for the read tasks until the job's deadline; a failed one fails the job."""
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(job.deadline - time.monotonic(), 0.0))
+        for t in tasks:
+            failure = t.exception() if t.done() and not t.cancelled() else None
+            if failure is not None:  # a timeout too: what had landed was reported
+                self.counters.storage_errors += 1
+                job.failed, job.error = True, repr(failure)
+
+    async def _judge_run(self, job: PrefetchJob, land: Landing, timeout: float) -> None:
+        """The reads were the check: storage had the pages up to the first that did not
+        read intact (one still unread at the deadline counts as present: the result is then
+        partial).  Claims of pages past the run are judged by an existence check of those
+        pages alone, and only where this cache claims one of them (events on)."""
+        assert land.first_bad is not None
+        for r in land.reports:  # what landed and waits for a wake-up counts
+            r.drain()
+        job.hits = land.first_bad
+        self.counters.prefetch_storage_hit_tokens += job.hits * self.core.config.page_size
+        past = job.hashes[job.hits :]
+        if not past or not self._stored.claims_any(past):
+            return
+        try:
+            rest = await self.io.exists(job.keys[0][job.hits :], timeout=timeout)
+        except KVCacheError as exc:  # judged by a later prefetch: nothing retracted now
+            log.warning("prefetch_exists_failed", error=repr(exc))
+            return
+        job.unclaimed = self._stored.take_missing(past, rest)
 
     def _reserve_more(self, job: PrefetchJob, upto: int) -> int:
         """Grow ``job``'s reservation toward ``upto`` pages, evicting host-only leaves (one
@@ -416,13 +409,16 @@ class PrefetchingTier(StorageTierBase):
         return job.pages.numel()
 
     def _start_reads(
-        self,
-        job: PrefetchJob,
-        plan: list[tuple[int, int]],
-        landed: Callable[[list[tuple[int, int]], list[bool] | BaseException], None],
-    ) -> tuple[list[asyncio.Future[None]], list[BatchReports], list[Parts]]:
+        self, job: PrefetchJob, first: int, end: int, land: Landing
+    ) -> list[asyncio.Future[None]]:
+        """:meth:`_start_plan` of the KV pages ``first..end-1``."""
+        return self._start_plan(job, list(zip(itertools.repeat(0), range(first, end))), land)
+
+    def _start_plan(
+        self, job: PrefetchJob, plan: list[tuple[int, int]], land: Landing
+    ) -> list[asyncio.Future[None]]:
         """Lease the host pages of ``plan`` (``(pool, page)``, in order) and start reading
-        them; returns the read tasks, their reports and each one's parts."""
+        them, each batch reported to ``land``; returns the read tasks."""
         # at most prefetch_batch_pages a backend call, spread over every worker (a read of
         # one batch would otherwise run on one worker while the others idle); each worker's
         # batches go in one hand-off (a hand-off per batch cost ~60 us of loop time) and
@@ -461,7 +457,7 @@ class PrefetchingTier(StorageTierBase):
             hold = WorkerPages(alloc, [reserved[index]])
             job.holds.append(hold)
             remaining = max(job.deadline - time.monotonic(), 0.001)
-            reports.append(BatchReports(functools.partial(report_batch, landed, mine)))
+            reports.append(BatchReports(functools.partial(report_batch, land, mine)))
             spread_parts.append(mine)
             task = asyncio.ensure_future(
                 self.io.get_into_batches(
@@ -473,7 +469,8 @@ class PrefetchingTier(StorageTierBase):
                 )
             )
             tasks.append(task)
-        return tasks, reports, spread_parts
+        land.started(reports, spread_parts)
+        return tasks
 
     def _finish(self, job: PrefetchJob, end: int) -> None:
         """Commit the first ``end`` pages (agreed across ranks), unpin, free the rest."""

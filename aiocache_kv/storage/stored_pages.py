@@ -106,6 +106,23 @@ class StoredPages:
         self._sweep()
         return page_hash in self._by_hash or page_hash in self._orphans
 
+    def claims_any(self, hashes: list[bytes]) -> bool:
+        """Whether :meth:`take_missing` could retract any of ``hashes`` (one is claimed by
+        a node that left the tree, or as a kept orphan): never while no orphan is kept."""
+        if not self._orphan_limit:
+            return False
+        self._sweep()
+        by_hash, orphans = self._by_hash, self._orphans
+        for h in hashes:
+            if h in orphans:
+                return True
+            ref = by_hash.get(h)
+            if ref is not None:
+                node = ref()
+                if node is None or not node.alive:
+                    return True
+        return False
+
     def pop(self, page_hash: bytes) -> Node | None:
         """Forget ``page_hash`` (its orphaned claim too); the node that held it, if alive."""
         self._sweep()

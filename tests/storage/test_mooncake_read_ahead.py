@@ -1,14 +1,18 @@
-"""Mooncake prefetches read beside their existence check.
+"""Mooncake prefetches read ahead of, or instead of, their existence check.
 
 ``MooncakeStorage.read_ahead``: a read of a missing key costs what asking costs, so the tier
-starts reading the whole run together with ``batch_is_exist`` (one pool, one rank, two
-workers); only pages inside the leading run the check reports count, whenever their read
-lands, and batches past the run are not started once it is known.
+starts reading the whole run at once (one pool, one rank, two workers).  Where every page
+asked for is reserved, the reads are the check: the first page that does not read intact
+ends the run, no batch past it starts, and ``batch_is_exist`` runs only for the pages past a
+short run whose claims must be judged.  Otherwise the check runs beside the reads (see
+``test_prefetch_reservation.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Sequence
 
 import aiocache_kv as akv
 from aiocache_kv.storage.prefetch import PrefetchStatus
@@ -70,65 +74,153 @@ async def until(cond: object, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def test_reads_start_while_the_existence_check_is_held() -> None:
-    """The check is held at its gate: the reads are already in the store (without read-ahead
-    they would wait for its answer and this would time out); everything is committed."""
-    client = FakeMooncakeClient()
-    store = FakeMooncakeStorage(client)
-    async with akv.HiCache(config(store)) as cache:
-        await stored_cold(cache, client)
-        client.gates["batch_is_exist"].clear()
-        task = asyncio.ensure_future(cache.prefetch(PROMPT))
-        assert await asyncio.to_thread(client.entered["batch_get_into"].wait, 10)
-        assert client.calls["batch_is_exist"] == 1 and not task.done()
-        client.gates["batch_is_exist"].set()
-        res = await task
-        assert res.status is PrefetchStatus.COMPLETE and res.hit_tokens == len(PROMPT)
-        await host_hit_and_nothing_held(cache, len(PROMPT))
+class HoldingClient(FakeMooncakeClient):
+    """Holds a read whose first key is in ``holds`` until its event is set; records the
+    first key of every read that started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holds: dict[str, threading.Event] = {}
+        self.started: list[str] = []
+
+    def batch_get_into(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        with self.lock:
+            self.started.append(keys[0])
+        hold = self.holds.get(keys[0])
+        if hold is not None:
+            assert hold.wait(30), "hold never released"
+        return super().batch_get_into(keys, ptrs, sizes)
 
 
-async def test_only_the_leading_run_counts_and_reads_past_it_stop() -> None:
-    """Page 3 is missing: the run is pages 0-2.  The reads are held until the check's answer
-    reached the loop; then no batch past the run starts (pages 4-7 are never read), page 3's
-    miss is no vanished page, and exactly the run is committed."""
+async def test_with_every_page_reserved_the_reads_are_the_check() -> None:
+    """Every page fits the reservation: no existence check at all, the reads answer it;
+    every page is committed and counted as a storage hit."""
     client = FakeMooncakeClient()
     store = FakeMooncakeStorage(client)
     async with akv.HiCache(config(store)) as cache:
         keys = await stored_cold(cache, client)
-        del client.objects[keys[3]]
-        client.gates["batch_get_into"].clear()
         before = cache.statistics().prefetch_storage_hit_tokens
+        res = await cache.prefetch(PROMPT)
+        assert res.status is PrefetchStatus.COMPLETE
+        assert (res.storage_hit_tokens, res.hit_tokens) == (len(PROMPT), len(PROMPT))
+        assert cache.statistics().prefetch_storage_hit_tokens - before == len(PROMPT)
+        assert client.calls["batch_is_exist"] == 0
+        assert sorted(got_keys(client)) == sorted(keys)
+        await host_hit_and_nothing_held(cache, len(PROMPT))
+
+
+async def test_a_missing_page_ends_the_run_and_no_batch_past_it_starts() -> None:
+    """Page 3 is missing.  Worker 0 is held inside its first read (pages 0-1) until worker
+    1's read of pages 2-3 reported the miss; then worker 0 starts no read past the run
+    (pages 4-5 are never read), and exactly the run 0-2 is committed.  The pages past the
+    run were claimed (the node that stored them left the tree): one existence check of
+    those pages alone judges the claims, and page 3's is retracted."""
+    client = HoldingClient()
+    store = FakeMooncakeStorage(client)
+    async with akv.HiCache(config(store)) as cache:
+        keys = await stored_cold(cache, client)
+        del client.objects[keys[3]]
+        client.started.clear()
+        client.holds[keys[0]] = first = threading.Event()
+        client.holds[keys[6]] = last = threading.Event()  # worker 1's next read, if started
         task = asyncio.ensure_future(cache.prefetch(PROMPT))
-        await until(
-            lambda: cache.statistics().prefetch_storage_hit_tokens > before, "the check's answer"
-        )
-        client.gates["batch_get_into"].set()
+        await until(lambda: keys[2] in client.started and keys[0] in client.started, "reads")
+        for _ in range(50):  # the miss's report reaches the loop
+            await asyncio.sleep(0.002)
+        first.set()
+        last.set()
         res = await task
         assert (res.status, res.storage_hit_tokens, res.hit_tokens) == (
             PrefetchStatus.COMPLETE,
             6,
             6,
         )
-        assert not set(got_keys(client)) & set(keys[4:])
+        assert keys[4] not in client.started
+        assert [k for name, k in client.log if name == "batch_is_exist"] == [keys[3:]]
         assert all(k in client.objects for k in keys[4:])  # nobody took them for vanished
         await host_hit_and_nothing_held(cache, 6)
 
 
-async def test_a_page_read_past_the_run_is_never_committed() -> None:
-    """The check says page 3 is absent while the store has it (it landed meanwhile): the
-    read-ahead may read it and the pages after it intact, yet only the run 0-2 counts."""
+async def test_a_page_read_intact_past_a_corrupt_one_is_never_committed() -> None:
+    """Page 3 is corrupt: its read drops it from the store and ends the run, while pages
+    after it may be read intact meanwhile; only the run 0-2 is committed and counted."""
     client = FakeMooncakeClient()
     store = FakeMooncakeStorage(client)
     async with akv.HiCache(config(store)) as cache:
-        await stored_cold(cache, client)
-        client.exist_codes = [[1, 1, 1, 0, 1, 1, 1, 1]]
-        client.gates["batch_is_exist"].clear()  # every read lands before the answer
-        task = asyncio.ensure_future(cache.prefetch(PROMPT))
-        await until(lambda: client.calls["batch_get_into"] >= 4, "every read")
-        client.gates["batch_is_exist"].set()
-        res = await task
-        assert (res.storage_hit_tokens, res.hit_tokens) == (6, 6)
+        keys = await stored_cold(cache, client)
+        obj = bytearray(client.objects[keys[3]])
+        obj[-5] ^= 0x40  # in the trailer: the read checks it (the payload, at load-back)
+        client.objects[keys[3]] = bytes(obj)
+        res = await cache.prefetch(PROMPT)
+        assert (res.status, res.storage_hit_tokens, res.hit_tokens) == (
+            PrefetchStatus.COMPLETE,
+            6,
+            6,
+        )
+        assert keys[3] not in client.objects  # the read removed the corrupt page
+        assert store.statistics().corrupt == 1
         await host_hit_and_nothing_held(cache, 6)
+        m = cache.match_prefix(PROMPT)
+        assert m.host_len == 6  # nothing past the corrupt page, though 4-7 may have landed
+        cache.release(m)
+
+
+async def test_claims_past_a_short_run_are_checked_for_those_pages_only() -> None:
+    """Events on, the node left the tree (its claims orphaned), and the store lost pages 2
+    and 5 silently: the reads end the run at page 2; one existence check of pages 2-7 alone
+    finds 2 and 5 gone, and their ``BlockRemoved(STORAGE)`` is published once."""
+    client = FakeMooncakeClient()
+    store = FakeMooncakeStorage(client)
+    async with akv.HiCache(config(store, enable_kv_events=True)) as cache:
+        keys = await stored_cold(cache, client)
+        stored = [
+            h
+            for e in cache.take_events()
+            if isinstance(e, akv.BlockStored) and e.medium == "STORAGE"
+            for h in e.block_hashes
+        ]
+        assert len(stored) == 8
+        del client.objects[keys[2]]
+        del client.objects[keys[5]]
+        res = await cache.prefetch(PROMPT)
+        assert res.hit_tokens == 4
+        checks = [k for name, k in client.log if name == "batch_is_exist"]
+        assert checks == [keys[2:]]
+        removed = [
+            h
+            for e in cache.take_events()
+            if isinstance(e, akv.BlockRemoved) and e.medium == "STORAGE"
+            for h in e.block_hashes
+        ]
+        assert removed == [stored[2], stored[5]]
+        await host_hit_and_nothing_held(cache, 4)
+
+
+async def test_a_read_that_raises_leaves_the_result_partial() -> None:
+    """A read that raises tells nothing of its pages: the run is not cut there, the pages
+    before it are committed, and the result is partial (storage may have had more)."""
+    client = FakeMooncakeClient()
+    store = FakeMooncakeStorage(client)
+    async with akv.HiCache(config(store, prefetch_batch_pages=4, storage_workers=2)) as cache:
+        keys = await stored_cold(cache, client)
+        real = client.batch_get_into
+
+        def flaky(ks: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+            if ks[0] == keys[4]:
+                raise RuntimeError("transfer failed")
+            return real(ks, ptrs, sizes)
+
+        client.batch_get_into = flaky  # type: ignore[method-assign]
+        res = await cache.prefetch(PROMPT)
+        assert (res.status, res.storage_hit_tokens, res.hit_tokens) == (
+            PrefetchStatus.PARTIAL,
+            16,
+            8,
+        )
+        assert res.error is not None and "transfer failed" in res.error
+        await host_hit_and_nothing_held(cache, 8)
 
 
 async def test_a_miss_commits_nothing_and_returns_every_page() -> None:

@@ -94,6 +94,8 @@ async def test_read_ahead_reads_the_pages_reserved_after_the_check() -> None:
         assert res.hit_tokens == 10 and res.status is PrefetchStatus.PARTIAL, res  # half the pool
         read = [k for name, keys in client.log if name == "batch_get_into" for k in keys]
         assert len(read) == len(set(read)) == 5, read  # each page of the run read once
+        # short of the run, the reads are not the check: it ran beside them, for all 8
+        assert [len(keys) for name, keys in client.log if name == "batch_is_exist"] == [8]
         m = cache.match_prefix(PROMPT)
         assert m.host_len == 10
         cache.release(m)

@@ -1,0 +1,108 @@
+"""Where a prefetch's read batches land on the loop: which pages count, and which batches are
+not started any more (the bookkeeping of :meth:`PrefetchingTier._fetch
+<aiocache_kv.storage.prefetch.PrefetchingTier>`).
+
+Pages count from the moment the run they may belong to is known (:attr:`Landing.limit`):
+
+- after an existence check, the leading run it reported (batches read ahead of the check wait
+  in :attr:`Landing.early` until then, :meth:`Landing.run_known`);
+- with the reads as the check (:attr:`Landing.sole`: the read-ahead covers every page asked
+  for), every page at once.  A page that does not read intact (absent, or corrupt: the backend
+  drops a corrupt page) ends the run there: :attr:`Landing.first_bad`, and no batch past it
+  is started (:meth:`Landing.cut`).  A batch whose read raised tells nothing of its pages:
+  the run is not cut there, the job is failed (its pages never arrived).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiocache_kv.storage.batch_reports import BatchReports
+from aiocache_kv.storage.prefetch_job import PrefetchJob, span_of
+
+if TYPE_CHECKING:
+    from aiocache_kv.stats import StorageCounters
+
+__all__ = ["Landing", "Parts"]
+
+#: a read worker's batches, each a list of ``(pool, page)``
+Parts = list[list[tuple[int, int]]]
+
+
+class Landing:
+    """The ``landed(part, result)`` of one prefetch's reads (loop thread only)."""
+
+    __slots__ = ("counters", "done", "early", "first_bad", "job", "limit", "parts", "reports")
+
+    def __init__(self, job: PrefetchJob, counters: StorageCounters, sole: bool = False) -> None:
+        self.job = job
+        self.counters = counters
+        #: set once the wait is over: a batch reported later is not counted
+        self.done = False
+        #: pages ``[0, limit)`` count (-1: not known yet, the check has not answered)
+        self.limit = len(job.loaded[0]) if sole else -1
+        #: batches that landed before the run was known, with their results
+        self.early: list[tuple[list[tuple[int, int]], list[bool] | BaseException]] = []
+        #: with the reads as the check: the first page that did not read intact (else the
+        #: page count); ``None``: an existence check tells the run
+        self.first_bad: int | None = len(job.loaded[0]) if sole else None
+        #: every read worker's reports and batches, as started
+        self.reports: list[BatchReports] = []
+        self.parts: list[Parts] = []
+
+    @property
+    def sole(self) -> bool:
+        """Whether the reads are the existence check."""
+        return self.first_bad is not None
+
+    def started(self, reports: list[BatchReports], parts: list[Parts]) -> None:
+        """Reads started: ``reports[w]`` reports worker ``w``'s batches ``parts[w]``."""
+        self.reports += reports
+        self.parts += parts
+
+    def stop_past(self, end: int) -> None:
+        """Start no batch whose first page is ``end`` or later (a running one ends as usual)."""
+        for rep, mine in zip(self.reports, self.parts, strict=True):
+            keep = sum(1 for part in mine if part[0][1] < end) - 1
+            rep.stop_after(min(rep.last, keep))
+
+    def run_known(self, end: int) -> None:
+        """The check answered: pages ``[0, end)`` count; batches past them are not started,
+        and the batches that landed early are counted now."""
+        self.limit = end
+        self.stop_past(end)
+        early, self.early = self.early, []
+        for part, res in early:
+            self(part, res)
+
+    def __call__(self, part: list[tuple[int, int]], res: list[bool] | BaseException) -> None:
+        if self.done:
+            return
+        end = self.limit
+        if end < 0:  # read ahead of the check: counted once the run is known
+            self.early.append((part, res))
+            return
+        job = self.job
+        if isinstance(res, BaseException):
+            if part[0][1] < end:  # (a batch wholly past the run concerns nobody)
+                self.counters.storage_errors += 1
+                job.failed, job.error = True, repr(res)
+            return
+        run = span_of(part)
+        if run is not None and run[2] <= end and len(res) == run[2] - run[1] and all(res):
+            pool, a, b = run  # a whole run of one pool, every page intact: one slice
+            job.loaded[pool][a:b] = res
+            return
+        for (pool, j), good in zip(part, res, strict=True):
+            if j < end:
+                job.loaded[pool][j] = good
+                if not good and pool == 0:
+                    self._bad(j)
+
+    def _bad(self, j: int) -> None:
+        """Page ``j`` (of the KV pool) did not read intact."""
+        if self.first_bad is None:  # inside the run the check reported: it vanished
+            self.job.vanished.append(j)
+        elif j < self.first_bad:  # the reads are the check: the run ends here
+            self.first_bad = j
+            self.stop_past(j)
