@@ -13,7 +13,6 @@ what was committed, possibly nothing.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import time
 from typing import TYPE_CHECKING
@@ -26,19 +25,16 @@ from aiocache_kv.distributed.coordinator import AgreedCoordinator
 from aiocache_kv.errors import KVCacheError
 from aiocache_kv.events import BlockRemoved
 from aiocache_kv.logs import get_logger
+from aiocache_kv.storage import prefetch_reads
 from aiocache_kv.storage.base import StorageBackend
-from aiocache_kv.storage.executor import BatchReports
 from aiocache_kv.storage.prefetch_job import (
     PrefetchJob,
     last_true,
     leading_run,
-    report_batch,
-    span_of,
 )
-from aiocache_kv.storage.prefetch_landing import Landing, Parts
+from aiocache_kv.storage.prefetch_landing import Landing
 from aiocache_kv.storage.prefetch_result import PrefetchResult, PrefetchStatus, prefetch_timeout
 from aiocache_kv.storage.tier_base import StorageTierBase
-from aiocache_kv.storage.worker_pages import WorkerPages
 from aiocache_kv.tracing import span
 from aiocache_kv.tree.hashing import chain_hashes
 from aiocache_kv.tree.node import Node, Tier, lacking
@@ -50,13 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["PrefetchResult", "PrefetchStatus", "PrefetchingTier", "prefetch_timeout"]
 
 log = get_logger(__name__)
-
-#: a read worker wakes the loop to report landed batches at most this often (each wake-up
-#: cost ~40 us of CPU, 2-3x that beside a store's copies; 16-page batches of 64 KiB pages end
-#: every ~0.5-1 ms); the wait drains what landed when it ends, so no page that arrived in
-#: time is lost to the gap, and nothing reads the reports before then: a read worker busy
-#: up to 50 ms wakes the loop for its first batch and when it is done
-REPORT_GAP = 0.05
 
 
 class PrefetchingTier(StorageTierBase):
@@ -411,66 +400,21 @@ class PrefetchingTier(StorageTierBase):
     def _start_reads(
         self, job: PrefetchJob, first: int, end: int, land: Landing
     ) -> list[asyncio.Future[None]]:
-        """:meth:`_start_plan` of the KV pages ``first..end-1``."""
-        return self._start_plan(job, list(zip(itertools.repeat(0), range(first, end))), land)
+        """Start reading KV pages ``first..end-1`` (:func:`.prefetch_reads.start_range`)."""
+        return prefetch_reads.start_range(self._readers(), job, first, end, land)
 
     def _start_plan(
         self, job: PrefetchJob, plan: list[tuple[int, int]], land: Landing
     ) -> list[asyncio.Future[None]]:
-        """Lease the host pages of ``plan`` (``(pool, page)``, in order) and start reading
-        them, each batch reported to ``land``; returns the read tasks."""
-        # at most prefetch_batch_pages a backend call, spread over every worker (a read of
-        # one batch would otherwise run on one worker while the others idle); each worker's
-        # batches go in one hand-off (a hand-off per batch cost ~60 us of loop time) and
-        # report in order, waking the loop at most every REPORT_GAP, interleaved so that the
-        # leading pages land first
-        spread = self.io.workers
-        chunk = max(1, min(self.core.config.prefetch_batch_pages, -(-len(plan) // spread)))
-        parts = [plan[a : a + chunk] for a in range(0, len(plan), chunk)]
+        """Start reading ``plan``'s ``(pool, page)`` (:func:`.prefetch_reads.start_plan`)."""
+        return prefetch_reads.start_plan(self._readers(), job, plan, land)
+
+    def _readers(self) -> prefetch_reads.Readers:
         alloc = self.core.host_alloc
         assert alloc is not None
-        reserved = job.pages.numpy()  # one conversion; a torch index per page costs ~1 us
-        rows = reserved.tolist()  # host page of each prefetch page (one call, not one a part)
-        tasks: list[asyncio.Future[None]] = []
-        reports: list[BatchReports] = []
-        spread_parts: list[Parts] = []
-        for w in range(min(spread, len(parts))):
-            mine = parts[w::spread]
-            batches = []
-            index: list[int] = []  # the prefetch page of every buffer read, in order
-            for part in mine:
-                run = span_of(part)
-                if run is not None:  # consecutive pages of one pool (the usual): slices
-                    pool, a, b = run
-                    keys = job.keys[pool][a:b]
-                    bufs = list(map(self._buffers[pool].__getitem__, rows[a:b]))
-                    ids = job.hashes[a:b]
-                    index += range(a, b)
-                else:
-                    keys = [job.keys[pool][j] for pool, j in part]
-                    bufs = [self._buffers[pool][rows[j]] for pool, j in part]
-                    ids = [job.hashes[j] for _, j in part]
-                    index += [j for _, j in part]
-                # every component of page j is bound to the page's own chain hash
-                batches.append((keys, bufs, ids))
-            # a late read must never land in a reused page: leased if the wait ends first
-            hold = WorkerPages(alloc, [reserved[index]])
-            job.holds.append(hold)
-            remaining = max(job.deadline - time.monotonic(), 0.001)
-            reports.append(BatchReports(functools.partial(report_batch, land, mine)))
-            spread_parts.append(mine)
-            task = asyncio.ensure_future(
-                self.io.get_into_batches(
-                    batches,
-                    reports[-1],
-                    timeout=remaining,
-                    on_release=hold.release,
-                    report_gap=REPORT_GAP,
-                )
-            )
-            tasks.append(task)
-        land.started(reports, spread_parts)
-        return tasks
+        return prefetch_reads.Readers(
+            self.io, self._buffers, alloc, self.core.config.prefetch_batch_pages
+        )
 
     def _finish(self, job: PrefetchJob, end: int) -> None:
         """Commit the first ``end`` pages (agreed across ranks), unpin, free the rest."""

@@ -77,9 +77,13 @@ def last_true(flags: list[bool]) -> int:
     return len(flags) - 1 - flags[::-1].index(True) if True in flags else -1
 
 
+#: one read batch: a range of KV pages, or ``(pool, page)`` pairs
+Part = range | list[tuple[int, int]]
+
+
 def report_batch(
-    landed: Callable[[list[tuple[int, int]], list[bool] | BaseException], None],
-    parts: list[list[tuple[int, int]]],
+    landed: Callable[[Part, list[bool] | BaseException], None],
+    parts: list[Part],
     i: int,
     res: list[bool] | BaseException,
 ) -> None:

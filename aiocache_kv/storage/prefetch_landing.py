@@ -15,18 +15,25 @@ Pages count from the moment the run they may belong to is known (:attr:`Landing.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from aiocache_kv.storage.batch_reports import BatchReports
-from aiocache_kv.storage.prefetch_job import PrefetchJob, span_of
+from aiocache_kv.storage.prefetch_job import Part, PrefetchJob, span_of
 
 if TYPE_CHECKING:
     from aiocache_kv.stats import StorageCounters
 
-__all__ = ["Landing", "Parts"]
+__all__ = ["Landing", "Part", "Parts"]
 
-#: a read worker's batches, each a list of ``(pool, page)``
-Parts = list[list[tuple[int, int]]]
+#: a read worker's batches
+Parts = list[Part]
+
+
+def first_page(part: Part) -> int:
+    """The first page a batch reads."""
+    return part.start if isinstance(part, range) else part[0][1]
 
 
 class Landing:
@@ -42,7 +49,7 @@ class Landing:
         #: pages ``[0, limit)`` count (-1: not known yet, the check has not answered)
         self.limit = len(job.loaded[0]) if sole else -1
         #: batches that landed before the run was known, with their results
-        self.early: list[tuple[list[tuple[int, int]], list[bool] | BaseException]] = []
+        self.early: list[tuple[Part, list[bool] | BaseException]] = []
         #: with the reads as the check: the first page that did not read intact (else the
         #: page count); ``None``: an existence check tells the run
         self.first_bad: int | None = len(job.loaded[0]) if sole else None
@@ -63,7 +70,7 @@ class Landing:
     def stop_past(self, end: int) -> None:
         """Start no batch whose first page is ``end`` or later (a running one ends as usual)."""
         for rep, mine in zip(self.reports, self.parts, strict=True):
-            keep = sum(1 for part in mine if part[0][1] < end) - 1
+            keep = sum(1 for part in mine if first_page(part) < end) - 1
             rep.stop_after(min(rep.last, keep))
 
     def run_known(self, end: int) -> None:
@@ -75,7 +82,7 @@ class Landing:
         for part, res in early:
             self(part, res)
 
-    def __call__(self, part: list[tuple[int, int]], res: list[bool] | BaseException) -> None:
+    def __call__(self, part: Part, res: list[bool] | BaseException) -> None:
         if self.done:
             return
         end = self.limit
@@ -84,16 +91,21 @@ class Landing:
             return
         job = self.job
         if isinstance(res, BaseException):
-            if part[0][1] < end:  # (a batch wholly past the run concerns nobody)
+            if first_page(part) < end:  # (a batch wholly past the run concerns nobody)
                 self.counters.storage_errors += 1
                 job.failed, job.error = True, repr(res)
             return
-        run = span_of(part)
+        pairs: Iterable[tuple[int, int]]
+        if isinstance(part, range):
+            run: tuple[int, int, int] | None = (0, part.start, part.stop)
+            pairs = zip(itertools.repeat(0), part)
+        else:
+            run, pairs = span_of(part), part
         if run is not None and run[2] <= end and len(res) == run[2] - run[1] and all(res):
             pool, a, b = run  # a whole run of one pool, every page intact: one slice
             job.loaded[pool][a:b] = res
             return
-        for (pool, j), good in zip(part, res, strict=True):
+        for (pool, j), good in zip(pairs, res, strict=True):
             if j < end:
                 job.loaded[pool][j] = good
                 if not good and pool == 0:

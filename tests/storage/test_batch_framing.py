@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import aiocache_kv as akv
 from aiocache_kv.errors import InvalidInputError, StorageKeyError, StorageTimeoutError
-from aiocache_kv.storage import integrity, prefetch
+from aiocache_kv.storage import integrity, prefetch_reads
 from aiocache_kv.storage.base import PageBuffer
 from aiocache_kv.storage.executor import BatchReports, StorageIO
 from aiocache_kv.storage.integrity import (
@@ -382,7 +382,7 @@ async def test_prefetch_commits_batches_whose_report_the_gap_held_back(
     batch hangs past the deadline.  With a report gap longer than the whole wait, A's second
     batch is never announced to the loop, yet it landed in time: the prefetch drains it at
     its deadline and commits the leading run 0-5."""
-    monkeypatch.setattr(prefetch, "REPORT_GAP", 60.0)
+    monkeypatch.setattr(prefetch_reads, "REPORT_GAP", 60.0)
     await stored_prompt(tmp_path)
     store = StallSecondBatch(tmp_path)
     opts = dict(
