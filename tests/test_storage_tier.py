@@ -286,10 +286,10 @@ class StallSecondBatch(FlakyStorage):
 
 
 async def test_prefetch_timeout_commits_the_batches_that_landed(tmp_path: Path) -> None:
-    """8 pages read 2 a batch over 2 workers (A: pages 0-1 and 4-5, B: 2-3 and 6-7); B's
-    first batch hangs.  By the deadline A reported both its batches, one by one: the leading
-    run (pages 0-1) commits, pages 4-5 landed but are not reachable and are freed, and the
-    hung batch's pages stay the worker's until it returns."""
+    """8 pages read 2 a batch by 2 workers taking batches in turn from one order; B's read
+    of pages 2-3 hangs.  By the deadline A read every other batch and reported them: the
+    leading run (pages 0-1) commits, pages 4-7 landed but are not reachable and are freed,
+    and the hung batch's 2 pages stay the worker's until it returns."""
     await stored_prompt(tmp_path)
     store = StallSecondBatch(tmp_path)
     opts = dict(
@@ -310,7 +310,7 @@ async def test_prefetch_timeout_commits_the_batches_that_landed(tmp_path: Path) 
         assert (m.device_len, m.host_len) == (0, 4)
         cache.release(m)
         stats = cache.statistics()
-        assert stats.prefetch_reserved_pages == 0 and stats.host.quarantined_pages == 4
+        assert stats.prefetch_reserved_pages == 0 and stats.host.quarantined_pages == 2
         store.stall.set()
         await cache.flush()
         assert cache.statistics().host.quarantined_pages == 0
@@ -334,10 +334,11 @@ async def test_prefetch_timeout_returns_by_deadline_and_frees_pages(tmp_path: Pa
         res = await cache.prefetch(PROMPT)
         assert loop.time() - t0 < 2.0
         assert res.status is PrefetchStatus.PARTIAL and res.hit_tokens == 0
-        # workers still hold the reserved pages: freed, but quarantined until they let go
+        # the two reads in flight (2 pages each) still hold theirs: freed, but quarantined
+        # until they let go; the 4 pages no read started on are free at once
         stats = cache.statistics()
-        assert stats.prefetch_reserved_pages == 0 and stats.host.quarantined_pages == 8
-        assert stats.host.free_pages == 32 - 8
+        assert stats.prefetch_reserved_pages == 0 and stats.host.quarantined_pages == 4
+        assert stats.host.free_pages == 32 - 4
         m = cache.match_prefix(PROMPT)  # the cache keeps serving meanwhile
         cache.release(m)
         store.stall.set()

@@ -61,7 +61,7 @@ from aiocache_kv.errors import (
 from aiocache_kv.logs import get_logger
 from aiocache_kv.numeric import MAX_THREADS, check_int, check_real
 from aiocache_kv.storage.base import ChainAwareStorage, PageBuffer, StorageBackend, StorageStats
-from aiocache_kv.storage.batch_reports import BatchReports
+from aiocache_kv.storage.batch_reports import Batches, BatchReports, batch_runner
 from aiocache_kv.storage.io_records import IOCall, StorageIOStats, consume, init_worker, settled
 
 __all__ = ["BatchReports", "StorageIO", "StorageIOStats"]
@@ -209,7 +209,7 @@ class StorageIO:
 
     async def get_into_batches(
         self,
-        batches: Sequence[tuple[Sequence[str], Sequence[PageBuffer], Sequence[bytes] | None]],
+        batches: Batches,
         on_batch: Callable[[int, list[bool] | BaseException], None] | BatchReports,
         *,
         timeout: float | None = None,
@@ -236,42 +236,16 @@ class StorageIO:
         """
         loop = self._bind_loop()
         limit = self.default_timeout if timeout is None else timeout
-        stop = time.monotonic() + limit  # the worker starts no batch after this
-        get_into = self.backend.get_into
-        jobs = [(list(k), list(b), None if i is None else list(i)) for k, b, i in batches]
         reports = on_batch if isinstance(on_batch, BatchReports) else BatchReports(on_batch)
-
-        def run() -> None:  # worker thread: results go back through the loop only
-            last = -float("inf")  # the first batch is reported at once
-            unposted = False
-            try:
-                for i, (keys, bufs, ids) in enumerate(jobs):
-                    if time.monotonic() >= stop or i > reports.last:  # deadline, or told to stop
-                        return
-                    res: list[bool] | BaseException
-                    try:
-                        res = get_into(keys, bufs, identities=ids)
-                    except Exception as exc:  # reported per batch; the next one still runs
-                        res = exc
-                    reports.put(i, res)
-                    unposted = True
-                    now = time.monotonic()
-                    if now - last >= report_gap:
-                        last = now
-                        unposted = False
-                        with contextlib.suppress(RuntimeError):  # a closed loop: nobody to tell
-                            loop.call_soon_threadsafe(reports.drain)
-            finally:
-                if unposted:
-                    with contextlib.suppress(RuntimeError):
-                        loop.call_soon_threadsafe(reports.drain)
-
+        run = batch_runner(
+            self.backend.get_into, batches, reports, loop, time.monotonic() + limit, report_gap
+        )
         try:
             await self.call(
                 "get_into",
                 run,
                 timeout=timeout,
-                buffers=list(itertools.chain.from_iterable(bufs for _, bufs, _ in jobs)),
+                buffers=[b for _, bufs, _ in batches for b in bufs],
                 on_release=on_release,
             )
         finally:

@@ -14,7 +14,7 @@ copies).  Loop thread only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,7 +24,7 @@ from aiocache_kv.pools.allocator import as_ids
 if TYPE_CHECKING:
     from aiocache_kv.pools.allocator import PageAllocator, PageIds
 
-__all__ = ["WorkerPages", "joined"]
+__all__ = ["InFlightPages", "WorkerPages", "joined"]
 
 
 class WorkerPages:
@@ -63,3 +63,28 @@ def joined(parts: Sequence[PageIds]) -> np.ndarray:
     switch interval)."""
     ids = [as_ids(p) for p in parts]
     return ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.empty(0, np.int64)
+
+
+class InFlightPages(WorkerPages):
+    """The host pages of the parts that workers sharing one order of read parts may still
+    write (:attr:`.batch_reports.BatchReports.in_flight`; ``pages_of(i)``: part ``i``'s
+    pages).  :meth:`keep` leases those of the parts in flight then; call it only once no
+    worker may start another part (``BatchReports.stop_after(-1)`` first).  :meth:`release`
+    when every worker returned."""
+
+    __slots__ = ("in_flight", "pages_of")
+
+    def __init__(
+        self, alloc: PageAllocator, pages_of: Callable[[int], PageIds], in_flight: set[int]
+    ) -> None:
+        super().__init__(alloc, [])
+        self.pages_of = pages_of
+        self.in_flight = in_flight
+
+    def keep(self) -> None:
+        """Lease the pages of the parts still in flight (none: nothing is leased)."""
+        if self.returned or self.leased:
+            return
+        self.parts = [self.pages_of(i) for i in sorted(self.in_flight)]
+        if self.parts:
+            super().keep()
