@@ -115,8 +115,8 @@ def part_runner(
                     res = get_into(keys, bufs, identities=ids)
                 except Exception as exc:  # reported per batch; the next one still runs
                     res = exc
+                reports.in_flight.discard(i)  # (its pages are not written any more)
                 reports.put(i, res)
-                reports.in_flight.discard(i)
                 unposted = True
                 now = time.monotonic()
                 if now - last >= report_gap:

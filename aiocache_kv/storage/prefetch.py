@@ -287,7 +287,7 @@ class PrefetchingTier(StorageTierBase):
             tasks += self._start_reads(job, 0, ahead, land)
         try:
             if land.sole:
-                await self._wait_reads(job, tasks)
+                await self._wait_reads(job, tasks, land.all_in)
                 await self._judge_run(job, land, timeout)
                 return
             try:
@@ -339,10 +339,23 @@ class PrefetchingTier(StorageTierBase):
                 elif not t.cancelled():
                     t.exception()  # retrieved: counted in _wait_reads
 
-    async def _wait_reads(self, job: PrefetchJob, tasks: list[asyncio.Future[None]]) -> None:
-        """Wait for the read tasks until the job's deadline; a failed one fails the job."""
-        if tasks:
-            await asyncio.wait(tasks, timeout=max(job.deadline - time.monotonic(), 0.0))
+    async def _wait_reads(
+        self,
+        job: PrefetchJob,
+        tasks: list[asyncio.Future[None]],
+        all_in: asyncio.Future[None] | None = None,
+    ) -> None:
+        """Wait for the read tasks until the job's deadline, or until ``all_in`` (every batch
+        that counts was reported: a worker finishing a batch past the run, or returning, is
+        not waited for); a failed one fails the job."""
+        while tasks and not (all_in is not None and all_in.done()):
+            waiting = [t for t in tasks if not t.done()]
+            left = job.deadline - time.monotonic()
+            if not waiting or left <= 0:
+                break
+            if all_in is not None:
+                waiting.append(all_in)
+            await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
         for t in tasks:
             failure = t.exception() if t.done() and not t.cancelled() else None
             if failure is not None:  # a timeout too: what had landed was reported

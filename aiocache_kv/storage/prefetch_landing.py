@@ -15,6 +15,7 @@ Pages count from the moment the run they may belong to is known (:attr:`Landing.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -39,7 +40,20 @@ def first_page(part: Part) -> int:
 class Landing:
     """The ``landed(part, result)`` of one prefetch's reads (loop thread only)."""
 
-    __slots__ = ("counters", "done", "early", "first_bad", "job", "limit", "parts", "reports")
+    __slots__ = (
+        "all_in",
+        "counters",
+        "done",
+        "early",
+        "first_bad",
+        "got",
+        "job",
+        "landed_firsts",
+        "limit",
+        "needed",
+        "parts",
+        "reports",
+    )
 
     def __init__(self, job: PrefetchJob, counters: StorageCounters, sole: bool = False) -> None:
         self.job = job
@@ -56,6 +70,13 @@ class Landing:
         #: every read worker's reports and batches, as started
         self.reports: list[BatchReports] = []
         self.parts: list[Parts] = []
+        #: with the reads as the check: set once every batch before :attr:`first_bad` was
+        #: reported (what follows cannot count: the wait is over)
+        self.all_in: asyncio.Future[None] | None = None
+        #: the first page of every batch reported, and how many batches must be
+        self.landed_firsts: list[int] = []
+        self.needed = 0
+        self.got = 0  #: batches reported of those
 
     @property
     def sole(self) -> bool:
@@ -63,9 +84,26 @@ class Landing:
         return self.first_bad is not None
 
     def started(self, reports: list[BatchReports], parts: list[Parts]) -> None:
-        """Reads started: ``reports[w]`` reports worker ``w``'s batches ``parts[w]``."""
+        """Reads started: ``reports[w]`` reports the batches ``parts[w]``."""
         self.reports += reports
         self.parts += parts
+        if self.first_bad is not None:
+            if self.all_in is None:
+                self.all_in = asyncio.get_running_loop().create_future()
+            self._count_needed()
+
+    def _count_needed(self) -> None:
+        """Recount the batches that must be reported (all before :attr:`first_bad`)."""
+        bound = self.first_bad
+        assert bound is not None and self.all_in is not None
+        self.needed = sum(1 for mine in self.parts for p in mine if first_page(p) < bound)
+        self.got = sum(1 for f in self.landed_firsts if f < bound)
+        self._maybe_all_in()
+
+    def _maybe_all_in(self) -> None:
+        assert self.all_in is not None
+        if self.got >= self.needed and not self.all_in.done():
+            self.all_in.set_result(None)
 
     def stop_past(self, end: int) -> None:
         """Start no batch whose first page is ``end`` or later (a running one ends as usual)."""
@@ -85,6 +123,22 @@ class Landing:
     def __call__(self, part: Part, res: list[bool] | BaseException) -> None:
         if self.done:
             return
+        if self.all_in is not None:
+            self._arrived(part, res)
+            return
+        self._land(part, res)
+
+    def _arrived(self, part: Part, res: list[bool] | BaseException) -> None:
+        """With the reads as the check: land ``part``, then see whether all are in."""
+        self._land(part, res)
+        first = first_page(part)
+        self.landed_firsts.append(first)
+        assert self.first_bad is not None
+        if first < self.first_bad:  # (a cut inside it recounted the others)
+            self.got += 1
+            self._maybe_all_in()
+
+    def _land(self, part: Part, res: list[bool] | BaseException) -> None:
         end = self.limit
         if end < 0:  # read ahead of the check: counted once the run is known
             self.early.append((part, res))
@@ -118,3 +172,5 @@ class Landing:
         elif j < self.first_bad:  # the reads are the check: the run ends here
             self.first_bad = j
             self.stop_past(j)
+            if self.all_in is not None:
+                self._count_needed()

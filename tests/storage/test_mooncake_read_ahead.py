@@ -146,6 +146,32 @@ async def test_a_missing_page_ends_the_run_and_no_batch_past_it_starts() -> None
         await host_hit_and_nothing_held(cache, 6)
 
 
+async def test_the_wait_ends_when_the_run_is_in_not_when_every_worker_returned() -> None:
+    """Page 3 is missing.  One worker reads pages 0-1 and takes 4-5, whose read hangs; the
+    other's read of 2-3 (the miss) is held until then.  Once 2-3 is reported, every batch
+    of the run is in: the prefetch returns with pages 0-2 while the read past the run still
+    hangs, and that read's 2 pages stay quarantined until it returns."""
+    client = HoldingClient()
+    store = FakeMooncakeStorage(client)
+    async with akv.HiCache(config(store, storage_timeout=30.0)) as cache:
+        keys = await stored_cold(cache, client)
+        del client.objects[keys[3]]
+        client.started.clear()
+        client.holds[keys[2]] = miss = threading.Event()
+        client.holds[keys[4]] = past = threading.Event()
+        task = asyncio.ensure_future(cache.prefetch(PROMPT))
+        try:
+            await until(lambda: keys[4] in client.started, "the read past the run")
+            miss.set()
+            res = await asyncio.wait_for(task, 5)
+            assert (res.status, res.hit_tokens) == (PrefetchStatus.COMPLETE, 6)
+            assert cache.statistics().host.quarantined_pages == 2
+        finally:
+            miss.set()
+            past.set()
+        await host_hit_and_nothing_held(cache, 6)
+
+
 async def test_a_page_read_intact_past_a_corrupt_one_is_never_committed() -> None:
     """Page 3 is corrupt: its read drops it from the store and ends the run, while pages
     after it may be read intact meanwhile; only the run 0-2 is committed and counted."""
