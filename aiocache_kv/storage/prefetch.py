@@ -309,7 +309,10 @@ class PrefetchingTier(StorageTierBase):
             if fits < min(job.hits, job.want):  # one rank: evict for what storage has
                 fits = self._reserve_more(job, min(job.hits, job.want))
             end = min(job.hits, fits)
-            if not tasks:
+            if not tasks and pools == 1:  # the KV pages alone: read as ranges
+                land.limit = end
+                tasks += self._start_reads(job, 0, end, land)
+            elif not tasks:
                 # what to read: the leading run for KV/ALL pools, present pages inside it
                 # for the rest
                 # (all of it for those: the leading run is theirs too)

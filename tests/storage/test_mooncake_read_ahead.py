@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 
 import aiocache_kv as akv
-from aiocache_kv.storage.prefetch import PrefetchStatus
+from aiocache_kv.storage.prefetch import PrefetchResult, PrefetchStatus
 from aiocache_kv.testing.fake_mooncake import FakeMooncakeClient, FakeMooncakeStorage
 from tests.conftest import small_config
 from tests.test_split_ack import insert
@@ -94,6 +94,20 @@ class HoldingClient(FakeMooncakeClient):
         return super().batch_get_into(keys, ptrs, sizes)
 
 
+async def miss_at_3_holding(
+    cache: akv.HiCache, client: HoldingClient, *held: int
+) -> tuple[list[str], list[threading.Event], asyncio.Future[PrefetchResult]]:
+    """PROMPT stored cold, page 3 dropped from the store, the reads of the batches that
+    start at pages ``held`` held; a prefetch started.  Returns the keys, the holds' events
+    and the prefetch."""
+    keys = await stored_cold(cache, client)
+    del client.objects[keys[3]]
+    client.started.clear()
+    events = [threading.Event() for _ in held]
+    client.holds.update({keys[page]: e for page, e in zip(held, events, strict=True)})
+    return keys, events, asyncio.ensure_future(cache.prefetch(PROMPT))
+
+
 async def test_with_every_page_reserved_the_reads_are_the_check() -> None:
     """Every page fits the reservation: no existence check at all, the reads answer it;
     every page is committed and counted as a storage hit."""
@@ -122,12 +136,7 @@ async def test_a_missing_page_ends_the_run_and_no_batch_past_it_starts() -> None
     client = HoldingClient()
     store = FakeMooncakeStorage(client)
     async with akv.HiCache(config(store)) as cache:
-        keys = await stored_cold(cache, client)
-        del client.objects[keys[3]]
-        client.started.clear()
-        client.holds[keys[0]] = first = threading.Event()
-        client.holds[keys[4]] = past = threading.Event()
-        task = asyncio.ensure_future(cache.prefetch(PROMPT))
+        keys, (first, past), task = await miss_at_3_holding(cache, client, 0, 4)
         await until(lambda: {keys[0], keys[2]} <= set(client.started), "reads")
         for _ in range(50):  # the miss's report reaches the loop
             await asyncio.sleep(0.002)
@@ -154,12 +163,7 @@ async def test_the_wait_ends_when_the_run_is_in_not_when_every_worker_returned()
     client = HoldingClient()
     store = FakeMooncakeStorage(client)
     async with akv.HiCache(config(store, storage_timeout=30.0)) as cache:
-        keys = await stored_cold(cache, client)
-        del client.objects[keys[3]]
-        client.started.clear()
-        client.holds[keys[2]] = miss = threading.Event()
-        client.holds[keys[4]] = past = threading.Event()
-        task = asyncio.ensure_future(cache.prefetch(PROMPT))
+        keys, (miss, past), task = await miss_at_3_holding(cache, client, 2, 4)
         try:
             await until(lambda: keys[4] in client.started, "the read past the run")
             miss.set()
