@@ -274,16 +274,16 @@ class PrefetchingTier(StorageTierBase):
         timeout = max(job.deadline - time.monotonic(), 0.001)
         flat = job.keys[0] if pools == 1 else [k for keys in job.keys for k in keys]
         ahead = min(total, fits)
-        sole = (
+        read_ahead = (
             pools == 1
             and ahead > 0
             and self.io.workers > 1
             and not self.core.coordinator.deferred
             and getattr(self.io.backend, "read_ahead", False)
         )
-        land = Landing(job, self.counters, sole=sole and ahead == total)
+        land = Landing(job, self.counters, sole=read_ahead and ahead == total)
         tasks: list[asyncio.Future[None]] = []
-        if sole:
+        if read_ahead:
             tasks += self._start_reads(job, 0, ahead, land)
         try:
             if land.sole:
@@ -373,6 +373,7 @@ class PrefetchingTier(StorageTierBase):
         assert land.first_bad is not None
         for r in land.reports:  # what landed and waits for a wake-up counts
             r.drain()
+        land.judge_raised()
         job.hits = land.first_bad
         self.counters.prefetch_storage_hit_tokens += job.hits * self.core.config.page_size
         past = job.hashes[job.hits :]

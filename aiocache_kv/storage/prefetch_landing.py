@@ -52,6 +52,7 @@ class Landing:
         "limit",
         "needed",
         "parts",
+        "raised",
         "reports",
     )
 
@@ -77,6 +78,8 @@ class Landing:
         self.landed_firsts: list[int] = []
         self.needed = 0
         self.got = 0  #: batches reported of those
+        #: with the reads as the check: reads that raised, by their batch's first page
+        self.raised: list[tuple[int, BaseException]] = []
 
     @property
     def sole(self) -> bool:
@@ -145,9 +148,10 @@ class Landing:
             return
         job = self.job
         if isinstance(res, BaseException):
-            if first_page(part) < end:  # (a batch wholly past the run concerns nobody)
-                self.counters.storage_errors += 1
-                job.failed, job.error = True, repr(res)
+            if self.first_bad is not None:  # judged once the run is known (:meth:`failures`)
+                self.raised.append((first_page(part), res))
+            elif first_page(part) < end:  # (a batch wholly past the run concerns nobody)
+                self.fail(res)
             return
         pairs: Iterable[tuple[int, int]]
         if isinstance(part, range):
@@ -164,6 +168,20 @@ class Landing:
                 job.loaded[pool][j] = good
                 if not good and pool == 0:
                     self._bad(j)
+
+    def fail(self, error: BaseException) -> None:
+        """A read that counts raised: the job failed."""
+        self.counters.storage_errors += 1
+        self.job.failed, self.job.error = True, repr(error)
+
+    def judge_raised(self) -> None:
+        """With the reads as the check, once the run is known: the reads that raised for a
+        batch starting inside it fail the job (those past it concern nobody)."""
+        assert self.first_bad is not None
+        for first, error in self.raised:
+            if first < self.first_bad:
+                self.fail(error)
+        self.raised.clear()
 
     def _bad(self, j: int) -> None:
         """Page ``j`` (of the KV pool) did not read intact."""

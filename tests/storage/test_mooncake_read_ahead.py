@@ -11,8 +11,11 @@ short run whose claims must be judged.  Otherwise the check runs beside the read
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from collections.abc import Sequence
+
+import pytest
 
 import aiocache_kv as akv
 from aiocache_kv.storage.prefetch import PrefetchResult, PrefetchStatus
@@ -285,3 +288,62 @@ async def test_without_read_ahead_the_reads_wait_for_the_check() -> None:
         assert client.calls["batch_get_into"] == 0
         client.gates["batch_is_exist"].set()
         assert (await task).hit_tokens == len(PROMPT)
+
+
+class FaultyClient(HoldingClient):
+    """Reads of a batch holding a key in ``raising`` raise (the whole batch fails)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raising: set[str] = set()
+
+    def batch_get_into(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        if self.raising & set(keys):
+            with self.lock:
+                self.log.append(("raised", list(keys)))
+            raise RuntimeError("transfer failed")
+        return super().batch_get_into(keys, ptrs, sizes)
+
+
+@pytest.mark.parametrize("seed", range(16))
+async def test_seeded_faults_commit_exactly_the_run_before_the_first(seed: int) -> None:
+    """Random batch sizes, worker counts and per-page faults (missing, a corrupt trailer, a
+    read that raises for its whole batch): exactly the pages before the first fault seen
+    are committed (a missing or corrupt page in a batch that was read; a raising batch
+    counts from its first page, and only inside the run), the status says why, nothing
+    stays quarantined, and the invariants hold."""
+    rng = random.Random(seed)
+    client = FaultyClient()
+    store = FakeMooncakeStorage(client)
+    opts = dict(prefetch_batch_pages=rng.choice([1, 2, 3, 4]), storage_workers=rng.choice([2, 3]))
+    async with akv.HiCache(config(store, **opts)) as cache:
+        keys = await stored_cold(cache, client)
+        kinds = rng.choices(["ok", "missing", "corrupt", "raise"], [6, 1, 1, 1], k=len(keys))
+        for key, kind in zip(keys, kinds, strict=True):
+            if kind == "missing":
+                del client.objects[key]
+            elif kind == "corrupt":
+                obj = bytearray(client.objects[key])
+                obj[-3] ^= 0x10
+                client.objects[key] = bytes(obj)
+            elif kind == "raise":
+                client.raising.add(key)
+        client.log.clear()
+        res = await cache.prefetch(PROMPT)
+        read = {k for name, ks in client.log if name == "batch_get_into" for k in ks}
+        bad = [j for j, kind in enumerate(kinds) if kind in ("missing", "corrupt")]
+        first_bad = min((j for j in bad if keys[j] in read), default=len(keys))
+        raised = [keys.index(ks[0]) for name, ks in client.log if name == "raised"]
+        first_raise = min((a for a in raised if a < first_bad), default=None)
+        want = first_bad if first_raise is None else first_raise
+        note = f"seed {seed}: {kinds} {opts}"
+        assert res.hit_tokens == 2 * want, note
+        if first_raise is not None:
+            assert res.status in (PrefetchStatus.PARTIAL, PrefetchStatus.FAILED), note
+        elif want == 0:
+            assert res.status is PrefetchStatus.MISS, note
+        else:
+            assert res.status is PrefetchStatus.COMPLETE, note
+        await host_hit_and_nothing_held(cache, 2 * want)
