@@ -148,7 +148,7 @@ class Landing:
             return
         job = self.job
         if isinstance(res, BaseException):
-            if self.first_bad is not None:  # judged once the run is known (:meth:`failures`)
+            if self.first_bad is not None:  # judged once the run is known (judge_raised)
                 self.raised.append((first_page(part), res))
             elif first_page(part) < end:  # (a batch wholly past the run concerns nobody)
                 self.fail(res)
