@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ipaddress
+import operator
 import os
 import threading
 import time
@@ -281,18 +282,22 @@ class MooncakeStorage(MooncakeTags):
                 raise StorageError(
                     f"mooncake register_buffer(0x{buf.ptr:x}, {buf.nbytes}) failed with {rc}"
                 )
-            self._registered.append((buf.ptr, buf.ptr + buf.nbytes))
+            # replaced, never changed in place: a reader takes it without the lock
+            self._registered = [*self._registered, (buf.ptr, buf.ptr + buf.nbytes)]
 
-    def _check_registered(self, buffers: Sequence[PageBuffer]) -> None:
-        with self._reg_lock:
-            regs = list(self._registered)
-        if buffers:  # common case: one registered region (the host pool) holds the whole batch
-            lo = min(b.ptr for b in buffers)
-            hi = max(b.ptr + b.nbytes for b in buffers)
+    def _check_registered(self, ptrs: Sequence[int], sizes: Sequence[int]) -> None:
+        """Count (and warn once about) the buffers ``ptrs[i], sizes[i]`` outside every
+        registered region (they still work, through a bounce copy)."""
+        regs = self._registered
+        if ptrs:  # common case: one registered region (the host pool) holds the whole batch
+            lo = min(ptrs)
+            hi = max(map(operator.add, ptrs, sizes))
             if any(s <= lo and hi <= e for s, e in regs):
                 return
         outside = sum(
-            1 for b in buffers if not any(s <= b.ptr and b.ptr + b.nbytes <= e for s, e in regs)
+            1
+            for p, n in zip(ptrs, sizes, strict=True)
+            if not any(s <= p and p + n <= e for s, e in regs)
         )
         if outside:
             self._stats.add(unregistered_buffers=outside)
@@ -411,7 +416,8 @@ class MooncakeStorage(MooncakeTags):
                     first.setdefault(key, i)
             todo = set(first.values())
         skipped = sum(results)
-        self._check_registered([buffers[i] for i in first.values()])
+        sent = list(first.values())
+        self._check_registered([buffers[i].ptr for i in sent], [buffers[i].nbytes for i in sent])
 
         def send(idx: list[int]) -> list[int]:
             return self._batch("batch_put_from", store.batch_put_from, idx, keys, buffers)
@@ -499,10 +505,15 @@ class MooncakeStorage(MooncakeTags):
         if n == 0:
             return []
         store = self._client()
-        self._check_registered(buffers)
-        chunks = byte_chunks(list(range(n)), [b.nbytes for b in buffers], PIPELINE_BYTES)
+        ptrs = [b.ptr for b in buffers]
+        sizes = [b.nbytes for b in buffers]
+        self._check_registered(ptrs, sizes)
+        chunks = byte_chunks(list(range(n)), sizes, PIPELINE_BYTES)
+        every = list(keys)
 
         def get(idx: list[int]) -> list[int]:
+            if len(idx) == n:  # the whole batch (chunks keep order): the lists as they are
+                return self._call("batch_get_into", store.batch_get_into, every, ptrs, sizes)
             return self._batch("batch_get_into", store.batch_get_into, idx, keys, buffers)
 
         sub, defer = self._submit, self.defer_checksum
