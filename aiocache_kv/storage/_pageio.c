@@ -425,10 +425,13 @@ static void file_name_of(char *dst, const char *name, const char *suffix, Py_ssi
 }
 
 /* What write_named and read_named both check and allocate first: the shard table into
- * ``fds``, the suffix, the keys' header room, and one block of text for every page's file
- * name (``name_room`` bytes each, then the headers).  NULL with an exception set. */
+ * ``fds``, the suffix, the keys' header room, one block of text for every page's file
+ * name (``name_room`` bytes each, then the headers), and ``*items``: ``n`` zeroed records
+ * of ``item_size`` bytes (free both with PyMem_Free).  NULL with an exception set (nothing
+ * allocated). */
 static char *named_text(PyObject *fdlist, const char *suffix, Py_ssize_t suffix_len,
-                        PyObject *keys, Py_ssize_t n, int *fds, size_t *name_room)
+                        PyObject *keys, Py_ssize_t n, int *fds, size_t *name_room,
+                        size_t item_size, void **items)
 {
     size_t head_room;
     if (shard_table(fdlist, fds) < 0 || check_suffix(suffix, suffix_len) < 0 ||
@@ -437,10 +440,31 @@ static char *named_text(PyObject *fdlist, const char *suffix, Py_ssize_t suffix_
     }
     *name_room = (size_t)(NAME_HEX + suffix_len + 1);
     char *text = PyMem_Malloc(*name_room * (size_t)(n > 0 ? n : 1) + head_room + 1);
-    if (text == NULL) {
+    *items = PyMem_Calloc(n > 0 ? (size_t)n : 1, item_size);
+    if (text == NULL || *items == NULL) {
+        PyMem_Free(text);
+        PyMem_Free(*items);
+        *items = NULL;
         PyErr_NoMemory();
+        return NULL;
     }
     return text;
+}
+
+/* Page ``i``'s file name (``names[i]`` checked: 40 lowercase hex digits) + suffix, written
+ * into its place in ``text`` and returned, with its shard's descriptor in ``*fd``; NULL
+ * with an exception set. */
+static char *page_file_name(PyObject *names, Py_ssize_t i, char *text, size_t name_room,
+                            const char *suffix, Py_ssize_t suffix_len, const int *fds, int *fd)
+{
+    const char *name = hex_name(PyList_GET_ITEM(names, i), "name", i);
+    if (name == NULL) {
+        return NULL;
+    }
+    char *fname = text + name_room * (size_t)i;
+    file_name_of(fname, name, suffix, suffix_len);
+    *fd = fds[hex_value(name[0]) * 16 + hex_value(name[1])];
+    return fname;
 }
 
 static PyObject *write_named(PyObject *self, PyObject *args)
@@ -463,14 +487,11 @@ static PyObject *write_named(PyObject *self, PyObject *args)
     /* per page: its file name (with suffix, NUL-terminated), then its header */
     int fds[256];
     size_t name_room;
-    char *text = named_text(fdlist, suffix, suffix_len, keys, n, fds, &name_room);
+    page_write *writes;
+    char *text = named_text(fdlist, suffix, suffix_len, keys, n, fds, &name_room,
+                            sizeof(page_write), (void **)&writes);
     if (text == NULL) {
         return NULL;
-    }
-    page_write *writes = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(page_write));
-    if (writes == NULL) {
-        PyMem_Free(text);
-        return PyErr_NoMemory();
     }
     Py_ssize_t ready = 0; /* pages whose slot is held */
     PyObject *out = NULL;
@@ -478,8 +499,9 @@ static PyObject *write_named(PyObject *self, PyObject *args)
     for (; ready < n; ready++) {
         Py_ssize_t i = ready;
         page_write *w = &writes[i];
-        const char *name = hex_name(PyList_GET_ITEM(names, i), "name", i);
-        if (name == NULL) {
+        int fd;
+        char *fname = page_file_name(names, i, text, name_room, suffix, suffix_len, fds, &fd);
+        if (fname == NULL) {
             goto done;
         }
         PyObject *parent = PyList_GET_ITEM(parents, i);
@@ -487,9 +509,6 @@ static PyObject *write_named(PyObject *self, PyObject *args)
         if (parent != Py_None && (pname = hex_name(parent, "parent", i)) == NULL) {
             goto done;
         }
-        int fd = fds[hex_value(name[0]) * 16 + hex_value(name[1])];
-        char *fname = text + name_room * (size_t)i;
-        file_name_of(fname, name, suffix, suffix_len);
         PyObject *key = PyList_GET_ITEM(keys, i);
         uint32_t klen = (uint32_t)PyBytes_GET_SIZE(key);
         unsigned char *h = (unsigned char *)heads;
@@ -587,14 +606,11 @@ static PyObject *read_named(PyObject *self, PyObject *args)
     }
     int fds[256];
     size_t name_room;
-    char *text = named_text(fdlist, suffix, suffix_len, keys, n, fds, &name_room);
+    page_read *reads;
+    char *text = named_text(fdlist, suffix, suffix_len, keys, n, fds, &name_room,
+                            sizeof(page_read), (void **)&reads);
     if (text == NULL) {
         return NULL;
-    }
-    page_read *reads = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(page_read));
-    if (reads == NULL) {
-        PyMem_Free(text);
-        return PyErr_NoMemory();
     }
     Py_ssize_t ready = 0; /* reads whose slot is held */
     PyObject *out = NULL;
@@ -602,21 +618,19 @@ static PyObject *read_named(PyObject *self, PyObject *args)
     for (; ready < n; ready++) {
         Py_ssize_t i = ready;
         page_read *r = &reads[i];
-        const char *name = hex_name(PyList_GET_ITEM(names, i), "name", i);
-        if (name == NULL) {
+        char *fname =
+            page_file_name(names, i, text, name_room, suffix, suffix_len, fds, &r->dir_fd);
+        if (fname == NULL) {
             goto done;
         }
         if (PyObject_GetBuffer(PyList_GET_ITEM(slots, i), &r->slot, PyBUF_WRITABLE) < 0) {
             goto done;
         }
-        char *fname = text + name_room * (size_t)i;
-        file_name_of(fname, name, suffix, suffix_len);
         Py_ssize_t klen = PyBytes_GET_SIZE(PyList_GET_ITEM(keys, i));
         r->header.buf = heads; /* our memory, seen through a Py_buffer for read_one */
         r->header.len = HEAD_FIXED + klen;
         r->header.obj = NULL;
         heads += HEAD_FIXED + klen;
-        r->dir_fd = fds[hex_value(name[0]) * 16 + hex_value(name[1])];
         r->name = fname;
         r->sum = 1;
     }
